@@ -1,0 +1,9 @@
+"""Pure scheduling logic: token-budget packing and the buffer of waiting items.
+
+Imports no Celery, Redis or torch, so it is table- and property-tested on its own.
+"""
+
+from embedq.batching.packer import Item, batch_cost, plan
+from embedq.batching.scheduler import Scheduler
+
+__all__ = ["Item", "Scheduler", "batch_cost", "plan"]

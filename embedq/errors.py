@@ -1,0 +1,125 @@
+"""One error tree for embedq.
+
+Each error has a stable ``code`` (what clients branch on), a ``retryable`` flag and the HTTP status
+the gateway maps it to. Errors travel through the Celery result backend as
+``{"exc_type", "exc_message", "exc_module"}``; they are rebuilt from their message alone, so every
+subclass takes exactly one positional argument. The message always starts with ``[code]`` so a
+JSON-only client can read the code without importing this module.
+"""
+
+from __future__ import annotations
+
+
+class EmbedqError(Exception):
+    """Base of every embedq error."""
+
+    code: str = "internal_error"
+    retryable: bool = False
+    http_status: int = 500
+
+    def __init__(self, message: str = "") -> None:
+        prefix = f"[{self.code}] "
+        if not message.startswith(prefix):
+            message = prefix + message
+        super().__init__(message)
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0])
+
+    def to_dict(self) -> dict[str, object]:
+        return {"code": self.code, "message": self.message, "retryable": self.retryable}
+
+
+# -- the job was wrong: never retried --------------------------------------------------------------
+class ValidationError(EmbedqError):
+    code = "invalid_request"
+    http_status = 422
+
+
+class EmptyInput(ValidationError):
+    code = "empty_input"
+
+
+class EmptyText(ValidationError):
+    code = "empty_text"
+
+
+class InvalidType(ValidationError):
+    code = "invalid_type"
+
+
+class InvalidOption(ValidationError):
+    code = "invalid_option"
+
+
+class UnknownPromptName(ValidationError):
+    code = "unknown_prompt_name"
+
+
+class InvalidDimensions(ValidationError):
+    code = "invalid_dimensions"
+
+
+class UnknownModel(ValidationError):
+    code = "unknown_model"
+
+
+class TooLong(ValidationError):
+    """A text has more tokens than the model takes and the job asked not to truncate."""
+
+    code = "too_many_tokens"
+
+
+class PayloadTooLarge(EmbedqError):
+    code = "payload_too_large"
+    http_status = 413
+
+
+class TooManyTexts(PayloadTooLarge):
+    code = "too_many_texts"
+
+
+class TextTooLong(PayloadTooLarge):
+    code = "text_too_long"
+
+
+# -- the system was wrong: may be retried ----------------------------------------------------------
+class BackendError(EmbedqError):
+    code = "backend_error"
+    retryable = True
+    http_status = 424
+
+
+class UnsupportedModel(EmbedqError):
+    """The model folder uses a module embedq does not implement (raised at load, never per job)."""
+
+    code = "unsupported_model"
+    http_status = 424
+
+
+class Overloaded(EmbedqError):
+    code = "overloaded"
+    retryable = True
+    http_status = 429
+
+
+class Unavailable(EmbedqError):
+    code = "unavailable"
+    retryable = True
+    http_status = 503
+
+
+class JobTimeout(Unavailable):
+    code = "timeout"
+
+
+#: HTTP status for each code, for the gateway and the docs.
+HTTP_STATUS: dict[str, int] = {
+    cls.code: cls.http_status
+    for cls in (
+        EmbedqError, ValidationError, EmptyInput, EmptyText, InvalidType, InvalidOption,
+        UnknownPromptName, InvalidDimensions, UnknownModel, TooLong, PayloadTooLarge, TooManyTexts,
+        TextTooLong, BackendError, UnsupportedModel, Overloaded, Unavailable, JobTimeout,
+    )
+}

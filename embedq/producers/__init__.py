@@ -1,0 +1,1 @@
+"""Producers: the Python client, the CLI and the bulk indexer. Never imports torch."""

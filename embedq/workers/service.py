@@ -1,0 +1,284 @@
+"""The coalescing embedding service: a plain object, testable without Celery.
+
+``submit`` validates and tokenizes a job on the caller's thread (the Celery consumer), and puts
+its texts into the :class:`~embedq.batching.Scheduler`. One inference thread takes micro-batches
+from the scheduler, runs the backend and, when every text of a job is done, hands the job's
+result (or typed error) to ``on_done``. Tokenizing newly arrived jobs thus overlaps the forward
+pass, and the consumer thread stays free to send heartbeats during long batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from embedq import __version__, errors
+from embedq.backends.base import Backend, postprocess
+from embedq.batching import Scheduler
+from embedq.protocol import EmbedOptions, Fingerprint, encode_result, validate_texts
+from embedq.settings import Settings
+
+log = logging.getLogger(__name__)
+
+#: on_done(job, outcome): outcome is the result payload (dict) or an EmbedqError.
+DoneCallback = Callable[["Job", "dict[str, Any] | errors.EmbedqError"], None]
+
+
+@dataclass(eq=False)
+class Job:
+    """One embedding request as the worker tracks it."""
+
+    id: str
+    texts: Any
+    options: Any = None  # raw kwargs or EmbedOptions
+    context: Any = None  # whatever the transport needs to finish the job (a Celery request)
+    received: float = field(default_factory=time.monotonic)
+    ids: list[list[int]] = field(default_factory=list)
+    prompt: str | None = None
+    prompt_length: int = 0
+    raw: np.ndarray | None = None
+    remaining: int = 0
+    done: bool = False
+
+
+@dataclass
+class Stats:
+    """The worker's own counters (read by tests, the CLI and later by metrics)."""
+
+    jobs_received: int = 0
+    jobs_succeeded: int = 0
+    jobs_failed: int = 0
+    batches: int = 0
+    items: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    max_batch_cost: int = 0
+    max_batch_items: int = 0
+    inference_seconds: float = 0.0
+    errors_by_code: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["errors_by_code"] = dict(self.errors_by_code)
+        out["padding_ratio"] = (1 - self.real_tokens / self.padded_tokens) if self.padded_tokens else 0.0
+        return out
+
+
+class EmbeddingService:
+    def __init__(self, backend: Backend, settings: Settings, on_done: DoneCallback) -> None:
+        self.backend = backend
+        self.settings = settings
+        self.on_done = on_done
+        self.info = backend.info
+        self.stats = Stats()
+        self.scheduler = Scheduler(
+            max_tokens=settings.max_batch_tokens,
+            max_items=settings.max_batch_requests,
+            window=settings.schedule_window,
+            padded=backend.is_padded,
+        )
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._busy = False
+        self._aliases = _model_aliases(settings.model, self.info.model_id)
+        self._thread = threading.Thread(target=self._loop, name="embedq-inference", daemon=True)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> EmbeddingService:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Finish the micro-batch in progress and stop; buffered jobs stay unfinished."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self.scheduler) + (1 if self._busy else 0)
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Block until nothing is buffered or running (drain mode for tests and shutdown)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while len(self.scheduler) or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    # -- intake (consumer thread) ------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        """Validate and tokenize ``job``; a bad job is finished with its typed error at once."""
+        self.stats.jobs_received += 1
+        try:
+            self._prepare(job)
+        except errors.EmbedqError as exc:
+            self.fail(job, exc)
+            return
+        except Exception as exc:  # a tokenizer crash must not take the consumer down
+            log.exception("preparing job %s failed", job.id)
+            self.fail(job, errors.BackendError(f"could not tokenize: {type(exc).__name__}"))
+            return
+        with self._cond:
+            self.scheduler.add_many(((job, i), len(ids)) for i, ids in enumerate(job.ids))
+            self._cond.notify()
+
+    def _prepare(self, job: Job) -> None:
+        opts = job.options if isinstance(job.options, EmbedOptions) else EmbedOptions.parse(job.options)
+        job.options = opts
+        texts = validate_texts(
+            job.texts, max_texts=self.settings.max_texts_per_job, max_chars=self.settings.max_chars
+        )
+        job.texts = texts
+        if opts.model is not None and opts.model.strip().lower() not in self._aliases:
+            raise errors.UnknownModel(
+                f"model {opts.model!r} is not served on this queue (this worker serves {self.info.model_id!r})"
+            )
+        if opts.dimensions is not None and opts.dimensions > self.info.dimension:
+            raise errors.InvalidDimensions(
+                f"dimensions={opts.dimensions} but the model's vectors have {self.info.dimension}"
+            )
+        job.prompt = self._resolve_prompt(opts)
+        tok = self.backend.tokenize(
+            texts, prompt=job.prompt, truncate=opts.truncate, truncation_side=opts.truncation_side
+        )
+        job.ids, job.prompt_length = tok.ids, tok.prompt_length
+        job.raw = np.empty((len(texts), self.info.dimension), dtype=np.float32)
+        job.remaining = len(texts)
+
+    def _resolve_prompt(self, opts: EmbedOptions) -> str | None:
+        if opts.prompt is not None:
+            return opts.prompt
+        name = opts.prompt_name or self.info.default_prompt_name
+        if name is None:
+            return None
+        if name not in self.info.prompts:
+            known = ", ".join(sorted(self.info.prompts)) or "none"
+            raise errors.UnknownPromptName(f"prompt_name {name!r} is not defined by the model (known: {known})")
+        return self.info.prompts[name] or None
+
+    # -- inference thread --------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not len(self.scheduler) and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                batch = self.scheduler.next_batch()
+                self._busy = True
+            try:
+                self._run([item.key for item in batch])
+            except Exception:  # never let the inference thread die
+                log.exception("micro-batch bookkeeping failed")
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _run(self, keys: list[tuple[Job, int]]) -> None:
+        keys = [(job, i) for job, i in keys if not job.done]
+        if not keys:
+            return
+        seqs = [job.ids[i] for job, i in keys]
+        lengths = [len(s) for s in seqs]
+        cost = max(lengths) * len(lengths) if self.backend.is_padded else sum(lengths)
+        t0 = time.perf_counter()
+        try:
+            vectors = self.backend.embed(seqs, [job.prompt_length for job, _ in keys])
+            bad = ~np.isfinite(vectors).all(axis=1)
+        except Exception as exc:
+            vectors, bad = None, None
+            failure: Exception = exc
+        elapsed = time.perf_counter() - t0
+        st = self.stats
+        st.batches += 1
+        st.items += len(keys)
+        st.real_tokens += sum(lengths)
+        st.padded_tokens += cost
+        st.max_batch_cost = max(st.max_batch_cost, cost)
+        st.max_batch_items = max(st.max_batch_items, len(keys))
+        st.inference_seconds += elapsed
+        log.debug("micro-batch: %d items, %d real / %d padded tokens, %.1f ms",
+                  len(keys), sum(lengths), cost, elapsed * 1e3)
+        if vectors is None:
+            self._isolate(keys, failure)
+            return
+        if bad.any():
+            good = [k for k, b in zip(keys, bad) if not b]
+            self._store_rows(good, vectors[~bad])
+            for job, i in (k for k, b in zip(keys, bad) if b):
+                self.fail(job, errors.BackendError(f"inputs[{i}] produced a non-finite vector"))
+            return
+        self._store_rows(keys, vectors)
+
+    def _isolate(self, keys: list[tuple[Job, int]], exc: Exception) -> None:
+        """A failing micro-batch: split it and retry the halves so only the culprit fails."""
+        if len(keys) == 1:
+            job, i = keys[0]
+            log.warning("inputs[%d] of job %s failed in the model: %s", i, job.id, type(exc).__name__)
+            self.fail(job, errors.BackendError(f"inputs[{i}] failed in the model: {type(exc).__name__}"))
+            return
+        mid = len(keys) // 2
+        self._run(keys[:mid])
+        self._run(keys[mid:])
+
+    def _store_rows(self, keys: list[tuple[Job, int]], vectors: np.ndarray) -> None:
+        for (job, i), vec in zip(keys, vectors):
+            if job.done:
+                continue
+            job.raw[i] = vec
+            job.remaining -= 1
+            if job.remaining == 0:
+                self._finish(job)
+
+    # -- completion --------------------------------------------------------------------------
+    def _finish(self, job: Job) -> None:
+        opts: EmbedOptions = job.options
+        normalize = self.info.normalizes if opts.normalize is None else opts.normalize
+        dims = opts.dimensions or self.info.dimension
+        vectors = postprocess(job.raw, normalize=normalize, dimensions=opts.dimensions)
+        fingerprint = Fingerprint(
+            model=self.info.model_id, weights_sha256=self.info.weights_sha256, pooling=self.info.pooling,
+            normalize=normalize, dimensions=dims, dtype=self.info.dtype, prompt=job.prompt,
+            embedq_version=__version__,
+        )
+        payload = encode_result(vectors, opts, fingerprint, tokens=sum(len(s) for s in job.ids))
+        job.done, job.raw = True, None
+        self.stats.jobs_succeeded += 1
+        self._deliver(job, payload)
+
+    def fail(self, job: Job, exc: errors.EmbedqError) -> None:
+        if job.done:
+            return
+        job.done, job.raw = True, None
+        with self._cond:
+            self.scheduler.discard((job, i) for i in range(len(job.ids)))
+        self.stats.jobs_failed += 1
+        self.stats.errors_by_code[exc.code] = self.stats.errors_by_code.get(exc.code, 0) + 1
+        self._deliver(job, exc)
+
+    def _deliver(self, job: Job, outcome: dict[str, Any] | errors.EmbedqError) -> None:
+        try:
+            self.on_done(job, outcome)
+        except Exception:
+            log.exception("storing the outcome of job %s failed", job.id)
+
+
+def _model_aliases(*names: str) -> set[str]:
+    out: set[str] = set()
+    for name in names:
+        name = name.strip().lower().rstrip("/")
+        out.update({name, name.split("/")[-1]})
+    return out
