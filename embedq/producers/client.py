@@ -66,6 +66,12 @@ class JobHandle:
         self._result.forget()
 
 
+def worker_stats(app: Celery, timeout: float = 1.0) -> dict[str, dict[str, Any]]:
+    """Counters of every live embedq worker (Celery remote control ``embedq_stats``), by node name."""
+    replies = app.control.broadcast("embedq_stats", reply=True, timeout=timeout) or []
+    return {node: stats for reply in replies for node, stats in reply.items()}
+
+
 class Client:
     """Send embedding jobs to embedq workers and collect their results."""
 
@@ -93,6 +99,10 @@ class Client:
               **options: Any) -> np.ndarray:
         """Embed texts and wait: a ``(len(texts), dim)`` float32 array in input order."""
         return self.submit(texts, **options).result(timeout)
+
+    def workers(self, timeout: float = 1.0) -> dict[str, dict[str, Any]]:
+        """Live workers and their counters, by Celery node name."""
+        return worker_stats(self.app, timeout)
 
     def close(self) -> None:
         self.app.close()

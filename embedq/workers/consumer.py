@@ -18,6 +18,7 @@ from typing import Any
 from celery import Celery, Task, signals
 from celery.worker import state as worker_state
 from celery.worker.control import inspect_command
+from kombu.utils.imports import symbol_by_name
 
 from embedq import errors
 from embedq.protocol import TASK_NAME
@@ -97,7 +98,7 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
     hostname = consumer.hostname
     eventer = consumer.event_dispatcher
     connection_errors = consumer.connection_errors
-    Req = create_request_cls(task.Request, task, consumer.pool, hostname, eventer, app=app)
+    Req = create_request_cls(symbol_by_name(task.Request), task, consumer.pool, hostname, eventer, app=app)
     if RUNTIME.timer_entry is not None:
         RUNTIME.timer_entry.cancel()
     RUNTIME.timer_entry = consumer.timer.call_repeatedly(ACK_INTERVAL, _drain_finished)

