@@ -171,7 +171,7 @@ def main() -> None:
     print(f"# embedq throughput  {time.strftime('%Y-%m-%d')}  {platform.node()}  {platform.processor() or ''}"
           f"  cpus={os.cpu_count()}  device={args.device}  dtype={args.dtype}")
     print(f"# {len(texts)} corpus texts, {real} real tokens; embedq: {eq['batches']} micro-batches, "
-          f"max_batch_tokens={settings.max_batch_tokens}; min cosine vs ST {cos.min():.7f}")
+          f"max_batch_tokens={settings.batch_tokens}; min cosine vs ST {cos.min():.7f}")
     print(f"{'run':<44} {'texts':>6} {'seconds':>8} {'texts/s':>9} {'tokens/s':>9} {'padding':>8}")
     for name, n, secs, toks, pad in rows:
         print(f"{name:<44} {n:>6} {secs:>8.2f} {n / secs:>9.1f} {toks / secs:>9.0f} {pad:>8.1%}")

@@ -82,7 +82,7 @@ class WorkerHandle:
 def worker(redis_server, tmp_path_factory):
     """One real `embedq worker` process with its own queue, per test module."""
     queue = f"embedq.test.{tmp_path_factory.mktemp('q').name}"
-    settings = Settings(broker_url=redis_server.url, queue=queue, max_batch_tokens=4096)
+    settings = Settings(broker_url=redis_server.url, queue=queue)
     handle = WorkerHandle(settings, tmp_path_factory.mktemp("logs") / "worker.log")
     yield handle
     handle.stop()

@@ -78,7 +78,7 @@ class EmbeddingService:
         self.info = backend.info
         self.stats = Stats()
         self.scheduler = Scheduler(
-            max_tokens=settings.max_batch_tokens,
+            max_tokens=settings.batch_tokens,
             max_items=settings.max_batch_requests,
             window=settings.schedule_window,
             padded=backend.is_padded,

