@@ -59,7 +59,7 @@ def run_st(texts: list[str], device: str, dtype: str, model_path: str) -> tuple[
         model.half()
     elif dtype == "bfloat16":
         model.bfloat16()
-    lengths = [int(n) for n in model.tokenize(texts)["attention_mask"].sum(1).tolist()]
+    lengths = [int(n) for n in model.preprocess(texts)["attention_mask"].sum(1).tolist()]
     model.encode(texts[:64], batch_size=32)  # warm-up
     if device.startswith("cuda"):
         torch.cuda.synchronize()

@@ -153,3 +153,25 @@ def test_client_validates_at_the_edge(worker):
         worker.client.submit(["ok", " "])
     with pytest.raises(errors.InvalidOption):
         worker.client.submit(["ok"], dimensions="many")
+
+
+def test_messages_are_acked_only_after_results_are_stored(worker, redis_server, corpus):
+    """Late ack: while a job is unfinished its message sits in kombu's unacked hash; after, none do."""
+    import redis
+
+    r = redis.Redis.from_url(redis_server.url)
+    long_texts = [t for t in corpus if len(t) > 1200][:300]
+    big = worker.client.submit(long_texts)
+    deadline = time.monotonic() + 30
+    while r.hlen("unacked") == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert r.hlen("unacked") >= 1  # held (unacknowledged) while it is being embedded
+    assert not big.ready()
+    # the consumer thread stays responsive during long batches: remote control answers
+    replies = worker.client.app.control.ping(timeout=2.0)
+    assert replies and not big.ready()
+    big.result(timeout=300)
+    deadline = time.monotonic() + 5
+    while r.hlen("unacked") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert r.hlen("unacked") == 0
