@@ -8,7 +8,9 @@ Runs, in this one process tree and on the same texts:
   1. sentence-transformers ``encode(batch_size=32)`` in-process (the reference),
   2. embedq: a private redis-server, one ``embedq worker`` process, jobs of ``--job-size`` texts
      all enqueued, results collected (enqueue -> worker -> results),
-  3. naive Celery: one task per text on a plain solo worker (``--naive-n`` texts).
+  3. on CPU, embedq again with PyTorch's own Linear kernels (``EMBEDQ_LINEAR_KERNEL=torch``), so the
+     table separates what token-budget packing gives from what the oneDNN kernels give,
+  4. naive Celery: one task per text on a plain solo worker (``--naive-n`` texts).
 The last line is the headline ratio embedq / sentence-transformers (texts/s).
 """
 
@@ -87,6 +89,7 @@ def run_embedq(texts: list[str], settings: Settings, job_size: int, log: Path) -
         client.close()
     delta = {k: after[k] - before[k] for k in ("batches", "items", "real_tokens", "padded_tokens",
                                                 "inference_seconds")}
+    delta["linear_kernel"] = after.get("linear_kernel", "torch")
     return elapsed, vecs, delta
 
 
@@ -138,6 +141,7 @@ def main() -> None:
     p.add_argument("--job-size", type=int, default=32, help="texts per embedq job")
     p.add_argument("--max-batch-tokens", type=int, default=None)
     p.add_argument("--naive-n", type=int, default=1000, help="texts for the naive baseline (0: skip)")
+    p.add_argument("--no-kernel-compare", action="store_true", help="skip the PyTorch-kernel embedq run (CPU)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
 
@@ -156,22 +160,31 @@ def main() -> None:
             overrides["max_batch_tokens"] = args.max_batch_tokens
         settings = Settings().model_copy(update=overrides)
         eq_s, eq_vecs, eq = run_embedq(texts, settings, args.job_size, logdir / "worker.log")
+        torch_kernel = None
+        if not args.device.startswith("cuda") and not args.no_kernel_compare:
+            torch_kernel = run_embedq(texts, settings.model_copy(update={"linear_kernel": "torch"}),
+                                      args.job_size, logdir / "worker-torch.log")
         naive_n = min(args.naive_n, len(texts))
         naive_s = run_naive(texts[:naive_n], redis_server.url, args.device, model_path,
                             logdir / "naive.log") if naive_n else None
 
     cos = (eq_vecs * st_vecs).sum(1) / np.linalg.norm(eq_vecs, axis=1) / np.linalg.norm(st_vecs, axis=1)
+    delta = float(np.abs(eq_vecs - st_vecs).max())
     rows = [
         ("sentence-transformers encode(bs=32)", len(texts), st_s, real, 1 - real / st_padded),
-        (f"embedq ({args.job_size}-text jobs, 1 worker)", len(texts), eq_s, eq["real_tokens"],
-         1 - eq["real_tokens"] / eq["padded_tokens"]),
+        (f"embedq ({args.job_size}-text jobs, 1 worker, {eq['linear_kernel']})", len(texts), eq_s,
+         eq["real_tokens"], 1 - eq["real_tokens"] / eq["padded_tokens"]),
     ]
+    if torch_kernel is not None:
+        tk_s, _, tk = torch_kernel
+        rows.append(("embedq, PyTorch's own Linear kernels", len(texts), tk_s, tk["real_tokens"],
+                     1 - tk["real_tokens"] / tk["padded_tokens"]))
     if naive_s is not None:
         rows.append(("naive Celery, 1 task per text", naive_n, naive_s, sum(lengths[:naive_n]), 0.0))
     print(f"# embedq throughput  {time.strftime('%Y-%m-%d')}  {platform.node()}  {platform.processor() or ''}"
           f"  cpus={os.cpu_count()}  device={args.device}  dtype={args.dtype}")
     print(f"# {len(texts)} corpus texts, {real} real tokens; embedq: {eq['batches']} micro-batches, "
-          f"max_batch_tokens={settings.batch_tokens}; min cosine vs ST {cos.min():.7f}")
+          f"max_batch_tokens={settings.batch_tokens}; vs ST: min cosine {cos.min():.7f}, max |delta| {delta:.1e}")
     print(f"{'run':<44} {'texts':>6} {'seconds':>8} {'texts/s':>9} {'tokens/s':>9} {'padding':>8}")
     for name, n, secs, toks, pad in rows:
         print(f"{name:<44} {n:>6} {secs:>8.2f} {n / secs:>9.1f} {toks / secs:>9.0f} {pad:>8.1%}")
@@ -180,7 +193,9 @@ def main() -> None:
         print(f"embedq / naive Celery (texts/s): {(len(texts) / eq_s) / (naive_n / naive_s):.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"st_s": st_s, "embedq_s": eq_s, "naive_s": naive_s, "n": len(texts),
-                                         "naive_n": naive_n, "ratio": ratio_st, "embedq": eq}, indent=2))
+                                         "naive_n": naive_n, "ratio": ratio_st, "embedq": eq,
+                                         "torch_kernel_s": torch_kernel[0] if torch_kernel else None},
+                                        indent=2))
     print(f"embedq / sentence-transformers (texts/s): {ratio_st:.2f}x")
 
 

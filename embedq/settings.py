@@ -55,6 +55,11 @@ class Settings(BaseSettings):
     )
     serializer: Literal["json", "msgpack"] = "json"
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (CPU).")
+    linear_kernel: Literal["auto", "onednn", "torch"] = Field(
+        default="auto",
+        description="What runs the model's Linear layers on CPU: auto (oneDNN with prepacked weights when "
+        "it reproduces PyTorch's, else PyTorch), onednn (insist), torch (PyTorch's own, MKL).",
+    )
 
     @field_validator("broker_url", "result_backend")
     @classmethod

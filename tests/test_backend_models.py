@@ -343,7 +343,12 @@ def test_weights_hash(bert_dir, decoder_dir, tmp_path):
 
 def test_empty_batch_and_dtype(bert_dir, tmp_path):
     folder = _save_st(bert_dir, tmp_path / "m", "mean")
-    backend = load_backend(str(folder), dtype="bfloat16", torch_threads=1)
+    threads = torch.get_num_threads()
+    try:
+        backend = load_backend(str(folder), dtype="bfloat16", torch_threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)  # process-wide: do not slow down the tests after this one
     assert backend.embed([]).shape == (0, HIDDEN)
     out = backend.embed(backend.tokenize(TEXTS).ids)
     assert out.dtype == np.float32 and out.shape == (len(TEXTS), HIDDEN)

@@ -38,9 +38,16 @@ def texts() -> list[str]:
     return out
 
 
-@pytest.fixture(scope="module")
-def backend():
-    return load_backend("sentence-transformers/all-MiniLM-L6-v2", device="cpu", dtype="float32")
+@pytest.fixture(scope="module", params=["auto", "torch"], ids=["fast-kernel", "torch-kernel"])
+def backend(request):
+    """What a worker runs (``auto``: oneDNN Linear layers where available) and PyTorch's own kernels."""
+    from embedq.backends.kernels import onednn_available
+
+    loaded = load_backend("sentence-transformers/all-MiniLM-L6-v2", device="cpu", dtype="float32",
+                          linear_kernel=request.param)
+    if request.param == "auto":
+        assert loaded.info.linear_kernel == ("onednn" if onednn_available() else "torch")
+    return loaded
 
 
 @pytest.fixture(scope="module")

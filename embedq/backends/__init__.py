@@ -48,13 +48,19 @@ def resolve_model_path(model: str) -> Path:
 
 
 def load_backend(
-    model: str, *, device: str = "cpu", dtype: str = "float32", torch_threads: int | None = None
+    model: str,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    torch_threads: int | None = None,
+    linear_kernel: str = "auto",
 ) -> Backend:
     """Load ``model`` (an id or a local folder) as a :class:`~embedq.backends.dense.DenseBackend`."""
     path = resolve_model_path(model)
     from embedq.backends.dense import DenseBackend
 
-    return DenseBackend(path, model_id=model, device=device, dtype=dtype, torch_threads=torch_threads)
+    return DenseBackend(path, model_id=model, device=device, dtype=dtype, torch_threads=torch_threads,
+                        linear_kernel=linear_kernel)
 
 
 def __getattr__(name: str):

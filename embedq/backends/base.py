@@ -31,6 +31,7 @@ class ModelInfo:
     device: str
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
+    linear_kernel: str = "torch"  # what runs the Linear layers: "torch" or "onednn" (CPU)
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ class Backend(ABC):
         """
 
     def health(self) -> dict[str, Any]:
-        return {"model": self.info.model_id, "device": self.info.device, "dtype": self.info.dtype}
+        return {"model": self.info.model_id, "device": self.info.device, "dtype": self.info.dtype,
+                "linear_kernel": self.info.linear_kernel}
 
 
 def postprocess(vectors: np.ndarray, *, normalize: bool, dimensions: int | None) -> np.ndarray:

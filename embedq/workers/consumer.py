@@ -53,10 +53,11 @@ def _service() -> EmbeddingService:
         settings = RUNTIME.settings or Settings()
         t0 = time.perf_counter()
         backend = load_backend(
-            settings.model, device=settings.device, dtype=settings.dtype, torch_threads=settings.torch_threads
+            settings.model, device=settings.device, dtype=settings.dtype, torch_threads=settings.torch_threads,
+            linear_kernel=settings.linear_kernel,
         )
-        log.info("loaded %s on %s (%s) in %.1fs", backend.info.model_id, backend.info.device,
-                 backend.info.dtype, time.perf_counter() - t0)
+        log.info("loaded %s on %s (%s, %s linear kernel) in %.1fs", backend.info.model_id, backend.info.device,
+                 backend.info.dtype, backend.info.linear_kernel, time.perf_counter() - t0)
         RUNTIME.service = EmbeddingService(backend, settings, on_done=_store_outcome).start()
     return RUNTIME.service
 
@@ -179,7 +180,8 @@ def embedq_stats(state: Any) -> dict[str, Any]:
     if service is None:
         return {"ready": False}
     return {"ready": True, "model": service.info.model_id, "device": service.info.device,
-            "dtype": service.info.dtype, "buffered": len(service.scheduler), **service.stats.as_dict()}
+            "dtype": service.info.dtype, "linear_kernel": service.info.linear_kernel,
+            "buffered": len(service.scheduler), **service.stats.as_dict()}
 
 
 @signals.worker_shutting_down.connect

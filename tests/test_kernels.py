@@ -1,0 +1,67 @@
+"""The oneDNN Linear kernel (backends/kernels.py): same vectors as PyTorch's own, or not used at all."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from embedq import errors  # noqa: E402
+from embedq.backends import load_backend  # noqa: E402
+from embedq.backends.kernels import OneDNNLinear, onednn_available, pack_linears  # noqa: E402
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN linear ops")
+
+
+class _ScaledLinear(torch.nn.Linear):
+    """A Linear subclass doing more than x @ W.T + b: must never be swapped."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def _toy() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8, bias=False), _ScaledLinear(8, 8)
+    ).eval()
+
+
+@needs_onednn
+def test_pack_linears_swaps_plain_linears_and_keeps_the_maths():
+    model = _toy()
+    x = torch.randn(3, 5, 16)
+    with torch.inference_mode():
+        want = model(x)
+    assert pack_linears(model) == "onednn"
+    kinds = [type(m) for m in model]
+    assert kinds[0] is OneDNNLinear and kinds[2] is OneDNNLinear  # with and without bias
+    assert kinds[3] is _ScaledLinear  # subclasses are left alone
+    with torch.inference_mode():
+        got = model(x)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_torch_kernel_and_unsupported_dtype():
+    model = _toy()
+    assert pack_linears(model, "torch") == "torch"
+    assert all(type(m) is not OneDNNLinear for m in model)
+    half = _toy().half()
+    assert pack_linears(half) == "torch"  # auto: fp16 on CPU stays with PyTorch
+    with pytest.raises(errors.InvalidOption):
+        pack_linears(half, "onednn")  # insisting where it cannot work is a clear error
+
+
+@needs_onednn
+def test_minilm_kernels_agree():
+    """The real model: oneDNN and PyTorch kernels give the same vectors (same embedding space)."""
+    fast = load_backend("all-MiniLM-L6-v2")
+    slow = load_backend("all-MiniLM-L6-v2", linear_kernel="torch")
+    assert fast.info.linear_kernel == "onednn" and slow.info.linear_kernel == "torch"
+    assert fast.info.weights_sha256 == slow.info.weights_sha256
+    texts = ["short", "a somewhat longer sentence about embeddings and queues", "x " * 300]
+    ids = fast.tokenize(texts).ids
+    assert np.abs(fast.embed(ids) - slow.embed(ids)).max() <= 1e-5
