@@ -142,3 +142,21 @@ def test_batch_invariance(backend, token_ids):
                     worst = max(worst, float(np.abs(out[row] - alone[j]).max()))
     assert min(seen.values()) >= 3
     assert worst <= 1e-6, f"max |delta| between a text alone and inside a batch: {worst}"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_stays_close(dtype, texts, st_vectors):
+    """DESIGN.md's bar for fp16/bf16 on the same texts: cosine >= 0.999 against the fp32 oracle."""
+    sample = texts[:120]
+    half = load_backend("sentence-transformers/all-MiniLM-L6-v2", device="cpu", dtype=dtype)
+    info = half.info
+    assert info.dtype == dtype
+    ids = half.tokenize(sample).ids
+    lengths = [len(row) for row in ids]
+    raw = np.zeros((len(sample), info.dimension), dtype=np.float32)
+    for batch in _budget_batches(lengths, sorted(range(len(sample)), key=lengths.__getitem__), MAX_BATCH_TOKENS):
+        raw[batch] = half.embed([ids[i] for i in batch])
+    got = postprocess(raw, normalize=info.normalizes, dimensions=None)
+    want = st_vectors[: len(sample)]
+    cos = (got * want).sum(axis=1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+    assert cos.min() >= 0.999, f"{dtype}: min cosine {cos.min()}"

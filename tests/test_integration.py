@@ -67,6 +67,10 @@ def test_small_jobs_coalesce_into_few_forward_passes(worker, corpus):
     assert passes <= len(short) // 4, f"{len(short)} one-text jobs took {passes} forward passes"
     assert after["max_batch_cost"] <= worker.settings.batch_tokens
     assert after["max_batch_items"] > 1
+    from embedq.backends.kernels import onednn_available
+
+    # the worker runs (and reports) the fast CPU kernel wherever this PyTorch has it
+    assert after["linear_kernel"] == ("onednn" if onednn_available() else "torch")
 
 
 def _raw(worker, args, kwargs=None):
