@@ -45,6 +45,18 @@ def test_pack_linears_swaps_plain_linears_and_keeps_the_maths():
     assert (got - want).abs().max().item() <= 1e-5
 
 
+@needs_onednn
+def test_bfloat16_is_packed_too():
+    model = _toy().bfloat16()
+    x = torch.randn(4, 16).bfloat16()
+    with torch.inference_mode():
+        want = model(x).float()
+    assert pack_linears(model) == "onednn"
+    with torch.inference_mode():
+        got = model(x).float()
+    assert (got - want).abs().max().item() <= 2e-2 * max(1.0, want.abs().max().item())
+
+
 def test_torch_kernel_and_unsupported_dtype():
     model = _toy()
     assert pack_linears(model, "torch") == "torch"
