@@ -179,3 +179,24 @@ def test_messages_are_acked_only_after_results_are_stored(worker, redis_server, 
     while r.hlen("unacked") and time.monotonic() < deadline:
         time.sleep(0.02)
     assert r.hlen("unacked") == 0
+
+
+def test_handle_keeps_its_outcome_after_the_stored_copy_is_deleted(worker, redis_server):
+    """Reading a result twice (or asking its status) must not wait for a result Redis no longer has."""
+    import redis
+
+    r = redis.Redis.from_url(redis_server.url)
+    good = worker.client.submit(["read me twice"])
+    first = good.result(timeout=60)
+    assert not r.exists(f"celery-task-meta-{good.id}")  # collected and deleted ...
+    t0 = time.monotonic()
+    np.testing.assert_array_equal(good.result(timeout=60), first)  # ... yet still answers, at once
+    assert good.status() == "SUCCESS" and good.ready()
+    bad = worker.client.submit(["fine"], prompt_name="no-such-prompt")
+    with pytest.raises(errors.UnknownPromptName):
+        bad.result(timeout=60)
+    assert not r.exists(f"celery-task-meta-{bad.id}")
+    with pytest.raises(errors.UnknownPromptName):
+        bad.result(timeout=60)
+    assert bad.status() == "FAILURE" and bad.ready()
+    assert time.monotonic() - t0 < 30

@@ -23,10 +23,16 @@ from embedq.workers.app import DEFAULT_RESULT_TIMEOUT, make_app
 
 
 class JobHandle:
-    """A submitted job: its id, its state, and its result once the worker stored it."""
+    """A submitted job: its id, its state, and its result once the worker stored it.
+
+    Once collected, the outcome (vectors or typed error) stays on the handle, so reading it again, or
+    asking its status after the stored copy was deleted from Redis, answers at once.
+    """
 
     def __init__(self, result: AsyncResult) -> None:
         self._result = result
+        self._payload: dict[str, Any] | None = None
+        self._error: errors.EmbedqError | None = None
         self.fingerprint: Fingerprint | None = None
         self.usage: dict[str, int] | None = None
 
@@ -36,17 +42,28 @@ class JobHandle:
 
     def status(self) -> str:
         """Celery's state: PENDING (queued or buffered), SUCCESS or FAILURE."""
+        if self._payload is not None:
+            return "SUCCESS"
+        if self._error is not None:
+            return "FAILURE"
         return self._result.state
 
     def ready(self) -> bool:
-        return self._result.ready()
+        return self._payload is not None or self._error is not None or self._result.ready()
 
     def payload(self, timeout: float | None = DEFAULT_RESULT_TIMEOUT) -> dict[str, Any]:
         """The raw result dict, or the job's typed :class:`~embedq.errors.EmbedqError`."""
-        try:
-            return self._result.get(timeout=timeout, propagate=True, disable_sync_subtasks=False)
-        except CeleryTimeout:
-            raise errors.JobTimeout(f"job {self.id} has no result after {timeout}s") from None
+        if self._error is not None:
+            raise self._error
+        if self._payload is None:
+            try:
+                self._payload = self._result.get(timeout=timeout, propagate=True, disable_sync_subtasks=False)
+            except CeleryTimeout:
+                raise errors.JobTimeout(f"job {self.id} has no result after {timeout}s") from None
+            except errors.EmbedqError as exc:
+                self._error = exc
+                raise
+        return self._payload
 
     def result(self, timeout: float | None = DEFAULT_RESULT_TIMEOUT, *, forget: bool = True) -> np.ndarray:
         """Block for the vectors (float32, one row per input, input order).
@@ -56,7 +73,7 @@ class JobHandle:
         try:
             payload = self.payload(timeout)
         finally:
-            if forget and self._result.ready():
+            if forget and (self._payload is not None or self._error is not None):
                 self._result.forget()
         vectors, self.fingerprint = decode_result(payload)
         self.usage = payload.get("usage")
