@@ -30,7 +30,7 @@ CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
 
 def run(backend, ids: list[list[int]], budget: int, sync) -> tuple[float, int, int]:
     """(seconds, padded tokens, micro-batches) for all texts under ``budget``."""
-    sched = Scheduler(max_tokens=budget, max_items=256, window=4096, padded=backend.is_padded)
+    sched = Scheduler(max_tokens=budget, max_items=256, padded=backend.is_padded)
     for i, row in enumerate(ids):
         sched.add(i, len(row))
     padded = passes = 0

@@ -42,7 +42,7 @@ CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
 
 def embed_packed(backend, ids: list[list[int]], *, max_tokens: int, order: list[int]) -> tuple[np.ndarray, int]:
     """Embed every text through the scheduler, arriving in ``order``; returns (raw vectors, passes)."""
-    sched = Scheduler(max_tokens=max_tokens, max_items=256, window=4096, padded=backend.is_padded)
+    sched = Scheduler(max_tokens=max_tokens, max_items=256, padded=backend.is_padded)
     for i in order:
         sched.add(i, len(ids[i]))
     raw = np.zeros((len(ids), backend.info.dimension), dtype=np.float32)

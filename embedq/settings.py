@@ -50,9 +50,6 @@ class Settings(BaseSettings):
     visibility_timeout: int = Field(
         default=3600, ge=60, description="Seconds before Redis redelivers an unacknowledged message."
     )
-    schedule_window: int = Field(
-        default=4096, ge=1, description="Buffered texts the scheduler sorts by length at once."
-    )
     serializer: Literal["json", "msgpack"] = "json"
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (CPU).")
     linear_kernel: Literal["auto", "onednn", "torch"] = Field(

@@ -29,7 +29,7 @@ def test_batch_cost_table(lengths, padded, cost):
         ([10, 10, 10, 10], 40, 8, [[10, 10, 10, 10]]),
         ([10, 10, 10, 10], 39, 8, [[10, 10, 10], [10]]),
         ([10, 10, 10, 10], 100, 2, [[10, 10], [10, 10]]),
-        ([50, 5, 5, 50], 100, 8, [[5, 5], [50, 50]]),  # length-aware: short with short
+        ([50, 5, 5, 50], 100, 8, [[50, 50], [5, 5]]),  # length-aware: short with short, oldest first
         ([500], 100, 8, [[500]]),  # over budget: alone, not clamped
         ([1, 500, 2], 100, 8, [[1, 2], [500]]),
     ],
@@ -57,9 +57,9 @@ def test_plan_properties(lengths, max_tokens, max_items, padded):
 
 @settings(max_examples=200, deadline=None)
 @given(lengths=st.lists(st.integers(1, 400), min_size=1, max_size=200), max_tokens=st.integers(1, 2048),
-       max_items=st.integers(1, 32), window=st.integers(1, 64))
-def test_scheduler_drains_everything_oldest_first(lengths, max_tokens, max_items, window):
-    sched = Scheduler(max_tokens=max_tokens, max_items=max_items, window=window)
+       max_items=st.integers(1, 32), padded=st.booleans())
+def test_scheduler_drains_everything_oldest_first(lengths, max_tokens, max_items, padded):
+    sched = Scheduler(max_tokens=max_tokens, max_items=max_items, padded=padded)
     for i, n in enumerate(lengths):
         sched.add(i, n)
     order: list[int] = []
@@ -71,12 +71,61 @@ def test_scheduler_drains_everything_oldest_first(lengths, max_tokens, max_items
         keys = [it.key for it in batch]
         assert head in keys, "the oldest waiting item is always in the next batch"
         assert len(batch) <= max_items
-        assert batch_cost([it.length for it in batch]) <= max_tokens or len(batch) == 1
+        assert batch_cost([it.length for it in batch], padded=padded) <= max_tokens or len(batch) == 1
         order.extend(keys)
         rounds += 1
         assert rounds <= len(lengths)
     assert sorted(order) == list(range(len(lengths)))
     assert sched.next_batch() == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=150), max_tokens=st.integers(1, 2048),
+       max_items=st.integers(1, 64), data=st.data())
+def test_scheduler_interleaved_adds_and_discards(lengths, max_tokens, max_items, data):
+    """Arrivals, batches and cancellations interleaved: each live item runs exactly once, the dropped never."""
+    sched = Scheduler(max_tokens=max_tokens, max_items=max_items)
+    pending = list(enumerate(lengths))
+    live: set[int] = set()
+    dropped: set[int] = set()
+    ran: list[int] = []
+    while pending or live:
+        action = data.draw(st.sampled_from(["add", "batch", "discard"]))
+        if action == "add" and pending:
+            count = data.draw(st.integers(1, 10))
+            for key, n in pending[:count]:
+                sched.add(key, n)
+                live.add(key)
+            pending = pending[count:]
+        elif action == "discard" and live:
+            victim = data.draw(st.sampled_from(sorted(live)))
+            assert sched.discard([victim, "not-buffered"]) == 1
+            live.discard(victim)
+            dropped.add(victim)
+        elif live:
+            oldest = min(live)
+            batch = sched.next_batch()
+            keys = [it.key for it in batch]
+            assert oldest in keys
+            assert len(batch) <= max_items
+            assert batch_cost([it.length for it in batch]) <= max_tokens or len(batch) == 1
+            live.difference_update(keys)
+            ran.extend(keys)
+        assert len(sched) == len(live)
+    assert sched.next_batch() == []
+    assert len(ran) == len(set(ran)) and not dropped & set(ran)
+    assert sorted(ran + sorted(dropped)) == list(range(len(lengths)))
+
+
+def test_scheduler_grows_batches_by_least_padding():
+    """From the oldest item, the next row is whichever neighbour in length wastes fewer padded tokens."""
+    sched = Scheduler(max_tokens=10_000, max_items=3)
+    for key, n in [("oldest", 100), ("a", 60), ("b", 101), ("c", 99), ("d", 300)]:
+        sched.add(key, n)
+    # 99 pads by 1; 101 makes the batch's longest 101 (1 extra for the one row in it): tie -> shorter
+    assert [it.key for it in sched.next_batch()] == ["oldest", "c", "b"]
+    assert [it.key for it in sched.next_batch()] == ["a", "d"]  # what is left, under the cap
+    assert len(sched) == 0 and sched.next_batch() == []
 
 
 def test_scheduler_discard_and_duplicates():

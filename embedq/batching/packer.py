@@ -1,10 +1,8 @@
-"""Token-budget packing of variable-length items into micro-batches.
+"""Token-budget packing: items, what a micro-batch costs, and offline packing of a known set.
 
 A padded backend pays ``longest × count`` tokens for a batch; an unpadded one pays the sum of the
-lengths. Packing sorts items by length so neighbours have similar lengths (little padding) and
-greedily fills each batch up to the token budget and the item cap. An item that alone exceeds the
-budget is never clamped (that would change its vector) and never blocks: it runs in a batch of
-its own.
+lengths. The live policy is :class:`~embedq.batching.Scheduler`'s; :func:`plan` packs a fixed set of
+items with exactly that policy, as if they had all been buffered at once.
 """
 
 from __future__ import annotations
@@ -30,28 +28,20 @@ def batch_cost(lengths: Sequence[int], *, padded: bool = True) -> int:
 
 
 def plan(items: Iterable[Item], *, max_tokens: int, max_items: int, padded: bool = True) -> list[list[Item]]:
-    """Split items into micro-batches within ``max_tokens`` and ``max_items``.
+    """Split items (unique keys, arrival order ``seq``) into micro-batches within ``max_tokens`` and
+    ``max_items``, in the order a worker holding all of them would run them.
 
-    Every item appears in exactly one batch. Batches are returned shortest first; each batch is
-    a run of consecutive items in length order, so padding is bounded by neighbouring lengths.
+    Every item appears in exactly one batch; an item that alone exceeds the budget gets a batch of its
+    own (never clamped).
     """
-    if max_tokens < 1 or max_items < 1:
-        raise ValueError("max_tokens and max_items must be positive")
-    ordered = sorted(items, key=lambda it: (it.length, it.seq))
+    from embedq.batching.scheduler import Scheduler
+
+    sched = Scheduler(max_tokens=max_tokens, max_items=max_items, padded=padded)
+    by_key: dict[Hashable, Item] = {}
+    for item in sorted(items, key=lambda it: it.seq):
+        by_key[item.key] = item
+        sched.add(item.key, item.length)
     batches: list[list[Item]] = []
-    current: list[Item] = []
-    longest = 0
-    total = 0
-    for item in ordered:
-        if current:
-            n = len(current) + 1
-            cost = max(longest, item.length) * n if padded else total + item.length
-            if n > max_items or cost > max_tokens:
-                batches.append(current)
-                current, longest, total = [], 0, 0
-        current.append(item)
-        longest = max(longest, item.length)
-        total += item.length
-    if current:
-        batches.append(current)
+    while len(sched):
+        batches.append([by_key[it.key] for it in sched.next_batch()])
     return batches

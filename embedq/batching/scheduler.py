@@ -2,40 +2,53 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right, insort
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable
-from itertools import islice
 
-from embedq.batching.packer import Item, plan
+from embedq.batching.packer import Item
 
 
 class Scheduler:
     """Coalesces the items of all buffered jobs into token-budget micro-batches.
 
-    ``next_batch`` looks at the oldest ``window`` items (arrival order), packs them by length and
-    returns the batch that holds the oldest item. So every call makes progress on the head of the
-    queue (no item waits behind an endless stream of better-fitting ones), while the batch itself
-    is length-homogeneous. Not thread-safe: the worker guards it with its own lock.
+    Items wait in length buckets (each in arrival order) and in one arrival-order list. ``next_batch``
+    always starts from the *oldest* item, so every call makes progress on the head of the queue and
+    nothing starves behind a stream of better-fitting items; it then grows the batch one neighbour in
+    length at a time, each time taking whichever of the next shorter or next longer item adds the
+    least padding, until the token budget or the item cap is reached. Batches are therefore
+    length-homogeneous, and the cost of a call is proportional to the batch it returns, not to
+    how much is buffered (a GPU worker asks for a new batch every few milliseconds).
+
+    An item that alone exceeds the budget runs alone: it is never clamped (that would change its
+    vector) and never blocks. Not thread-safe: the worker guards it with its own lock.
     """
 
-    def __init__(self, *, max_tokens: int, max_items: int, window: int = 4096, padded: bool = True) -> None:
-        if window < 1:
-            raise ValueError("window must be positive")
+    def __init__(self, *, max_tokens: int, max_items: int, padded: bool = True) -> None:
+        if max_tokens < 1 or max_items < 1:
+            raise ValueError("max_tokens and max_items must be positive")
         self.max_tokens = max_tokens
         self.max_items = max_items
-        self.window = window
         self.padded = padded
-        self._items: dict[Hashable, Item] = {}  # insertion order is arrival order
+        self._arrival: OrderedDict[Hashable, Item] = OrderedDict()
+        self._buckets: dict[int, OrderedDict[Hashable, Item]] = {}
+        self._lengths: list[int] = []  # sorted lengths that have a non-empty bucket
         self._seq = 0
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._arrival)
 
     def add(self, key: Hashable, length: int) -> Item:
-        if key in self._items:
+        if key in self._arrival:
             raise KeyError(f"item {key!r} is already buffered")
-        item = Item(key=key, length=int(length), seq=self._seq)
+        item = Item(key=key, length=max(int(length), 1), seq=self._seq)
         self._seq += 1
-        self._items[key] = item
+        self._arrival[key] = item
+        bucket = self._buckets.get(item.length)
+        if bucket is None:
+            bucket = self._buckets[item.length] = OrderedDict()
+            insort(self._lengths, item.length)
+        bucket[key] = item
         return item
 
     def add_many(self, pairs: Iterable[tuple[Hashable, int]]) -> None:
@@ -46,18 +59,65 @@ class Scheduler:
         """Drop buffered items (a cancelled or failed job); returns how many were dropped."""
         dropped = 0
         for key in keys:
-            if self._items.pop(key, None) is not None:
-                dropped += 1
+            item = self._arrival.pop(key, None)
+            if item is None:
+                continue
+            dropped += 1
+            bucket = self._buckets[item.length]
+            del bucket[key]
+            if not bucket:
+                self._drop_length(item.length)
         return dropped
+
+    def _fits(self, longest: int, count: int, total: int) -> bool:
+        return count <= self.max_items and (longest * count if self.padded else total) <= self.max_tokens
+
+    def _take(self, length: int) -> Item:
+        """Remove and return the oldest item of the bucket ``length`` (which must be non-empty)."""
+        _, item = self._buckets[length].popitem(last=False)
+        del self._arrival[item.key]
+        return item
+
+    def _drop_length(self, length: int) -> None:
+        del self._buckets[length]
+        del self._lengths[bisect_right(self._lengths, length) - 1]
 
     def next_batch(self) -> list[Item]:
         """Remove and return the next micro-batch (empty when nothing is buffered)."""
-        if not self._items:
+        if not self._arrival:
             return []
-        window = list(islice(self._items.values(), self.window))
-        oldest = window[0]
-        batches = plan(window, max_tokens=self.max_tokens, max_items=self.max_items, padded=self.padded)
-        chosen = next(b for b in batches if oldest in b)
-        for item in chosen:
-            del self._items[item.key]
-        return chosen
+        oldest = next(iter(self._arrival.values()))
+        del self._buckets[oldest.length][oldest.key]
+        del self._arrival[oldest.key]
+        batch = [oldest]
+        longest = total = oldest.length
+        lengths, buckets = self._lengths, self._buckets
+        # left: the longest bucket no longer than the batch's longest item; right: the next longer one.
+        left = bisect_right(lengths, longest) - 1
+        right = left + 1
+        while len(batch) < self.max_items:
+            while left >= 0 and not buckets[lengths[left]]:
+                left -= 1
+            while right < len(lengths) and not buckets[lengths[right]]:
+                right += 1
+            choice = None
+            waste = 0
+            if left >= 0 and self._fits(longest, len(batch) + 1, total + lengths[left]):
+                choice, waste = left, longest - lengths[left]  # padding of the new, shorter row
+            if right < len(lengths):
+                n = lengths[right]
+                grow = (n - longest) * len(batch)  # every row already in pads up to the new longest
+                if self._fits(n, len(batch) + 1, total + n) and (choice is None or grow < waste):
+                    choice = right
+            if choice is None:
+                break
+            item = self._take(lengths[choice])
+            batch.append(item)
+            total += item.length
+            if choice == right:
+                longest = item.length
+                left, right = right, right + 1
+        for length in {item.length for item in batch}:
+            if not buckets[length]:
+                self._drop_length(length)
+        return batch

@@ -80,7 +80,6 @@ class EmbeddingService:
         self.scheduler = Scheduler(
             max_tokens=settings.batch_tokens,
             max_items=settings.max_batch_requests,
-            window=settings.schedule_window,
             padded=backend.is_padded,
         )
         self._cond = threading.Condition()
