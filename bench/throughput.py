@@ -88,7 +88,7 @@ def run_embedq(texts: list[str], settings: Settings, job_size: int, log: Path) -
         stop_worker(proc)
         client.close()
     delta = {k: after[k] - before[k] for k in ("batches", "items", "real_tokens", "padded_tokens",
-                                                "inference_seconds")}
+                                                "inference_seconds", "results_seconds", "jobs_succeeded")}
     delta["linear_kernel"] = after.get("linear_kernel", "torch")
     return elapsed, vecs, delta
 
@@ -181,6 +181,10 @@ def main() -> None:
     ratio_st = (len(texts) / eq_s) / (len(texts) / st_s)
     if naive_s is not None:
         print(f"embedq / naive Celery (texts/s): {(len(texts) / eq_s) / (naive_n / naive_s):.2f}x")
+    print(f"embedq worker: {eq['inference_seconds']:.2f}s in the model over {eq['batches']} micro-batches "
+          f"({eq['inference_seconds'] / eq['batches'] * 1e3:.1f} ms each); results thread "
+          f"{eq['results_seconds']:.2f}s for {eq['jobs_succeeded']} jobs "
+          f"({eq['results_seconds'] / max(eq['jobs_succeeded'], 1) * 1e3:.2f} ms each), off the inference thread")
     if args.json:
         args.json.write_text(json.dumps({"st_s": st_s, "embedq_s": eq_s, "naive_s": naive_s, "n": len(texts),
                                          "naive_n": naive_n, "ratio": ratio_st, "embedq": eq,

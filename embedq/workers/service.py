@@ -2,14 +2,16 @@
 
 ``submit`` validates and tokenizes a job on the caller's thread (the Celery consumer), and puts
 its texts into the :class:`~embedq.batching.Scheduler`. One inference thread takes micro-batches
-from the scheduler, runs the backend and, when every text of a job is done, hands the job's
-result (or typed error) to ``on_done``. Tokenizing newly arrived jobs thus overlaps the forward
-pass, and the consumer thread stays free to send heartbeats during long batches.
+from the scheduler and runs the backend; when every text of a job is done it hands the job to a
+results thread, which post-processes and encodes the vectors and calls ``on_done`` (the worker
+stores the result in Redis there). So neither tokenizing new jobs nor writing results stands between
+two forward passes, and the consumer thread stays free to send heartbeats during long batches.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +63,7 @@ class Stats:
     max_batch_cost: int = 0
     max_batch_items: int = 0
     inference_seconds: float = 0.0
+    results_seconds: float = 0.0  # results thread: post-processing, encoding and storing finished jobs
     errors_by_code: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -84,37 +87,31 @@ class EmbeddingService:
         )
         self._cond = threading.Condition()
         self._stopping = False
-        self._busy = False
         self._aliases = _model_aliases(settings.model, self.info.model_id)
         self._thread = threading.Thread(target=self._loop, name="embedq-inference", daemon=True)
+        # (job, None) to finish a job, (job, error) to fail it; None stops the results thread.
+        self._outbox: queue.SimpleQueue[tuple[Job, errors.EmbedqError | None] | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="embedq-results", daemon=True)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> EmbeddingService:
+        self._writer.start()
         self._thread.start()
         return self
 
     def stop(self, timeout: float | None = 30.0) -> None:
-        """Finish the micro-batch in progress and stop; buffered jobs stay unfinished."""
+        """Finish the micro-batch in progress, write every finished job's outcome, and stop.
+
+        Buffered jobs stay unfinished (their messages are not acknowledged, so they are redelivered).
+        """
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
-
-    def pending(self) -> int:
-        with self._cond:
-            return len(self.scheduler) + (1 if self._busy else 0)
-
-    def wait_idle(self, timeout: float = 30.0) -> bool:
-        """Block until nothing is buffered or running (drain mode for tests and shutdown)."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while len(self.scheduler) or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
+        if self._writer.is_alive():
+            self._outbox.put(None)
+            self._writer.join(timeout)
 
     # -- intake (consumer thread) ------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -176,15 +173,10 @@ class EmbeddingService:
                 if self._stopping:
                     return
                 batch = self.scheduler.next_batch()
-                self._busy = True
             try:
                 self._run([item.key for item in batch])
             except Exception:  # never let the inference thread die
                 log.exception("micro-batch bookkeeping failed")
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
 
     def _run(self, keys: list[tuple[Job, int]]) -> None:
         keys = [(job, i) for job, i in keys if not job.done]
@@ -244,19 +236,10 @@ class EmbeddingService:
 
     # -- completion --------------------------------------------------------------------------
     def _finish(self, job: Job) -> None:
-        opts: EmbedOptions = job.options
-        normalize = self.info.normalizes if opts.normalize is None else opts.normalize
-        dims = opts.dimensions or self.info.dimension
-        vectors = postprocess(job.raw, normalize=normalize, dimensions=opts.dimensions)
-        fingerprint = Fingerprint(
-            model=self.info.model_id, weights_sha256=self.info.weights_sha256, pooling=self.info.pooling,
-            normalize=normalize, dimensions=dims, dtype=self.info.dtype, prompt=job.prompt,
-            embedq_version=__version__,
-        )
-        payload = encode_result(vectors, opts, fingerprint, tokens=sum(len(s) for s in job.ids))
-        job.done, job.raw = True, None
+        """Inference thread: every text of ``job`` is embedded; the results thread does the rest."""
+        job.done = True
         self.stats.jobs_succeeded += 1
-        self._deliver(job, payload)
+        self._outbox.put((job, None))
 
     def fail(self, job: Job, exc: errors.EmbedqError) -> None:
         if job.done:
@@ -266,13 +249,37 @@ class EmbeddingService:
             self.scheduler.discard((job, i) for i in range(len(job.ids)))
         self.stats.jobs_failed += 1
         self.stats.errors_by_code[exc.code] = self.stats.errors_by_code.get(exc.code, 0) + 1
-        self._deliver(job, exc)
+        self._outbox.put((job, exc))
 
-    def _deliver(self, job: Job, outcome: dict[str, Any] | errors.EmbedqError) -> None:
-        try:
-            self.on_done(job, outcome)
-        except Exception:
-            log.exception("storing the outcome of job %s failed", job.id)
+    # -- results thread ------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while (entry := self._outbox.get()) is not None:
+            t0 = time.perf_counter()
+            job, outcome = entry
+            if outcome is None:
+                try:
+                    outcome = self._payload(job)
+                except Exception as exc:  # never let the results thread die
+                    log.exception("encoding the result of job %s failed", job.id)
+                    outcome = errors.BackendError(f"could not encode the result: {type(exc).__name__}")
+            try:
+                self.on_done(job, outcome)
+            except Exception:
+                log.exception("storing the outcome of job %s failed", job.id)
+            self.stats.results_seconds += time.perf_counter() - t0
+
+    def _payload(self, job: Job) -> dict[str, Any]:
+        opts: EmbedOptions = job.options
+        normalize = self.info.normalizes if opts.normalize is None else opts.normalize
+        dims = opts.dimensions or self.info.dimension
+        vectors = postprocess(job.raw, normalize=normalize, dimensions=opts.dimensions)
+        job.raw = None
+        fingerprint = Fingerprint(
+            model=self.info.model_id, weights_sha256=self.info.weights_sha256, pooling=self.info.pooling,
+            normalize=normalize, dimensions=dims, dtype=self.info.dtype, prompt=job.prompt,
+            embedq_version=__version__,
+        )
+        return encode_result(vectors, opts, fingerprint, tokens=sum(len(s) for s in job.ids))
 
 
 def _model_aliases(*names: str) -> set[str]:
