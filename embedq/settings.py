@@ -46,7 +46,14 @@ class Settings(BaseSettings):
     max_chars: int = Field(default=100_000, ge=1, description="Characters per text.")
     max_texts_per_job: int = Field(default=2048, ge=1)
     result_ttl: int = Field(default=3600, ge=1, description="Seconds a result is kept in Redis.")
-    prefetch_window: int = Field(default=64, ge=1, description="Messages a worker holds unacknowledged.")
+    prefetch_window: int = Field(
+        default=1024, ge=1, description="Messages (jobs) a worker holds unacknowledged at most."
+    )
+    prefetch_texts: int = Field(
+        default=8192, ge=1,
+        description="Texts a worker buffers at most: it takes no new job while this many are held (one job "
+        "may overshoot by its own size). Bounds the time a message waits, see visibility_timeout.",
+    )
     visibility_timeout: int = Field(
         default=3600, ge=60, description="Seconds before Redis redelivers an unacknowledged message."
     )

@@ -5,5 +5,6 @@ Imports no Celery, Redis or torch, so it is table- and property-tested on its ow
 
 from embedq.batching.packer import Item, batch_cost, plan
 from embedq.batching.scheduler import Scheduler
+from embedq.batching.window import PrefetchWindow
 
-__all__ = ["Item", "Scheduler", "batch_cost", "plan"]
+__all__ = ["Item", "PrefetchWindow", "Scheduler", "batch_cost", "plan"]

@@ -21,6 +21,7 @@ from celery.worker.control import inspect_command
 from kombu.utils.imports import symbol_by_name
 
 from embedq import errors
+from embedq.batching import PrefetchWindow
 from embedq.protocol import TASK_NAME
 from embedq.settings import Settings
 from embedq.workers.service import EmbeddingService, Job
@@ -37,6 +38,8 @@ class _Runtime:
     service: EmbeddingService | None = None
     finished: queue.SimpleQueue = queue.SimpleQueue()
     timer_entry: Any = None
+    window: PrefetchWindow | None = None
+    consumer: Any = None  # Celery's Consumer: its qos is the channel's prefetch count
 
 
 RUNTIME = _Runtime()
@@ -75,24 +78,44 @@ def _store_outcome(job: Job, outcome: dict[str, Any] | errors.EmbedqError) -> No
         backend.mark_as_failure(req.id, outcome, request=req._context, call_errbacks=True)
     else:
         backend.mark_as_done(req.id, outcome, request=req._context)
-    RUNTIME.finished.put((req, outcome, time.monotonic() - job.received))
+    RUNTIME.finished.put((req, outcome, time.monotonic() - job.received, job.size))
+
+
+def _apply_window() -> None:
+    """Consumer thread: set the channel's prefetch count to what the text window allows now."""
+    qos = getattr(RUNTIME.consumer, "qos", None)
+    if qos is None or RUNTIME.window is None:
+        return
+    delta = RUNTIME.window.limit() - qos.value
+    if delta > 0:
+        qos.increment_eventually(delta)
+    elif delta < 0:
+        qos.decrement_eventually(-delta)
+    if qos.prev != qos.value:
+        qos.update()  # at once, so the transport stops (or resumes) fetching before the next message
 
 
 def _drain_finished() -> None:
     """Consumer thread: acknowledge what has been stored and emit the task events."""
+    released = False
     while True:
         try:
-            req, outcome, runtime = RUNTIME.finished.get_nowait()
+            req, outcome, runtime, size = RUNTIME.finished.get_nowait()
         except queue.Empty:
-            return
+            break
         try:
             req.acknowledge()
         finally:
             worker_state.task_ready(req, successful=not isinstance(outcome, errors.EmbedqError))
+            if RUNTIME.window is not None:
+                RUNTIME.window.released(size)
+                released = True
         if isinstance(outcome, errors.EmbedqError):
             req.send_event("task-failed", exception=repr(outcome), traceback="")
         else:
             req.send_event("task-succeeded", result=f"{outcome['usage']['texts']} vectors", runtime=runtime)
+    if released:
+        _apply_window()
 
 
 def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
@@ -105,6 +128,10 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
     eventer = consumer.event_dispatcher
     connection_errors = consumer.connection_errors
     Req = create_request_cls(symbol_by_name(task.Request), task, consumer.pool, hostname, eventer, app=app)
+    settings = RUNTIME.settings or Settings()
+    if RUNTIME.window is None:  # kept across consumer restarts: held messages are still held
+        RUNTIME.window = PrefetchWindow(max_messages=settings.prefetch_window, max_texts=settings.prefetch_texts)
+    RUNTIME.consumer = consumer
     if RUNTIME.timer_entry is not None:
         RUNTIME.timer_entry.cancel()
     RUNTIME.timer_entry = consumer.timer.call_repeatedly(ACK_INTERVAL, _drain_finished)
@@ -130,7 +157,10 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
             texts: Any = _BadArgs(args)
         else:
             texts = args[0]
-        job = Job(id=req.id, texts=texts, options=req.kwargs, context=req)
+        job = Job(id=req.id, texts=texts, options=req.kwargs, context=req,
+                  size=len(texts) if isinstance(texts, (list, tuple)) else 1)
+        RUNTIME.window.received(job.size)
+        _apply_window()
         if isinstance(texts, _BadArgs):
             service.fail(job, errors.InvalidType(
                 f"{TASK_NAME} takes exactly one positional argument (the list of texts)"))
@@ -186,7 +216,15 @@ def embedq_stats(state: Any) -> dict[str, Any]:
         return {"ready": False}
     return {"ready": True, "model": service.info.model_id, "device": service.info.device,
             "dtype": service.info.dtype, "linear_kernel": service.info.linear_kernel,
-            "buffered": len(service.scheduler), **service.stats.as_dict()}
+            "buffered": len(service.scheduler), **_window_stats(), **service.stats.as_dict()}
+
+
+def _window_stats() -> dict[str, int]:
+    window = RUNTIME.window
+    if window is None:
+        return {}
+    return {"held_messages": window.messages, "held_texts": window.texts, "peak_held_messages": window.peak_messages,
+            "peak_held_texts": window.peak_texts, "prefetch_limit": window.limit()}
 
 
 @signals.worker_shutting_down.connect

@@ -41,6 +41,7 @@ class Job:
     options: Any = None  # raw kwargs or EmbedOptions
     context: Any = None  # whatever the transport needs to finish the job (a Celery request)
     received: float = field(default_factory=time.monotonic)
+    size: int = 1  # texts as received, for the prefetch window
     ids: list[list[int]] = field(default_factory=list)
     prompt: str | None = None
     prompt_length: int = 0

@@ -1,0 +1,92 @@
+"""The prefetch window counted in texts: many small jobs are buffered together, big ones are bounded."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from embedq.batching import PrefetchWindow
+from embedq.settings import Settings
+
+
+def test_window_table():
+    w = PrefetchWindow(max_messages=10, max_texts=100)
+    assert w.limit() == 10  # idle: the message cap
+    w.received(60)
+    assert w.limit() == 10  # 1 held + 9 more (40 texts of room >= 9 one-text jobs)
+    w.received(30)
+    assert w.limit() == 2 + 8
+    w.received(20)  # 110 texts: over the budget, so nothing new until something is done
+    assert w.limit() == 3
+    w.released(60)
+    assert (w.messages, w.texts, w.limit()) == (2, 50, 10)
+    assert (w.peak_messages, w.peak_texts) == (3, 110)
+    tight = PrefetchWindow(max_messages=1000, max_texts=5)
+    assert tight.limit() == 5  # five one-text jobs at most
+    tight.received(500)
+    assert tight.limit() == 1  # never 0: a prefetch count of 0 means "unlimited" to the broker
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 300)), max_size=200),
+       st.integers(1, 64), st.integers(1, 500))
+def test_window_never_admits_past_its_bounds(ops, max_messages, max_texts):
+    w = PrefetchWindow(max_messages=max_messages, max_texts=max_texts)
+    held: list[int] = []
+    for receive, size in ops:
+        if receive and w.messages < w.limit():  # the broker delivers only under the limit
+            assert w.texts < max_texts and w.messages < max_messages
+            w.received(size)
+            held.append(size)
+        elif held:
+            w.released(held.pop(0))
+        assert w.limit() >= 1
+        assert w.messages == len(held) and w.texts == sum(held)
+        assert w.messages <= max_messages
+        assert w.texts <= max_texts - 1 + max(held, default=0)  # overshoot: one job's size at most
+
+
+def _settled(worker, timeout: float = 5.0) -> dict:
+    """Stats once every stored result has been acknowledged (the consumer acks every 20 ms)."""
+    deadline = time.monotonic() + timeout
+    while (stats := worker.stats())["held_messages"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stats["held_messages"] == 0
+    return stats
+
+
+@pytest.mark.integration
+def test_worker_window_in_texts(redis_server, tmp_path, corpus):
+    import redis
+
+    from tests.conftest import WorkerHandle
+
+    settings = Settings(broker_url=redis_server.url, queue="embedq.test.window", prefetch_texts=300)
+    worker = WorkerHandle(settings, tmp_path / "worker.log")
+    r = redis.Redis.from_url(redis_server.url)
+    try:
+        # 400 one-text jobs: far more than 64 messages are buffered together (the old message window)
+        short = [t for t in corpus if len(t) < 200][:400]
+        handles = [worker.client.submit([t]) for t in short]
+        for h in handles:
+            assert h.result(timeout=300).shape == (1, 384)
+        stats = worker.stats()
+        assert 64 < stats["peak_held_messages"] <= 300
+        assert stats["peak_held_texts"] <= 300
+        assert stats["jobs_succeeded"] == 400
+        assert _settled(worker)["held_texts"] == 0
+        # 12 jobs of 100 texts: at most 3 (plus one overshooting) are held, the rest wait in Redis
+        big = [worker.client.submit(corpus[i * 100:(i + 1) * 100]) for i in range(12)]
+        peak_unacked = 0
+        while not all(h.ready() for h in big):
+            peak_unacked = max(peak_unacked, r.hlen("unacked"))
+        for h in big:
+            assert h.result(timeout=300).shape == (100, 384)
+        stats = worker.stats()
+        assert stats["peak_held_texts"] <= 300 + 99
+        assert 1 <= peak_unacked <= 4
+        assert _settled(worker)["held_texts"] == 0
+    finally:
+        worker.stop()
