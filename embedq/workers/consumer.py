@@ -128,9 +128,9 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
     eventer = consumer.event_dispatcher
     connection_errors = consumer.connection_errors
     Req = create_request_cls(symbol_by_name(task.Request), task, consumer.pool, hostname, eventer, app=app)
-    settings = RUNTIME.settings or Settings()
     if RUNTIME.window is None:  # kept across consumer restarts: held messages are still held
-        RUNTIME.window = PrefetchWindow(max_messages=settings.prefetch_window, max_texts=settings.prefetch_texts)
+        RUNTIME.window = PrefetchWindow(max_messages=service.settings.prefetch_window,
+                                        max_texts=service.settings.prefetch_texts)
     RUNTIME.consumer = consumer
     if RUNTIME.timer_entry is not None:
         RUNTIME.timer_entry.cancel()
