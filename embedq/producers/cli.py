@@ -85,7 +85,10 @@ def cmd_embed(ns: argparse.Namespace, settings: Settings) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="embedq", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="embedq", description="Throughput-first text embeddings through Celery and Redis: run a worker, embed a "
+        "file into Parquet/NPY, or embed a few texts. Settings come from EMBEDQ_* variables; with no "
+        "EMBEDQ_BROKER_URL, index and embed start a private redis-server and worker.")
     parser.add_argument("--version", action="version", version=f"embedq {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
