@@ -86,9 +86,8 @@ class Scheduler:
         """Remove and return the next micro-batch (empty when nothing is buffered)."""
         if not self._arrival:
             return []
-        oldest = next(iter(self._arrival.values()))
-        del self._buckets[oldest.length][oldest.key]
-        del self._arrival[oldest.key]
+        # The oldest item overall is also the oldest of its length bucket.
+        oldest = self._take(next(iter(self._arrival.values())).length)
         batch = [oldest]
         longest = total = oldest.length
         lengths, buckets = self._lengths, self._buckets

@@ -40,16 +40,18 @@ class JobHandle:
     def id(self) -> str:
         return self._result.id
 
+    @property
+    def _collected(self) -> bool:
+        return self._payload is not None or self._error is not None
+
     def status(self) -> str:
         """Celery's state: PENDING (queued or buffered), SUCCESS or FAILURE."""
-        if self._payload is not None:
-            return "SUCCESS"
-        if self._error is not None:
-            return "FAILURE"
+        if self._collected:
+            return "FAILURE" if self._error is not None else "SUCCESS"
         return self._result.state
 
     def ready(self) -> bool:
-        return self._payload is not None or self._error is not None or self._result.ready()
+        return self._collected or self._result.ready()
 
     def payload(self, timeout: float | None = DEFAULT_RESULT_TIMEOUT) -> dict[str, Any]:
         """The raw result dict, or the job's typed :class:`~embedq.errors.EmbedqError`."""
@@ -73,7 +75,7 @@ class JobHandle:
         try:
             payload = self.payload(timeout)
         finally:
-            if forget and (self._payload is not None or self._error is not None):
+            if forget and self._collected:
                 self._result.forget()
         vectors, self.fingerprint = decode_result(payload)
         self.usage = payload.get("usage")

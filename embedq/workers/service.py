@@ -22,7 +22,7 @@ import numpy as np
 
 from embedq import __version__, errors
 from embedq.backends.base import Backend, postprocess
-from embedq.batching import Scheduler
+from embedq.batching import Scheduler, batch_cost
 from embedq.protocol import EmbedOptions, Fingerprint, encode_result, validate_texts
 from embedq.settings import Settings
 
@@ -185,7 +185,7 @@ class EmbeddingService:
             return
         seqs = [job.ids[i] for job, i in keys]
         lengths = [len(s) for s in seqs]
-        cost = max(lengths) * len(lengths) if self.backend.is_padded else sum(lengths)
+        cost = batch_cost(lengths, padded=self.backend.is_padded)
         t0 = time.perf_counter()
         try:
             vectors = self.backend.embed(seqs, [job.prompt_length for job, _ in keys])
