@@ -71,6 +71,24 @@ class TooLong(ValidationError):
     code = "too_many_tokens"
 
 
+class InvalidRecord(ValidationError):
+    """An input record the indexer cannot use: not JSON, no text field, a bad or missing id."""
+
+    code = "invalid_record"
+
+
+class DuplicateId(ValidationError):
+    """The indexer met an id it has already seen in the same input."""
+
+    code = "duplicate_id"
+
+
+class OutputMismatch(ValidationError):
+    """An existing output was made by another pipeline (model, options, format): never mixed."""
+
+    code = "output_mismatch"
+
+
 class PayloadTooLarge(EmbedqError):
     code = "payload_too_large"
     http_status = 413
@@ -119,7 +137,8 @@ HTTP_STATUS: dict[str, int] = {
     cls.code: cls.http_status
     for cls in (
         EmbedqError, ValidationError, EmptyInput, EmptyText, InvalidType, InvalidOption,
-        UnknownPromptName, InvalidDimensions, UnknownModel, TooLong, PayloadTooLarge, TooManyTexts,
+        UnknownPromptName, InvalidDimensions, UnknownModel, TooLong, InvalidRecord, DuplicateId, OutputMismatch,
+        PayloadTooLarge, TooManyTexts,
         TextTooLong, BackendError, UnsupportedModel, Overloaded, Unavailable, JobTimeout,
     )
 }

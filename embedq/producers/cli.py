@@ -21,15 +21,30 @@ def _embedding_options(ns: argparse.Namespace) -> dict[str, Any]:
             opts[name] = value
     if getattr(ns, "no_normalize", False):
         opts["normalize"] = False
+    if getattr(ns, "no_truncate", False):
+        opts["truncate"] = False
     return opts
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def _add_embedding_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", help="text prepended to every input")
     p.add_argument("--prompt-name", help="a prompt defined by the model (config_sentence_transformers.json)")
-    p.add_argument("--dimensions", type=int, help="keep the first N dimensions (matryoshka models)")
+    p.add_argument("--dimensions", type=_positive(int), help="keep the first N dimensions (matryoshka models)")
     p.add_argument("--truncation-side", choices=["right", "left"])
     p.add_argument("--no-normalize", action="store_true", help="skip the model's Normalize module")
+    p.add_argument("--no-truncate", action="store_true", help="a text over the model's limit fails instead")
+    p.add_argument("--model", help="model id or local folder; picks the queue (EMBEDQ_MODEL)")
 
 
 @contextlib.contextmanager
@@ -59,22 +74,40 @@ def cmd_worker(ns: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_index(ns: argparse.Namespace, settings: Settings) -> int:
-    from embedq.producers.client import Client
-    from embedq.producers.indexer import run_index
+    import signal
 
+    from embedq.producers.client import Client
+    from embedq.producers.index import IndexConfig, run_index
+
+    if ns.model:
+        settings = settings.model_copy(update={"model": ns.model})
+    config = IndexConfig(
+        chunk_size=ns.chunk_size, max_in_flight=ns.max_in_flight, options=_embedding_options(ns),
+        vector_dtype=ns.vector_dtype, job_timeout=ns.job_timeout, checkpoint_seconds=ns.checkpoint_seconds,
+        shard_rows=ns.shard_rows, overwrite=ns.overwrite, progress=not ns.quiet,
+    )
+
+    def _stop(signum: int, frame: Any) -> None:  # SIGTERM (systemd, kill): stop like Ctrl-C, committing first
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
     with _broker(settings, quiet=ns.quiet) as live, Client(live) as client:
-        summary = run_index(client, Path(ns.input), Path(ns.output), chunk_size=ns.chunk_size,
-                            max_in_flight=ns.max_in_flight, options=_embedding_options(ns),
-                            progress=not ns.quiet)
-    print(f"embedq index: {summary.texts} texts, {summary.tokens} tokens in {summary.seconds:.1f}s "
-          f"({summary.texts_per_second:.1f} texts/s), {len(summary.failures)} failed -> {ns.output}",
-          file=sys.stderr)
-    return 1 if summary.failures else 0
+        summary = run_index(client, ns.input, Path(ns.output), input_format=ns.input_format,
+                            output_format=ns.output_format, text_field=ns.text_field, id_field=ns.id_field,
+                            config=config)
+    print(summary.render(), file=sys.stderr)
+    if ns.json:
+        print(json.dumps(summary.as_dict()))
+    if summary.interrupted:
+        return 130
+    return 1 if summary.failed else 0
 
 
 def cmd_embed(ns: argparse.Namespace, settings: Settings) -> int:
     from embedq.producers.client import Client
 
+    if ns.model:
+        settings = settings.model_copy(update={"model": ns.model})
     texts = ns.texts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     with _broker(settings, quiet=True) as live, Client(live) as client:
         handle = client.submit(texts, **_embedding_options(ns))
@@ -100,12 +133,34 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--loglevel", default="INFO")
     w.set_defaults(func=cmd_worker)
 
-    i = sub.add_parser("index", help="embed a JSONL file of {id, text} lines into Parquet or NPY")
-    i.add_argument("input")
-    i.add_argument("-o", "--output", required=True, help="OUT.parquet or OUT.npy")
-    i.add_argument("--chunk-size", type=int, default=64, help="texts per job")
-    i.add_argument("--max-in-flight", type=int, default=32, help="jobs submitted but not yet collected")
-    i.add_argument("-q", "--quiet", action="store_true")
+    i = sub.add_parser(
+        "index", help="embed a file (JSONL, CSV, Parquet, text or stdin) into Parquet, NPY or JSONL; resumable",
+        description="Embed every record of INPUT into OUTPUT. Run the same command again after an "
+        "interruption and it embeds only the ids missing from OUTPUT; an OUTPUT made with another model or "
+        "other options is refused. Exit code: 0 all embedded, 1 some records failed (see the errors file), "
+        "2 refused or broken, 130 interrupted.")
+    i.add_argument("input", help="a .jsonl/.csv/.tsv/.parquet/.txt file (.gz for line formats) or - for stdin")
+    i.add_argument("-o", "--output", required=True,
+                   help="OUT.parquet (a directory of shards), OUT.npy (+ OUT.ids.txt) or OUT.jsonl")
+    i.add_argument("--input-format", choices=["jsonl", "csv", "tsv", "parquet", "text"],
+                   help="default: from the input's suffix (jsonl for stdin)")
+    i.add_argument("--output-format", choices=["parquet", "npy", "jsonl"], help="default: from the output's suffix")
+    i.add_argument("--text-field", default="text", help="field or column holding the text (default: text)")
+    i.add_argument("--id-field", help="field or column holding the id (default: id when present, else the line "
+                   "or row number)")
+    i.add_argument("--vector-dtype", choices=["float32", "float16"], default="float32",
+                   help="how vectors are stored (float16 also halves what crosses Redis)")
+    i.add_argument("--chunk-size", type=_positive(int), default=64, help="texts per job (default 64)")
+    i.add_argument("--max-in-flight", type=_positive(int), default=32,
+                   help="jobs submitted and not yet collected (default 32)")
+    i.add_argument("--job-timeout", type=_positive(float), default=600.0,
+                   help="seconds the oldest job may go without a result before it is resubmitted (default 600)")
+    i.add_argument("--checkpoint-seconds", type=_positive(float), default=30.0,
+                   help="commit the output at least this often (default 30): what a crash can cost")
+    i.add_argument("--shard-rows", type=_positive(int), default=100_000, help="rows per Parquet shard at most")
+    i.add_argument("--overwrite", action="store_true", help="delete an existing output and start afresh")
+    i.add_argument("--json", action="store_true", help="also print the summary as JSON on stdout")
+    i.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_embedding_options(i)
     i.set_defaults(func=cmd_index)
 

@@ -77,6 +77,7 @@ def _store_outcome(job: Job, outcome: dict[str, Any] | errors.EmbedqError) -> No
     if isinstance(outcome, errors.EmbedqError):
         backend.mark_as_failure(req.id, outcome, request=req._context, call_errbacks=True)
     else:
+        outcome["worker"] = req.hostname  # the indexer's summary counts texts per worker
         backend.mark_as_done(req.id, outcome, request=req._context)
     RUNTIME.finished.put((req, outcome, time.monotonic() - job.received, job.size))
 

@@ -1,0 +1,409 @@
+"""The ``embedq index`` run: stream an input through the workers into a resumable output.
+
+Records are read one at a time, checked (id, duplicates, text) and grouped into jobs of
+``chunk_size`` texts; at most ``max_in_flight`` jobs are submitted and not yet collected. Jobs are
+collected oldest first, written, and deleted from Redis at once, so memory here and in Redis is
+bounded by the window however large the input. Ids already in the output are skipped, which is how a
+run continues after an interruption.
+
+Failure handling, per job:
+- a text the job's worker refuses (``empty_text``, ``too_many_tokens``, ...) fails the whole job, so
+  the job is split in halves until the bad text is alone; it goes to the errors file, the rest is
+  embedded;
+- a retryable error (``backend_error``, ``unavailable``) is resubmitted, up to ``max_attempts``;
+- a job whose result does not come ``job_timeout`` seconds after it became the oldest (a lost
+  message, a killed worker, a broker restarted without persistence) is resubmitted, together with
+  every other job in flight that has no result yet;
+- an error that concerns the options and would fail every job (``unknown_model``,
+  ``invalid_dimensions``, ...) stops the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from embedq import errors
+from embedq.producers.client import Client, JobHandle
+from embedq.producers.index.idset import IdSet, digest
+from embedq.producers.index.sinks import OutputLock, Sink, VectorDtype, open_sink
+from embedq.producers.index.sources import Source
+from embedq.protocol import EmbedOptions, Fingerprint, decode_result, validate_texts
+
+log = logging.getLogger(__name__)
+
+#: errors about the options, not the texts: every job would fail the same way, so the run stops
+FATAL_CODES = frozenset({"invalid_option", "unknown_model", "unknown_prompt_name", "invalid_dimensions",
+                         "too_many_texts", "empty_input", "unsupported_model", "invalid_request"})
+#: stop early when this many records in a row are unusable before any is usable (a wrong --text-field)
+FAIL_FAST_RECORDS = 1000
+
+
+@dataclass
+class IndexConfig:
+    chunk_size: int = 64
+    max_in_flight: int = 32
+    options: dict[str, Any] = field(default_factory=dict)
+    vector_dtype: VectorDtype = "float32"
+    job_timeout: float = 600.0
+    max_attempts: int = 5
+    checkpoint_seconds: float = 30.0
+    shard_rows: int = 100_000
+    broker_timeout: float = 300.0
+    overwrite: bool = False
+    progress: bool = True
+
+
+@dataclass
+class Summary:
+    input: str = ""
+    output: str = ""
+    texts: int = 0  # embedded by this run
+    tokens: int = 0
+    failed: int = 0
+    skipped: int = 0  # already in the output before this run
+    rows: int = 0  # committed rows in the output at the end
+    seconds: float = 0.0
+    resubmitted: int = 0
+    interrupted: bool = False
+    workers: Counter[str] = field(default_factory=Counter)
+    failures_by_code: Counter[str] = field(default_factory=Counter)
+    fingerprint: Fingerprint | None = None
+    errors_file: str | None = None
+
+    @property
+    def texts_per_second(self) -> float:
+        return self.texts / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "fingerprint"}
+        out["workers"] = dict(self.workers)
+        out["failures_by_code"] = dict(self.failures_by_code)
+        out["fingerprint"] = self.fingerprint.model_dump() if self.fingerprint else None
+        out["texts_per_second"] = round(self.texts_per_second, 2)
+        out["tokens_per_second"] = round(self.tokens_per_second, 1)
+        return out
+
+    def render(self) -> str:
+        state = "interrupted" if self.interrupted else "done"
+        codes = ", ".join(f"{code}: {n:,}" for code, n in self.failures_by_code.most_common())
+        lines = [
+            f"embedq index: {state} in {self.seconds:.1f}s: {self.input} -> {self.output}",
+            f"  embedded   {self.texts:,} texts, {self.tokens:,} tokens ({self.texts_per_second:,.1f} texts/s, "
+            f"{self.tokens_per_second:,.0f} tokens/s)",
+            f"  skipped    {self.skipped:,} already in the output",
+            f"  failed     {self.failed:,}" + (f" -> {self.errors_file} ({codes})" if self.failed else ""),
+            f"  output     {self.rows:,} rows" + (f"; {self.fingerprint.describe()}" if self.fingerprint else ""),
+        ]
+        if self.resubmitted:
+            lines.append(f"  resubmitted {self.resubmitted} jobs (timeouts or retryable errors)")
+        for i, (worker, n) in enumerate(self.workers.most_common()):
+            lines.append(f"  {'workers' if i == 0 else '':10} {worker}: {n:,} texts")
+        if self.interrupted:
+            lines.append("  run the same command again to continue where this run stopped")
+        return "\n".join(lines)
+
+
+@dataclass(eq=False)
+class _Chunk:
+    ids: list[str]
+    texts: list[str]
+    handle: JobHandle | None = None
+    submitted: float = 0.0
+    head_since: float | None = None
+    attempts: int = 0
+
+
+def storage_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options an output is made with, as the manifest records and compares them."""
+    wire = EmbedOptions.parse(options).wire()
+    wire.pop("encoding", None)  # the output's vector dtype decides it
+    wire.pop("model", None)  # the embedding-space fingerprint identifies the model
+    return wire
+
+
+class Indexer:
+    def __init__(self, client: Client, source: Source, output: Path, output_format: str,
+                 config: IndexConfig) -> None:
+        self.client = client
+        self.source = source
+        self.output = output
+        self.format = output_format
+        self.config = config
+        self.job_options = {**EmbedOptions.parse(config.options).wire(), "encoding": config.vector_dtype}
+        self.summary = Summary(input=source.describe(), output=str(output))
+        self.window: deque[_Chunk] = deque()
+        self.seen = IdSet()
+        self._errors: list[dict[str, Any]] = []
+        self._errors_started = False
+        self._records = 0
+        self._usable = 0
+        self._first_error: str | None = None
+        self._no_worker_warned = False
+        self.sink: Sink | None = None
+        self.bar: Any = None
+
+    # -- the run -------------------------------------------------------------------------------------
+    def run(self) -> Summary:
+        if self.source.path != "-" and Path(self.source.path).resolve() == self.output.resolve():
+            raise errors.InvalidOption("the output would overwrite the input")
+        with OutputLock(self.output):
+            self.sink = open_sink(self.output, self.format, vector_dtype=self.config.vector_dtype,
+                                  options=storage_options(self.config.options), shard_rows=self.config.shard_rows,
+                                  overwrite=self.config.overwrite)
+            self.summary.errors_file = str(self.sink.errors_path)
+            from tqdm import tqdm
+
+            total = self.source.count() if self.config.progress else None
+            self.bar = tqdm(total=total, unit="text", disable=not self.config.progress, smoothing=0.05,
+                            dynamic_ncols=True, desc="embedq index")
+            t0 = time.perf_counter()
+            self._last_commit = time.monotonic()
+            try:
+                self._loop()
+            except errors.OutputMismatch:
+                self.sink.close()  # nothing was written: the existing output stays as it was
+                raise
+            except KeyboardInterrupt:
+                self.summary.interrupted = True
+                self._finish(t0, complete=False)
+            except BaseException:
+                self._finish(t0, complete=False)
+                raise
+            else:
+                self._finish(t0, complete=True)
+            finally:
+                self.bar.close()
+        return self.summary
+
+    def _loop(self) -> None:
+        assert self.sink is not None
+        chunk = _Chunk([], [])
+        limits = self.client.settings
+        for rec in self.source:
+            self._records += 1
+            if rec.error is not None:
+                self._fail(rec.id, rec.error)
+                continue
+            key = digest(rec.id)
+            if key in self.seen:
+                self._fail(rec.id, errors.DuplicateId(f"id {rec.id!r} appears more than once in the input"))
+                continue
+            self.seen.add(key)
+            if key in self.sink.committed:
+                self.summary.skipped += 1
+                if self.bar.total:
+                    self.bar.total -= 1
+                continue
+            try:
+                validate_texts([rec.text], max_texts=1, max_chars=limits.max_chars)
+            except errors.EmbedqError as exc:
+                self._fail(rec.id, exc)
+                continue
+            self._usable += 1
+            chunk.ids.append(rec.id)
+            chunk.texts.append(rec.text)
+            if len(chunk.ids) >= self.config.chunk_size:
+                self._submit(chunk)
+                chunk = _Chunk([], [])
+                self._drain(self.config.max_in_flight - 1)
+        if chunk.ids:
+            self._submit(chunk)
+        self._drain(0)
+
+    def _finish(self, t0: float, *, complete: bool) -> None:
+        assert self.sink is not None
+        s = self.summary
+        try:
+            if self.sink.manifest.fingerprint is not None:
+                self.sink.commit()
+            self._flush_errors(final=complete)
+            s.rows = self.sink.manifest.rows
+            s.seconds = time.perf_counter() - t0
+            s.fingerprint = self.sink.manifest.fingerprint
+            m = self.sink.manifest
+            m.complete = complete and not s.failed
+            m.runs = [*m.runs[-19:], {"finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "input": s.input,
+                                      "texts": s.texts, "skipped": s.skipped, "failed": s.failed,
+                                      "seconds": round(s.seconds, 1), "interrupted": not complete,
+                                      "workers": dict(s.workers)}]
+            self.sink.save_manifest()
+        finally:
+            self.sink.close()
+        if not s.failed:
+            s.errors_file = None
+
+    # -- submitting and collecting ---------------------------------------------------------------
+    def _send(self, chunk: _Chunk) -> None:
+        chunk.handle = self._broker(lambda: self.client.submit(chunk.texts, **self.job_options))
+        chunk.submitted = time.monotonic()
+        chunk.head_since = None
+        chunk.attempts += 1
+
+    def _submit(self, chunk: _Chunk) -> None:
+        self._send(chunk)
+        self.window.append(chunk)
+
+    def _drain(self, keep: int) -> None:
+        while len(self.window) > keep:
+            self._collect_head()
+            self._maybe_commit()
+
+    def _collect_head(self) -> None:
+        chunk = self.window[0]
+        assert chunk.handle is not None
+        now = time.monotonic()
+        if chunk.head_since is None:
+            chunk.head_since = now
+        deadline = max(chunk.head_since, chunk.submitted) + self.config.job_timeout
+        handle = chunk.handle
+        try:
+            payload = self._broker(lambda: handle.payload(timeout=max(min(deadline - now, 5.0), 0.05)))
+        except errors.JobTimeout:  # no result yet (not an error the worker sent)
+            if time.monotonic() >= deadline:
+                self._on_timeout()
+            return
+        except errors.EmbedqError as exc:  # the job's own typed error, from the worker
+            self.window.popleft()
+            handle.forget()
+            self._on_job_error(chunk, exc)
+            return
+        self.window.popleft()
+        handle.forget()  # the result leaves Redis as soon as it is here
+        vectors, fingerprint = decode_result(payload)
+        assert self.sink is not None
+        self.sink.accept(fingerprint)  # OutputMismatch before the first write
+        self.sink.write(chunk.ids, vectors)
+        n = len(chunk.ids)
+        self.summary.texts += n
+        tokens = (payload.get("usage") or {}).get("tokens", 0)
+        self.summary.tokens += tokens
+        self.summary.workers[str(payload.get("worker", "unknown"))] += n
+        self.bar.update(n)
+        if self.bar.format_dict.get("elapsed"):
+            self.bar.set_postfix_str(f"{self.summary.tokens / self.bar.format_dict['elapsed']:,.0f} tokens/s",
+                                     refresh=False)
+
+    def _on_timeout(self) -> None:
+        """The oldest job is overdue: resubmit every job in flight that has no result yet.
+
+        Jobs keep their place in the window (and so the output keeps input order)."""
+        live = self._broker(lambda: self.client.workers(timeout=1.0))
+        if not live:
+            if not self._no_worker_warned:
+                self.bar.write("embedq index: no embedq worker answers; waiting for one (jobs stay queued)")
+                self._no_worker_warned = True
+            self.window[0].head_since = time.monotonic()  # not the job's fault: wait another round
+            return
+        self._no_worker_warned = False
+        overdue = [c for c in self.window if c.handle is not None and not c.handle.ready()]
+        for chunk in overdue:
+            assert chunk.handle is not None
+            chunk.handle.forget()
+            if chunk.attempts < self.config.max_attempts:
+                self.summary.resubmitted += 1
+                self._send(chunk)
+            else:
+                self.window.remove(chunk)
+                self._give_up(chunk, errors.JobTimeout(
+                    f"no result after {chunk.attempts} attempts of {self.config.job_timeout:.0f}s"))
+        if overdue:
+            log.warning("resubmitted %d jobs with no result after %.0fs", len(overdue), self.config.job_timeout)
+
+    def _on_job_error(self, chunk: _Chunk, exc: errors.EmbedqError) -> None:
+        """``chunk`` failed with the worker's typed error (and has left the window)."""
+        if exc.code in FATAL_CODES:
+            raise exc
+        if exc.retryable and chunk.attempts < self.config.max_attempts:
+            self.summary.resubmitted += 1
+            self._send(chunk)
+            self.window.appendleft(chunk)
+        else:
+            self._give_up(chunk, exc)
+
+    def _give_up(self, chunk: _Chunk, exc: errors.EmbedqError) -> None:
+        """Split a failing job until the text that fails it is alone; a lone text is a failure."""
+        if len(chunk.ids) == 1:
+            self._fail(chunk.ids[0], exc)
+            return
+        half = len(chunk.ids) // 2
+        for part in (_Chunk(chunk.ids[half:], chunk.texts[half:]), _Chunk(chunk.ids[:half], chunk.texts[:half])):
+            self._send(part)
+            self.window.appendleft(part)
+
+    # -- failures, commits ---------------------------------------------------------------------------
+    def _fail(self, doc_id: str, exc: errors.EmbedqError) -> None:
+        self.summary.failed += 1
+        self.summary.failures_by_code[exc.code] += 1
+        self._errors.append({"id": doc_id, "code": exc.code, "message": exc.message})
+        self.bar.update(1)
+        if self._first_error is None:
+            self._first_error = exc.message
+        if self._usable == 0 and self._records >= FAIL_FAST_RECORDS and self.summary.failed >= self._records:
+            raise errors.InvalidOption(
+                f"none of the first {self._records} records of {self.source.describe()} has a usable text "
+                f"(first error: {self._first_error}); check --text-field, --id-field and --input-format")
+
+    def _maybe_commit(self) -> None:
+        assert self.sink is not None
+        if time.monotonic() - self._last_commit < self.config.checkpoint_seconds:
+            return
+        if self.sink.manifest.fingerprint is not None:
+            self.sink.commit()
+            self._flush_errors()
+        self._last_commit = time.monotonic()
+
+    def _flush_errors(self, final: bool = False) -> None:
+        """The errors file lists the failures of the latest run (earlier failures are retried)."""
+        assert self.sink is not None
+        path = self.sink.errors_path
+        if not self._errors and not self._errors_started:
+            if final:
+                path.unlink(missing_ok=True)
+            return
+        with open(path, "a" if self._errors_started else "w", encoding="utf-8") as fh:
+            fh.writelines(json.dumps(e, ensure_ascii=False) + "\n" for e in self._errors)
+        self._errors_started = True
+        self._errors.clear()
+
+    def _broker(self, call: Any) -> Any:
+        """Run a broker call, riding out a broker that is restarting for up to ``broker_timeout``."""
+        from kombu.exceptions import OperationalError
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeout
+
+        deadline, pause = None, 0.5
+        while True:
+            try:
+                return call()
+            except (OperationalError, RedisConnectionError, RedisTimeout, ConnectionError) as exc:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.config.broker_timeout
+                    self.bar.write(f"embedq index: broker unreachable ({exc}); retrying for up to "
+                                   f"{self.config.broker_timeout:.0f}s")
+                if now >= deadline:
+                    raise errors.Unavailable(f"the broker did not answer for {self.config.broker_timeout:.0f}s: "
+                                             f"{exc}") from None
+                time.sleep(pause)
+                pause = min(pause * 2, 5.0)
+
+
+def run_index(client: Client, input_path: str, output: Path, *, input_format: str | None = None,
+              output_format: str | None = None, text_field: str = "text", id_field: str | None = None,
+              config: IndexConfig | None = None) -> Summary:
+    """Embed ``input_path`` (a path or ``-``) into ``output``; see :class:`IndexConfig`."""
+    from embedq.producers.index.sinks import detect_output_format
+
+    source = Source(input_path, input_format, text_field=text_field, id_field=id_field)
+    fmt = output_format or detect_output_format(output)
+    return Indexer(client, source, output, fmt, config or IndexConfig()).run()
