@@ -218,3 +218,68 @@ def test_e_two_workers_both_take_part(redis_server, corpus, tmp_path):
         assert [n for n in summary["workers"] if f"-{h.proc.pid}@" in n]
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert sorted(r["id"] for r in rows) == sorted(ids)
+
+
+def test_sigterm_commits_and_the_next_run_finishes(worker, corpus, tmp_path):
+    texts = corpus[:1500]
+    ids = _write_jsonl(tmp_path / "in.jsonl", texts)
+    out = tmp_path / "out.npy"
+    args = ("--chunk-size", "16", "--checkpoint-seconds", "600")  # only the stop itself commits
+    proc = subprocess.Popen(_index_cmd(tmp_path / "in.jsonl", out, *args), env=_env(worker.settings),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait(lambda: out.exists() and out.stat().st_size > 128 + 200 * 384 * 4, 300, "rows on disk", proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    first = json.loads(stdout)
+    assert first["interrupted"] and first["rows"] == first["texts"] > 200 and "run the same command" in stderr
+    assert np.load(out).shape == (first["rows"], 384)  # a valid .npy of what was committed
+
+    code, second, stderr = _run(worker.settings, tmp_path / "in.jsonl", out, *args)
+    assert code == 0, stderr
+    assert second["skipped"] == first["rows"] and second["texts"] == len(texts) - first["rows"]
+    got = (tmp_path / "out.ids.txt").read_text().splitlines()
+    assert sorted(got) == sorted(ids) and np.load(out).shape == (len(texts), 384)
+
+
+def test_texts_a_worker_refuses_are_split_out_and_the_rest_embedded(worker, corpus, tmp_path):
+    texts = [t for t in corpus if len(t) < 200][:40]
+    long_text = "a very long document " * 200  # over the model's 256 tokens
+    texts[5] = texts[27] = long_text
+    ids = _write_jsonl(tmp_path / "in.jsonl", texts)
+    out = tmp_path / "out.jsonl"
+    code, summary, stderr = _run(worker.settings, tmp_path / "in.jsonl", out, "--no-truncate", "--chunk-size", "16")
+    assert code == 1, stderr  # some failed: the exit code says so
+    assert summary["texts"] == 38 and summary["failed"] == 2
+    assert summary["failures_by_code"] == {"too_many_tokens": 2}
+    failed = [json.loads(line) for line in (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines()]
+    assert sorted(f["id"] for f in failed) == ["doc-27", "doc-5"]
+    rows = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert sorted(rows) == sorted(i for i in ids if i not in ("doc-5", "doc-27"))
+
+    # a later run with the long texts fixed retries exactly those two
+    texts[5] = texts[27] = "fixed now"
+    _write_jsonl(tmp_path / "in.jsonl", texts)
+    code, summary, stderr = _run(worker.settings, tmp_path / "in.jsonl", out, "--no-truncate", "--chunk-size", "16")
+    assert code == 0, stderr
+    assert summary["texts"] == 2 and summary["skipped"] == 38
+    assert not (tmp_path / "out.jsonl.errors.jsonl").exists()
+
+
+def test_option_errors_stop_the_run_and_inputs_from_stdin(worker, tmp_path):
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, ["one", "two"])
+    code, _, stderr = _run(worker.settings, src, tmp_path / "out.parquet", "--prompt-name", "no-such-prompt")
+    assert code == 2 and "[unknown_prompt_name]" in stderr
+
+    src.write_text("".join(json.dumps({"body": f"text {i}"}) + "\n" for i in range(1200)))
+    code, _, stderr = _run(worker.settings, src, tmp_path / "out2.parquet")
+    assert code == 2 and "none of the first 1000 records" in stderr and "--text-field" in stderr
+
+    proc = subprocess.run(_index_cmd(Path("-"), tmp_path / "out.npy", "--input-format", "text"),
+                          input="first line\n\nsecond line\n", env=_env(worker.settings), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out.ids.txt").read_text().splitlines() == ["1", "3"]  # ids are line numbers
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), worker.client.embed(["first line", "second line"]),
+                               atol=1e-6)

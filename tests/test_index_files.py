@@ -225,3 +225,23 @@ def test_one_writer_per_output(tmp_path):
         assert proc.returncode != 0 and "another embedq index is writing" in proc.stderr
     with OutputLock(out):  # released on exit, and a dead holder's lock is released by the kernel
         pass
+
+
+@pytest.mark.parametrize("fmt", ["npy", "jsonl"])
+def test_a_write_cut_short_is_never_committed(tmp_path, fmt):
+    """Bytes of a write that did not complete (a forced quit mid-write) are not counted by the commit."""
+    out = tmp_path / f"out.{fmt}"
+    sink = open_sink(out, fmt, vector_dtype="float32", options={})
+    sink.accept(FP)
+    sink.write(["a"], _vectors(1))
+    (sink._data if fmt == "npy" else sink._fh).write(b"\x01" * 10)  # half a row, and no id for it
+    sink.commit()
+    sink.close()
+    again = open_sink(out, fmt, vector_dtype="float32", options={})
+    again.accept(FP)
+    again.write(["b"], _vectors(1, 1))
+    again.commit()
+    again.close()
+    ids, vecs = _read(out, fmt)
+    assert ids == ["a", "b"]
+    np.testing.assert_array_equal(vecs, _vectors(2))

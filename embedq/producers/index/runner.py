@@ -44,6 +44,10 @@ FATAL_CODES = frozenset({"invalid_option", "unknown_model", "unknown_prompt_name
 FAIL_FAST_RECORDS = 1000
 
 
+class _Stop(Exception):
+    """A stop was asked (Ctrl-C, SIGTERM); raised only at points where the output is consistent."""
+
+
 @dataclass
 class IndexConfig:
     chunk_size: int = 64
@@ -151,6 +155,7 @@ class Indexer:
         self._no_worker_warned = False
         self.sink: Sink | None = None
         self.bar: Any = None
+        self._stop_asked = False
 
     # -- the run -------------------------------------------------------------------------------------
     def run(self) -> Summary:
@@ -170,28 +175,55 @@ class Indexer:
                             dynamic_ncols=True, desc="embedq index")
             t0 = time.perf_counter()
             self._last_commit = time.monotonic()
+            restore = self._catch_signals()
             try:
                 self._loop()
             except errors.OutputMismatch:
                 self.sink.close()  # nothing was written: the existing output stays as it was
                 raise
-            except KeyboardInterrupt:
+            except _Stop:
                 self.summary.interrupted = True
                 self._finish(t0, complete=False)
+            except KeyboardInterrupt:  # a second Ctrl-C: leave at once; the next run cuts back to the last commit
+                self.sink.close()
+                raise
             except BaseException:
                 self._finish(t0, complete=False)
                 raise
             else:
                 self._finish(t0, complete=True)
             finally:
+                restore()
                 self.bar.close()
         return self.summary
+
+    def _catch_signals(self) -> Any:
+        """Ctrl-C / SIGTERM ask for a stop that commits first; a second one interrupts at once."""
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def ask(signum: int, frame: Any) -> None:
+            if self._stop_asked:
+                raise KeyboardInterrupt
+            self._stop_asked = True
+            self.bar.write("embedq index: stopping: committing what has arrived (again to quit at once)")
+
+        previous = {sig: signal.signal(sig, ask) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
+
+    def _check_stop(self) -> None:
+        if self._stop_asked:
+            raise _Stop
 
     def _loop(self) -> None:
         assert self.sink is not None
         chunk = _Chunk([], [])
         limits = self.client.settings
         for rec in self.source:
+            self._check_stop()
             self._records += 1
             if rec.error is not None:
                 self._fail(rec.id, rec.error)
@@ -275,6 +307,7 @@ class Indexer:
 
     def _drain(self, keep: int) -> None:
         while len(self.window) > keep:
+            self._check_stop()
             self._collect_head()
             self._maybe_commit()
 

@@ -274,6 +274,9 @@ class NpySink(Sink):
         super().__init__(path, manifest, shard_rows=shard_rows)
         self._data: Any = None
         self._ids: Any = None
+        # bytes of complete writes only: a write cut short is never counted, so never committed
+        self._data_len = manifest.data_bytes or _NPY_HEADER
+        self._ids_len = manifest.ids_bytes
 
     @classmethod
     def ids_path(cls, path: Path) -> Path:
@@ -292,13 +295,18 @@ class NpySink(Sink):
                 fh.write(_npy_header(self.manifest.vector_dtype, 0, self.dimension))
             self.ids_path(self.path).write_bytes(b"")
         self._data = open(self.path, "r+b")  # noqa: SIM115 - kept open for the run
-        self._data.seek(0, os.SEEK_END)
-        self._ids = open(self.ids_path(self.path), "ab")  # noqa: SIM115
+        self._data.seek(self._data_len)
+        self._ids = open(self.ids_path(self.path), "r+b")  # noqa: SIM115
+        self._ids.seek(self._ids_len)
 
     def write(self, ids: list[str], vectors: np.ndarray) -> None:
         self._open()
-        self._data.write(self._vectors(vectors).tobytes())
-        self._ids.write("".join(i + "\n" for i in ids).encode("utf-8"))
+        data = self._vectors(vectors).tobytes()
+        names = "".join(i + "\n" for i in ids).encode("utf-8")
+        self._data.write(data)
+        self._ids.write(names)
+        self._data_len += len(data)
+        self._ids_len += len(names)
         self.pending_rows += len(ids)
 
     def _flush_data(self) -> None:
@@ -313,9 +321,9 @@ class NpySink(Sink):
         self._data.write(_npy_header(self.manifest.vector_dtype, rows, self.dimension))
         self._data.flush()
         os.fsync(self._data.fileno())
-        self._data.seek(0, os.SEEK_END)
-        self.manifest.data_bytes = self._data.tell()
-        self.manifest.ids_bytes = self._ids.tell()
+        self._data.seek(self._data_len)
+        self.manifest.data_bytes = self._data_len
+        self.manifest.ids_bytes = self._ids_len
 
     def close(self) -> None:
         for fh in (self._data, self._ids):
@@ -347,15 +355,19 @@ class JsonlSink(Sink):
     def __init__(self, path: Path, manifest: Manifest, *, shard_rows: int) -> None:
         super().__init__(path, manifest, shard_rows=shard_rows)
         self._fh: Any = None
+        self._len = manifest.data_bytes  # bytes of complete writes only
 
     def write(self, ids: list[str], vectors: np.ndarray) -> None:
         if self._fh is None:
-            self._fh = open(self.path, "ab")  # noqa: SIM115 - kept open for the run
+            self._fh = open(self.path, "r+b" if self.path.exists() else "w+b")  # noqa: SIM115 - kept for the run
+            self._fh.seek(self._len)
         fmt = "%.5g" if self.manifest.vector_dtype == "float16" else "%.9g"  # shortest exact round trip
         rows = self._vectors(vectors).astype(np.float64)
         lines = [f'{{"id": {json.dumps(i)}, "vector": [{",".join([fmt % x for x in row])}]}}\n'
                  for i, row in zip(ids, rows.tolist())]
-        self._fh.write("".join(lines).encode("utf-8"))
+        blob = "".join(lines).encode("utf-8")
+        self._fh.write(blob)
+        self._len += len(blob)
         self.pending_rows += len(ids)
 
     def _flush_data(self) -> None:
@@ -363,7 +375,7 @@ class JsonlSink(Sink):
             return
         self._fh.flush()
         os.fsync(self._fh.fileno())
-        self.manifest.data_bytes = self._fh.tell()
+        self.manifest.data_bytes = self._len
 
     def close(self) -> None:
         if self._fh is not None:
