@@ -155,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="jobs submitted and not yet collected (default 32)")
     i.add_argument("--job-timeout", type=_positive(float), default=600.0,
                    help="seconds the oldest job may go without a result before it is resubmitted (default 600)")
-    i.add_argument("--checkpoint-seconds", type=_positive(float), default=30.0,
-                   help="commit the output at least this often (default 30): what a crash can cost")
+    i.add_argument("--checkpoint-seconds", type=_positive(float), default=60.0,
+                   help="commit the output at least this often (default 60; what a crash can cost)")
     i.add_argument("--shard-rows", type=_positive(int), default=100_000, help="rows per Parquet shard at most")
     i.add_argument("--overwrite", action="store_true", help="delete an existing output and start afresh")
     i.add_argument("--json", action="store_true", help="also print the summary as JSON on stdout")

@@ -56,7 +56,7 @@ class IndexConfig:
     vector_dtype: VectorDtype = "float32"
     job_timeout: float = 600.0
     max_attempts: int = 5
-    checkpoint_seconds: float = 30.0
+    checkpoint_seconds: float = 60.0
     shard_rows: int = 100_000
     broker_timeout: float = 300.0
     overwrite: bool = False
