@@ -285,3 +285,41 @@ def test_option_errors_stop_the_run_and_inputs_from_stdin(worker, tmp_path):
     assert (tmp_path / "out.ids.txt").read_text().splitlines() == ["1", "3"]  # ids are line numbers
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), worker.client.embed(["first line", "second line"]),
                                atol=1e-6)
+
+
+def test_broker_restart_without_persistence_completes_by_resubmitting(corpus, tmp_path):
+    """Redis restarts empty mid-run: queued jobs and stored results are gone; the run still completes.
+
+    The worker may die of the lost connection (a kombu bug in restoring unacked messages on close;
+    worker reconnection belongs to the reliability work): then a new one is started, as a supervisor
+    would.
+    """
+    from embedq.producers.embedded import RedisServer
+
+    server = RedisServer().start()
+    settings = Settings(broker_url=server.url, queue="embedq.test.restart")
+    texts = corpus[:1200]
+    ids = _write_jsonl(tmp_path / "in.jsonl", texts)
+    out = tmp_path / "out.parquet"
+    workers = [WorkerHandle(settings, tmp_path / "w0.log")]
+    proc = subprocess.Popen(_index_cmd(tmp_path / "in.jsonl", out, "--chunk-size", "16", "--job-timeout", "10"),
+                            env=_env(settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: workers[0].stats()["items"] >= 200, 300, "the worker to embed", proc)
+        server.stop()
+        time.sleep(1)
+        server.start()
+        time.sleep(3)
+        if workers[0].proc.poll() is not None:
+            workers.append(WorkerHandle(settings, tmp_path / "w1.log"))
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for w in workers:
+            w.stop()
+        server.stop()
+    assert proc.returncode == 0, stderr
+    summary = json.loads(stdout)
+    got_ids, _ = _read_parquet(out)
+    assert sorted(got_ids) == sorted(ids) and summary["rows"] == len(ids)
