@@ -7,9 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from embedq.backends.cpu import guard_amx
 from embedq.producers.client import Client
 from embedq.producers.embedded import RedisServer, start_worker, stop_worker, wait_for_worker
 from embedq.settings import Settings
+
+# Tests load CPU models in this process too: protect it from VMs whose AMX faults (see embedq/backends/cpu.py)
+# before any test runs oneDNN.
+guard_amx()
 
 CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "corpus.jsonl"
 

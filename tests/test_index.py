@@ -278,10 +278,11 @@ def test_option_errors_stop_the_run_and_inputs_from_stdin(worker, tmp_path):
     code, _, stderr = _run(worker.settings, src, tmp_path / "out2.parquet")
     assert code == 2 and "none of the first 1000 records" in stderr and "--text-field" in stderr
 
-    proc = subprocess.run(_index_cmd(Path("-"), tmp_path / "out.npy", "--input-format", "text"),
-                          input="first line\n\nsecond line\n", env=_env(worker.settings), capture_output=True,
+    cmd = [c for c in _index_cmd(Path("-"), tmp_path / "out.npy", "--input-format", "text") if c != "-q"]
+    proc = subprocess.run(cmd, input="first line\n\nsecond line\n", env=_env(worker.settings), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+    assert "text/s" in proc.stderr and "tokens/s" in proc.stderr  # the progress bar
     assert (tmp_path / "out.ids.txt").read_text().splitlines() == ["1", "3"]  # ids are line numbers
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), worker.client.embed(["first line", "second line"]),
                                atol=1e-6)

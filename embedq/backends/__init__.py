@@ -57,6 +57,10 @@ def load_backend(
 ) -> Backend:
     """Load ``model`` (an id or a local folder) as a :class:`~embedq.backends.dense.DenseBackend`."""
     path = resolve_model_path(model)
+    if device == "cpu":
+        from embedq.backends.cpu import guard_amx
+
+        guard_amx()  # before anything runs oneDNN in this process
     from embedq.backends.dense import DenseBackend
 
     return DenseBackend(path, model_id=model, device=device, dtype=dtype, torch_threads=torch_threads,
