@@ -114,7 +114,15 @@ def test_vectors_match_sentence_transformers(backend, token_ids, st_vectors):
 
 
 def test_batch_invariance(backend, token_ids):
-    """Each sampled text alone vs inside 3 different random batches (partners, sizes, padding)."""
+    """Each sampled text alone vs inside 3 different random batches (partners, sizes, padding).
+
+    Compared as a job returns them (after the model's Normalize), which is DESIGN.md's bar. The raw
+    pooled vectors have norms up to 7.9, so their absolute differences are ~8x larger (up to 1.1e-6
+    with MKL's kernels on an Intel VM, where the same relative error is 1.4e-7 after normalising)."""
+
+    def returned(raw: np.ndarray) -> np.ndarray:
+        return postprocess(raw, normalize=backend.info.normalizes, dimensions=None)
+
     rng = random.Random(99)
     lengths = [len(ids) for ids in token_ids]
     # 40 texts of mixed lengths: 34 spread over 3..128 tokens and 6 truncated at 256.
@@ -123,7 +131,7 @@ def test_batch_invariance(backend, token_ids):
     step = len(short) / 34
     sample = [short[int(k * step)] for k in range(34)] + rng.sample(long_, 6)
     assert len(set(sample)) == 40
-    alone = {i: backend.embed([token_ids[i]])[0] for i in sample}
+    alone = {i: returned(backend.embed([token_ids[i]]))[0] for i in sample}
     others = [i for i in short if i not in alone]
     worst = 0.0
     seen = dict.fromkeys(sample, 0)
@@ -135,7 +143,7 @@ def test_batch_invariance(backend, token_ids):
             group, order = order[:size], order[size:]
             batch = group + rng.sample(others, rng.choice([0, 1, 2]))
             rng.shuffle(batch)
-            out = backend.embed([token_ids[j] for j in batch])
+            out = returned(backend.embed([token_ids[j] for j in batch]))
             for row, j in enumerate(batch):
                 if j in alone:
                     seen[j] += 1

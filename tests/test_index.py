@@ -128,8 +128,11 @@ def test_b_killed_indexer_resumes_without_gaps_or_duplicates(worker, corpus, tmp
     np.testing.assert_allclose(vectors[:: len(got_ids) // 50][: len(sample)], want, atol=1e-6)
 
 
-def test_c_killed_worker_is_replaced_and_the_run_completes(redis_server, corpus, tmp_path):
-    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.{tmp_path.name}")
+def test_c_killed_worker_is_replaced_and_the_run_completes(corpus, tmp_path):
+    from embedq.producers.embedded import RedisServer
+
+    server = RedisServer().start()  # its own: the dead worker's messages stay in this Redis' unacked hash
+    settings = Settings(broker_url=server.url, queue=f"embedq.test.{tmp_path.name}")
     texts = corpus[:1200]
     ids = _write_jsonl(tmp_path / "in.jsonl", texts)
     out = tmp_path / "out.parquet"
@@ -149,6 +152,7 @@ def test_c_killed_worker_is_replaced_and_the_run_completes(redis_server, corpus,
         first.stop()
         if second is not None:
             second.stop()
+        server.stop()
     assert proc.returncode == 0, stderr
     summary = json.loads(stdout)
     assert summary["resubmitted"] >= 1  # the jobs the dead worker held came back by timeout

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -209,7 +210,8 @@ class Indexer:
             if self._stop_asked:
                 raise KeyboardInterrupt
             self._stop_asked = True
-            self.bar.write("embedq index: stopping: committing what has arrived (again to quit at once)")
+            self.bar.write("embedq index: stopping: committing what has arrived (again to quit at once)",
+                           file=sys.stderr)
 
         previous = {sig: signal.signal(sig, ask) for sig in (signal.SIGINT, signal.SIGTERM)}
         return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
@@ -353,7 +355,8 @@ class Indexer:
         live = self._broker(lambda: self.client.workers(timeout=1.0))
         if not live:
             if not self._no_worker_warned:
-                self.bar.write("embedq index: no embedq worker answers; waiting for one (jobs stay queued)")
+                self.bar.write("embedq index: no embedq worker answers; waiting for one (jobs stay queued)",
+                               file=sys.stderr)
                 self._no_worker_warned = True
             self.window[0].head_since = time.monotonic()  # not the job's fault: wait another round
             return
@@ -443,7 +446,7 @@ class Indexer:
                 if deadline is None:
                     deadline = now + self.config.broker_timeout
                     self.bar.write(f"embedq index: broker unreachable ({exc}); retrying for up to "
-                                   f"{self.config.broker_timeout:.0f}s")
+                                   f"{self.config.broker_timeout:.0f}s", file=sys.stderr)
                 if now >= deadline:
                     raise errors.Unavailable(f"the broker did not answer for {self.config.broker_timeout:.0f}s: "
                                              f"{exc}") from None
