@@ -123,8 +123,7 @@ class _Chunk:
     ids: list[str]
     texts: list[str]
     handle: JobHandle | None = None
-    submitted: float = 0.0
-    head_since: float | None = None
+    head_since: float | None = None  # when it became the oldest job in flight (reset when resubmitted)
     attempts: int = 0
 
 
@@ -299,7 +298,6 @@ class Indexer:
     # -- submitting and collecting ---------------------------------------------------------------
     def _send(self, chunk: _Chunk) -> None:
         chunk.handle = self._broker(lambda: self.client.submit(chunk.texts, **self.job_options))
-        chunk.submitted = time.monotonic()
         chunk.head_since = None
         chunk.attempts += 1
 
@@ -319,7 +317,7 @@ class Indexer:
         now = time.monotonic()
         if chunk.head_since is None:
             chunk.head_since = now
-        deadline = max(chunk.head_since, chunk.submitted) + self.config.job_timeout
+        deadline = chunk.head_since + self.config.job_timeout
         handle = chunk.handle
         try:
             payload = self._broker(lambda: handle.payload(timeout=max(min(deadline - now, 5.0), 0.05)))
@@ -361,7 +359,7 @@ class Indexer:
             self.window[0].head_since = time.monotonic()  # not the job's fault: wait another round
             return
         self._no_worker_warned = False
-        overdue = [c for c in self.window if c.handle is not None and not c.handle.ready()]
+        overdue = self._broker(lambda: [c for c in self.window if c.handle is not None and not c.handle.ready()])
         for chunk in overdue:
             assert chunk.handle is not None
             chunk.handle.forget()
