@@ -110,7 +110,11 @@ class Sink:
         self.shard_rows = shard_rows
         self.committed = IdSet()  # ids committed before this run
         self.pending_rows = 0  # written since the last commit
-        self.dimension = manifest.fingerprint.dimensions if manifest.fingerprint else None
+
+    @property
+    def dimension(self) -> int | None:
+        fp = self.manifest.fingerprint
+        return fp.dimensions if fp is not None else None
 
     # -- paths -------------------------------------------------------------------------------------
     @classmethod
@@ -131,7 +135,6 @@ class Sink:
         have = self.manifest.fingerprint
         if have is None:
             self.manifest.fingerprint = fingerprint
-            self.dimension = fingerprint.dimensions
         elif not have.same_space(fingerprint):
             raise errors.OutputMismatch(
                 f"{self.path} holds vectors of another embedding space: it has [{have.describe()}], this run "
