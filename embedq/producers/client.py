@@ -15,11 +15,17 @@ import numpy as np
 from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import AsyncResult
+from kombu.exceptions import OperationalError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeout
 
 from embedq import errors
 from embedq.protocol import TASK_NAME, EmbedOptions, Fingerprint, decode_result, validate_texts
 from embedq.settings import Settings
 from embedq.workers.app import DEFAULT_RESULT_TIMEOUT, make_app
+
+#: What a call to the broker raises while Redis is down or restarting (kombu, redis-py or the socket).
+BROKER_ERRORS = (OperationalError, RedisConnectionError, RedisTimeout, OSError)
 
 
 class JobHandle:

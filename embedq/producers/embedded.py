@@ -135,10 +135,7 @@ def wait_for_worker(app: Any, proc: subprocess.Popen[bytes], *, timeout: float =
 
     Raises :class:`~embedq.errors.Unavailable` (with the end of its log) if it exits or stays silent.
     """
-    from kombu.exceptions import OperationalError
-    from redis.exceptions import ConnectionError as RedisConnectionError
-
-    from embedq.producers.client import worker_stats
+    from embedq.producers.client import BROKER_ERRORS, worker_stats
 
     node = f"-{proc.pid}@"  # worker_argv names each worker ...-<pid>@<host>
     deadline = time.monotonic() + timeout
@@ -147,7 +144,7 @@ def wait_for_worker(app: Any, proc: subprocess.Popen[bytes], *, timeout: float =
             raise errors.Unavailable(f"the embedq worker exited with code {proc.returncode}" + _log_tail(log_path))
         try:
             stats = worker_stats(app, 0.5)
-        except (OperationalError, RedisConnectionError, OSError):  # the broker is (re)starting: ask again
+        except BROKER_ERRORS:  # the broker is (re)starting: ask again
             time.sleep(0.5)
             continue
         if any(node in name and reply.get("ready") for name, reply in stats.items()):

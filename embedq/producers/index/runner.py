@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from embedq import errors
-from embedq.producers.client import Client, JobHandle
+from embedq.producers.client import BROKER_ERRORS, Client, JobHandle
 from embedq.producers.index.idset import IdSet, digest
 from embedq.producers.index.sinks import OutputLock, Sink, VectorDtype, open_sink
 from embedq.producers.index.sources import Source
@@ -431,15 +431,11 @@ class Indexer:
 
     def _broker(self, call: Any) -> Any:
         """Run a broker call, riding out a broker that is restarting for up to ``broker_timeout``."""
-        from kombu.exceptions import OperationalError
-        from redis.exceptions import ConnectionError as RedisConnectionError
-        from redis.exceptions import TimeoutError as RedisTimeout
-
         deadline, pause = None, 0.5
         while True:
             try:
                 return call()
-            except (OperationalError, RedisConnectionError, RedisTimeout, ConnectionError) as exc:
+            except BROKER_ERRORS as exc:
                 now = time.monotonic()
                 if deadline is None:
                     deadline = now + self.config.broker_timeout
