@@ -71,6 +71,19 @@ class TooLong(ValidationError):
     code = "too_many_tokens"
 
 
+class InvalidText(ValidationError):
+    """A text that is not valid Unicode (a lone surrogate cannot be encoded as UTF-8)."""
+
+    code = "invalid_text"
+
+
+class InvalidMessage(ValidationError):
+    """A task message the worker cannot read: undecodable, refused content type (pickle), wrong
+    structure or an unknown task name. It is never executed."""
+
+    code = "invalid_message"
+
+
 class InvalidRecord(ValidationError):
     """An input record the indexer cannot use: not JSON, no text field, a bad or missing id."""
 
@@ -100,6 +113,17 @@ class TooManyTexts(PayloadTooLarge):
 
 class TextTooLong(PayloadTooLarge):
     code = "text_too_long"
+
+
+class MessageTooLarge(PayloadTooLarge):
+    code = "message_too_large"
+
+
+class DeadLetter(EmbedqError):
+    """A job that crashed the worker on each of its last deliveries: it is not delivered again."""
+
+    code = "dead_letter"
+    http_status = 500
 
 
 # -- the system was wrong: may be retried ----------------------------------------------------------
@@ -132,13 +156,19 @@ class JobTimeout(Unavailable):
     code = "timeout"
 
 
+class JobLost(Unavailable):
+    """The broker lost the job (Redis restarted without its data) and it could not be resent."""
+
+    code = "job_lost"
+
+
 #: HTTP status for each code, for the gateway and the docs.
 HTTP_STATUS: dict[str, int] = {
     cls.code: cls.http_status
     for cls in (
         EmbedqError, ValidationError, EmptyInput, EmptyText, InvalidType, InvalidOption,
-        UnknownPromptName, InvalidDimensions, UnknownModel, TooLong, InvalidRecord, DuplicateId, OutputMismatch,
-        PayloadTooLarge, TooManyTexts,
-        TextTooLong, BackendError, UnsupportedModel, Overloaded, Unavailable, JobTimeout,
+        UnknownPromptName, InvalidDimensions, UnknownModel, TooLong, InvalidText, InvalidMessage, InvalidRecord,
+        DuplicateId, OutputMismatch, PayloadTooLarge, TooManyTexts, TextTooLong, MessageTooLarge, DeadLetter,
+        BackendError, UnsupportedModel, Overloaded, Unavailable, JobTimeout, JobLost,
     )
 }

@@ -26,7 +26,8 @@ TruncationSide = Literal["right", "left"]
 class EmbedOptions(BaseModel):
     """Per-job options (the task's keyword arguments). Unknown keys are refused."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+    # strict: "yes" is not a boolean and "64" not a number; a JSON producer sends the real types.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, protected_namespaces=())
 
     model: str | None = Field(default=None, description="Model the job is meant for; checked by the worker.")
     normalize: bool | None = Field(
@@ -88,7 +89,28 @@ def validate_texts(texts: Any, *, max_texts: int, max_chars: int) -> list[str]:
             raise errors.TextTooLong(f"inputs[{i}] has {len(text)} characters; the limit is {max_chars}")
         if not text.strip():
             raise errors.EmptyText(f"inputs[{i}] is empty or whitespace only")
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise errors.InvalidText(f"inputs[{i}] is not valid Unicode (a lone surrogate)") from None
     return list(texts)
+
+
+def check_message_size(texts: list[str], options: dict[str, Any], *, serializer: str, limit: int) -> None:
+    """Producer side: the job's message body must stay under ``limit`` bytes (workers check it again).
+
+    A JSON-escaped character takes at most 12 bytes, so only jobs that could reach the limit are
+    serialised to measure them."""
+    if sum(len(t) for t in texts) * 12 + 4096 <= limit:
+        return
+    from kombu.serialization import dumps
+
+    _, _, body = dumps([texts, options, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}],
+                       serializer=serializer)
+    if len(body) > limit:
+        raise errors.MessageTooLarge(
+            f"the job's message would have {len(body)} bytes; the limit is {limit} (send fewer texts per job)")
 
 
 # -- vectors -----------------------------------------------------------------------------------

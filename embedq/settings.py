@@ -55,7 +55,32 @@ class Settings(BaseSettings):
         "may overshoot by its own size). Bounds the time a message waits, see visibility_timeout.",
     )
     visibility_timeout: int = Field(
-        default=3600, ge=60, description="Seconds before Redis redelivers an unacknowledged message."
+        default=300, ge=5,
+        description="Seconds before Redis redelivers a message whose worker stopped renewing its lease. A live "
+        "worker renews the messages it holds every visibility_timeout/4 s, so this bounds how long a dead "
+        "worker's jobs wait, not how long a job may take.",
+    )
+    max_attempts: int = Field(
+        default=3, ge=1,
+        description="Deliveries that may end with the worker dead before a job is dead-lettered.",
+    )
+    max_message_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024, description="Size of one serialized job message, checked by "
+        "producers and again by workers.",
+    )
+    shutdown_timeout: float = Field(
+        default=30.0, gt=0, description="Seconds a worker stopping on SIGTERM waits for the micro-batch in "
+        "progress and the results being written before it returns what it holds to the queue.",
+    )
+    broker_timeout: float = Field(
+        default=30.0, gt=0, description="Seconds a producer's blocking call rides out an unreachable broker "
+        "before it raises `unavailable`.",
+    )
+    tls_ca_file: str | None = Field(default=None, description="CA bundle for rediss:// URLs.")
+    tls_cert_file: str | None = Field(default=None, description="Client certificate for rediss:// (mutual TLS).")
+    tls_key_file: str | None = Field(default=None, description="Client key for rediss:// (mutual TLS).")
+    tls_cert_reqs: Literal["required", "optional", "none"] = Field(
+        default="required", description="Verify the Redis server's certificate (rediss:// only).",
     )
     serializer: Literal["json", "msgpack"] = "json"
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (CPU).")

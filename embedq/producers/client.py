@@ -7,6 +7,8 @@ decoding of the compact result.
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -15,32 +17,48 @@ import numpy as np
 from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import AsyncResult
-from kombu.exceptions import OperationalError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeout
 
 from embedq import errors
-from embedq.protocol import TASK_NAME, EmbedOptions, Fingerprint, decode_result, validate_texts
+from embedq.protocol import (
+    TASK_NAME,
+    EmbedOptions,
+    Fingerprint,
+    check_message_size,
+    decode_result,
+    validate_texts,
+)
 from embedq.settings import Settings
-from embedq.workers.app import DEFAULT_RESULT_TIMEOUT, make_app
+from embedq.workers.app import BROKER_ERRORS, DEFAULT_RESULT_TIMEOUT, make_app, tls_options
 
-#: What a call to the broker raises while Redis is down or restarting (kombu, redis-py or the socket).
-BROKER_ERRORS = (OperationalError, RedisConnectionError, RedisTimeout, OSError)
+log = logging.getLogger(__name__)
+
+#: Seconds between checks, while a producer waits, that the broker is there and still holds its jobs.
+WAIT_SLICE = 2.0
+#: A key with no TTL that changes when Redis loses its data (restarted without persistence, flushed).
+EPOCH_KEY = "embedq.epoch"
 
 
 class JobHandle:
     """A submitted job: its id, its state, and its result once the worker stored it.
 
     Once collected, the outcome (vectors or typed error) stays on the handle, so reading it again, or
-    asking its status after the stored copy was deleted from Redis, answers at once.
+    asking its status after the stored copy was deleted from Redis, answers at once. While waiting, the
+    handle checks every few seconds that the broker answers (else ``unavailable`` after
+    ``broker_timeout``) and still has its data: if Redis came back empty, the job is sent again under
+    the same id (workers treat a repeated id as the same job).
     """
 
-    def __init__(self, result: AsyncResult) -> None:
+    def __init__(self, result: AsyncResult, client: Client | None = None, *, texts: list[str] | None = None,
+                 options: dict[str, Any] | None = None, queue: str | None = None, epoch: str | None = None) -> None:
         self._result = result
+        self._client = client
+        self._resend = (texts, options, queue)
+        self._epoch = epoch
         self._payload: dict[str, Any] | None = None
         self._error: errors.EmbedqError | None = None
         self.fingerprint: Fingerprint | None = None
         self.usage: dict[str, int] | None = None
+        self.resent = 0
 
     @property
     def id(self) -> str:
@@ -60,18 +78,60 @@ class JobHandle:
         return self._collected or self._result.ready()
 
     def payload(self, timeout: float | None = DEFAULT_RESULT_TIMEOUT) -> dict[str, Any]:
-        """The raw result dict, or the job's typed :class:`~embedq.errors.EmbedqError`."""
+        """The raw result dict, or the job's typed :class:`~embedq.errors.EmbedqError`.
+
+        Raises :class:`~embedq.errors.JobTimeout` after ``timeout`` seconds (None: no limit), and
+        :class:`~embedq.errors.Unavailable` when the broker stays unreachable for ``broker_timeout``.
+        """
         if self._error is not None:
             raise self._error
         if self._payload is None:
-            try:
-                self._payload = self._result.get(timeout=timeout, propagate=True, disable_sync_subtasks=False)
-            except CeleryTimeout:
-                raise errors.JobTimeout(f"job {self.id} has no result after {timeout}s") from None
-            except errors.EmbedqError as exc:
-                self._error = exc
-                raise
+            self._payload = self._wait(timeout)
         return self._payload
+
+    def _wait(self, timeout: float | None) -> dict[str, Any]:
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        broker_timeout = self._client.settings.broker_timeout if self._client else 30.0
+        down_since: float | None = None
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise errors.JobTimeout(f"job {self.id} has no result after {timeout}s")
+            step = WAIT_SLICE if left is None else max(min(WAIT_SLICE, left), 0.01)
+            try:
+                try:
+                    return self._result.get(timeout=step, propagate=True, disable_sync_subtasks=False)
+                except CeleryTimeout:
+                    pass
+                except errors.EmbedqError as exc:  # the job's own outcome: kept on the handle
+                    self._error = exc
+                    raise
+                if self._client is not None:
+                    self._check_broker()
+                down_since = None
+            except BROKER_ERRORS as exc:
+                now = time.monotonic()
+                down_since = down_since or now
+                if now - down_since >= broker_timeout:
+                    raise errors.Unavailable(
+                        f"the broker has not answered for {now - down_since:.0f}s while waiting for job "
+                        f"{self.id} ({type(exc).__name__})") from None
+                time.sleep(min(0.5, broker_timeout / 10))
+
+    def _check_broker(self) -> None:
+        """Between two waits: has Redis lost its data since this job was sent? Then send it again."""
+        assert self._client is not None
+        epoch = self._client.epoch(refresh=True)
+        if self._epoch is None or epoch == self._epoch:
+            return
+        texts, options, queue = self._resend
+        if texts is None:
+            raise errors.JobLost(f"the broker lost job {self.id} (Redis restarted without its data)")
+        log.warning("the broker lost its data; sending job %s again", self.id)
+        self._client.app.send_task(TASK_NAME, args=[texts], kwargs=options, queue=queue, task_id=self.id)
+        self._epoch = epoch
+        self.resent += 1
 
     def result(self, timeout: float | None = DEFAULT_RESULT_TIMEOUT, *, forget: bool = True) -> np.ndarray:
         """Block for the vectors (float32, one row per input, input order).
@@ -107,6 +167,9 @@ class Client:
             settings = settings.model_copy(update={"broker_url": broker_url})
         self.settings = settings
         self.app = app or make_app(settings)
+        self._redis: Any = None
+        self._epoch: str | None = None
+        self._epoch_read = 0.0
 
     def submit(self, texts: str | Sequence[str], *, queue: str | None = None, **options: Any) -> JobHandle:
         """Validate and enqueue one job; returns at once."""
@@ -114,11 +177,29 @@ class Client:
             texts, max_texts=self.settings.max_texts_per_job, max_chars=self.settings.max_chars
         )
         opts = EmbedOptions.parse(options)
-        result = self.app.send_task(
-            TASK_NAME, args=[texts], kwargs=opts.wire(), queue=queue or self.settings.queue_name,
-            task_id=str(uuid.uuid4()),
-        )
-        return JobHandle(result)
+        check_message_size(texts, opts.wire(), serializer=self.settings.serializer,
+                           limit=self.settings.max_message_bytes)
+        queue = queue or self.settings.queue_name
+        epoch = self.epoch()
+        result = self.app.send_task(TASK_NAME, args=[texts], kwargs=opts.wire(), queue=queue,
+                                    task_id=str(uuid.uuid4()))  # random: job ids cannot be guessed
+        return JobHandle(result, self, texts=texts, options=opts.wire(), queue=queue, epoch=epoch)
+
+    def epoch(self, *, refresh: bool = False) -> str:
+        """The broker's data epoch (:data:`EPOCH_KEY`), read at most once a second unless ``refresh``."""
+        now = time.monotonic()
+        if refresh or self._epoch is None or now - self._epoch_read > 1.0:
+            if self._redis is None:
+                import redis
+
+                self._redis = redis.Redis.from_url(self.settings.broker_url, socket_timeout=5,
+                                                   socket_connect_timeout=5, **(tls_options(self.settings) or {}))
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.set(EPOCH_KEY, uuid.uuid4().hex, nx=True)
+            pipe.get(EPOCH_KEY)
+            self._epoch = pipe.execute()[1].decode()
+            self._epoch_read = now
+        return self._epoch
 
     def embed(self, texts: str | Sequence[str], *, timeout: float | None = DEFAULT_RESULT_TIMEOUT,
               **options: Any) -> np.ndarray:
@@ -130,6 +211,8 @@ class Client:
         return worker_stats(self.app, timeout)
 
     def close(self) -> None:
+        if self._redis is not None:
+            self._redis.close()
         self.app.close()
 
     def __enter__(self) -> Client:

@@ -95,14 +95,14 @@ class RedisServer:
 
 
 def start_worker(settings: Settings, *, log_path: str | Path | None = None,
-                 extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start ``embedq worker`` as a child process against ``settings.broker_url``."""
+                 extra_env: dict[str, str] | None = None, command: list[str] | None = None) -> subprocess.Popen[bytes]:
+    """Start ``embedq worker`` (or ``command``) as a child process against ``settings.broker_url``."""
     env = dict(os.environ)
     env.update(settings_env(settings))
     env.update(extra_env or {})
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
     try:
-        return subprocess.Popen([sys.executable, "-m", "embedq", "worker"], env=env, stdout=out,
+        return subprocess.Popen(command or [sys.executable, "-m", "embedq", "worker"], env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     finally:
         if log_path:

@@ -7,12 +7,38 @@ and only a worker process loads a model.
 from __future__ import annotations
 
 from celery import Celery
+from kombu.exceptions import OperationalError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeout
 
 from embedq.protocol import TASK_NAME
 from embedq.settings import Settings
 
+#: What a call to the broker raises while Redis is down or restarting (kombu, redis-py or the socket).
+BROKER_ERRORS = (OperationalError, RedisConnectionError, RedisTimeout, OSError)
+
 #: Seconds a result may take before a producer's blocking call gives up (``Client.embed``).
 DEFAULT_RESULT_TIMEOUT = 600.0
+
+
+def lease_interval(settings: Settings) -> float:
+    """Seconds between a worker's renewals of the messages it holds (see workers/delivery.py)."""
+    return max(settings.visibility_timeout / 4, 1.0)
+
+
+def tls_options(settings: Settings) -> dict[str, object] | None:
+    """redis-py's TLS arguments for a ``rediss://`` URL (None for plain ``redis://``)."""
+    import ssl
+
+    if not (settings.broker_url or "").startswith("rediss://"):
+        return None
+    reqs = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
+    out: dict[str, object] = {"ssl_cert_reqs": reqs[settings.tls_cert_reqs]}
+    for key, value in (("ssl_ca_certs", settings.tls_ca_file), ("ssl_certfile", settings.tls_cert_file),
+                       ("ssl_keyfile", settings.tls_key_file)):
+        if value:
+            out[key] = value
+    return out
 
 
 def celery_config(settings: Settings) -> dict[str, object]:
@@ -20,19 +46,26 @@ def celery_config(settings: Settings) -> dict[str, object]:
     if broker is None:
         raise ValueError("no broker configured: set EMBEDQ_BROKER_URL (or use the CLI's embedded default)")
     transport_options = {
-        # A buffered message must never be redelivered while this worker still holds it: the
-        # prefetch window is bounded (prefetch_window) and a full window drains in far less
-        # than this. See docs/ARCHITECTURE.md.
+        # A message a worker holds is never redelivered while that worker lives: it renews the lease
+        # (the unacked index's timestamp) every lease_interval. A dead worker's messages come back after
+        # visibility_timeout; the restore sweep looks every lease_interval (kombu's default: 100 s).
+        # See docs/OPERATIONS.md for the arithmetic.
         "visibility_timeout": settings.visibility_timeout,
+        "unacked_restore_interval": lease_interval(settings),
+        "unacked_restore_throttle": 1,
+        # Fail a publish fast when Redis is gone instead of blocking a web request.
+        "socket_connect_timeout": 5,
     }
-    return {
+    config: dict[str, object] = {
         "broker_url": broker,
         "result_backend": settings.result_url,
         "broker_transport_options": transport_options,
         "result_backend_transport_options": {"retry_policy": {"timeout": 5.0}},
         "broker_connection_retry_on_startup": True,
+        "broker_connection_max_retries": None,  # a worker outlives any Redis restart
         "task_serializer": settings.serializer,
         "result_serializer": settings.serializer,
+        # Never pickle: a pickle message is refused before it is decoded (workers/delivery.py records why).
         "accept_content": ["json", "msgpack"],
         "result_accept_content": ["json", "msgpack"],
         "result_expires": settings.result_ttl,
@@ -44,8 +77,16 @@ def celery_config(settings: Settings) -> dict[str, object]:
         "worker_send_task_events": True,
         "task_send_sent_event": False,
         "worker_hijack_root_logger": False,
+        "worker_cancel_long_running_tasks_on_connection_loss": False,  # our jobs never reach the pool
         "broker_channel_error_retry": True,
+        "worker_consumer": "embedq.workers.consumer:EmbedqConsumer",
     }
+    tls = tls_options(settings)
+    if tls is not None:
+        config["broker_use_ssl"] = tls
+        if (settings.result_url or "").startswith("rediss://"):
+            config["redis_backend_use_ssl"] = tls
+    return config
 
 
 def make_app(settings: Settings, *, name: str = "embedq") -> Celery:

@@ -6,6 +6,12 @@ it, and returns at once: the consumer keeps pulling messages up to the prefetch 
 unacknowledged limit), so the scheduler sees the texts of *all* waiting jobs. When a job is done,
 the inference thread stores its result (or typed error) in the result backend; only then is the
 message acknowledged — on the consumer's own thread, which owns the broker channel.
+
+Delivery is at least once and idempotent (see :mod:`embedq.workers.delivery`): held messages keep
+their lease, redelivered ones are checked against what is stored, suspects of a crash run alone and
+are dead-lettered after ``max_attempts`` worker deaths, and a message that cannot be read is refused
+with a typed error, never logged with its body and never run. On SIGTERM :class:`GracefulStop`
+finishes the micro-batch in progress, stores and acknowledges what is done, and hands the rest back.
 """
 
 from __future__ import annotations
@@ -13,17 +19,22 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
-from celery import Celery, Task, signals
+from celery import Celery, Task, bootsteps
 from celery.worker import state as worker_state
+from celery.worker.consumer import Consumer
 from celery.worker.control import inspect_command
+from kombu.exceptions import ContentDisallowed
 from kombu.utils.imports import symbol_by_name
 
 from embedq import errors
 from embedq.batching import PrefetchWindow
 from embedq.protocol import TASK_NAME
 from embedq.settings import Settings
+from embedq.workers.app import BROKER_ERRORS, lease_interval
+from embedq.workers.delivery import Ledger, Verdict, renew_leases
 from embedq.workers.service import EmbeddingService, Job
 
 log = logging.getLogger(__name__)
@@ -32,17 +43,35 @@ ACK_INTERVAL = 0.02  # seconds between drains of finished jobs on the consumer t
 
 
 class _Runtime:
-    """Per-process state of a worker: its settings, the service, and finished jobs to ack."""
+    """Per-process state of a worker: its settings, the service, the jobs it holds, finished jobs to ack."""
 
     settings: Settings | None = None
     service: EmbeddingService | None = None
+    ledger: Ledger | None = None
     finished: queue.SimpleQueue = queue.SimpleQueue()
-    timer_entry: Any = None
+    timers: list[Any] = []
     window: PrefetchWindow | None = None
     consumer: Any = None  # Celery's Consumer: its qos is the channel's prefetch count
+    held: dict[str, Job] = {}  # job id -> job, from delivery until acknowledged (consumer thread only)
+    stopped: bool = False
 
 
 RUNTIME = _Runtime()
+
+#: A job whose terminal record was already stored before this delivery (see delivery.Ledger.check).
+ALREADY_STORED = "already-stored"
+
+
+@dataclass
+class Delivery:
+    """The Celery requests (messages) that carry one job: usually one, more when it was delivered again
+    while this worker held it. Each is acknowledged once the job's record is stored."""
+
+    reqs: list[tuple[Any, int]] = field(default_factory=list)  # (request, texts counted in the window)
+
+    @property
+    def primary(self) -> Any:
+        return self.reqs[0][0]
 
 
 def configure(settings: Settings) -> None:
@@ -66,20 +95,47 @@ def load_service() -> EmbeddingService:
         )
         log.info("loaded %s on %s (%s, %s linear kernel) in %.1fs", backend.info.model_id, backend.info.device,
                  backend.info.dtype, backend.info.linear_kernel, time.perf_counter() - t0)
-        RUNTIME.service = EmbeddingService(backend, settings, on_done=_store_outcome).start()
+        RUNTIME.service = EmbeddingService(backend, settings, on_done=_store_outcome,
+                                           on_isolated_run=_count_run).start()
     return RUNTIME.service
 
 
+def _count_run(job: Job) -> None:
+    """Inference thread: a suspect job runs alone now; count it before it can take the worker down."""
+    if RUNTIME.ledger is not None:
+        try:
+            RUNTIME.ledger.count_run(job.id)
+        except BROKER_ERRORS:
+            log.warning("could not count the run of suspect job %s (broker unreachable)", job.id)
+
+
 def _store_outcome(job: Job, outcome: dict[str, Any] | errors.EmbedqError) -> None:
-    """Runs on the inference (or consumer) thread: write the terminal record, then queue the ack."""
-    req = job.context
+    """Results thread: write the terminal record (riding out a broker restart), then queue the ack.
+
+    If the service stops before the record is stored, the job is left unacknowledged: its message is
+    handed back (or redelivered) and the job runs again.
+    """
+    req = job.context.primary
     backend = req.task.backend  # thread-local backend instance
-    if isinstance(outcome, errors.EmbedqError):
-        backend.mark_as_failure(req.id, outcome, request=req._context, call_errbacks=True)
-    else:
+    if not isinstance(outcome, errors.EmbedqError):
         outcome["worker"] = req.hostname  # the indexer's summary counts texts per worker
-        backend.mark_as_done(req.id, outcome, request=req._context)
-    RUNTIME.finished.put((req, outcome, time.monotonic() - job.received, job.size))
+    delay = 0.2
+    while True:
+        try:
+            if isinstance(outcome, errors.EmbedqError):
+                backend.mark_as_failure(req.id, outcome, request=req._context, call_errbacks=True)
+            else:
+                backend.mark_as_done(req.id, outcome, request=req._context)
+            break
+        except BROKER_ERRORS as exc:
+            if RUNTIME.service is not None and RUNTIME.service.stopping:
+                log.warning("could not store job %s before stopping (%s); it will run again", job.id,
+                            type(exc).__name__)
+                return
+            log.warning("storing job %s failed (%s); retrying in %.1fs", job.id, type(exc).__name__, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+    RUNTIME.finished.put((job, outcome, time.monotonic() - job.received))
 
 
 def _apply_window() -> None:
@@ -96,27 +152,68 @@ def _apply_window() -> None:
         qos.update()  # at once, so the transport stops (or resumes) fetching before the next message
 
 
+def _current_channel() -> Any:
+    task_consumer = getattr(RUNTIME.consumer, "task_consumer", None)
+    return getattr(task_consumer, "channel", None)
+
+
+def _ack(req: Any) -> None:
+    """Acknowledge one message. After a reconnect its channel is gone; the unacked entry in Redis is
+    the same, so it is removed through the current channel."""
+    if req.acknowledged:
+        return
+    message = req.message
+    try:
+        message.ack()
+    except Exception:
+        channel = _current_channel()
+        if channel is None:
+            raise
+        channel.qos.ack(message.delivery_tag)
+    req.acknowledged = True
+
+
 def _drain_finished() -> None:
     """Consumer thread: acknowledge what has been stored and emit the task events."""
     released = False
     while True:
         try:
-            req, outcome, runtime, size = RUNTIME.finished.get_nowait()
+            job, outcome, runtime = RUNTIME.finished.get_nowait()
         except queue.Empty:
             break
-        try:
-            req.acknowledge()
-        finally:
-            worker_state.task_ready(req, successful=not isinstance(outcome, errors.EmbedqError))
+        if RUNTIME.held.get(job.id) is job:
+            del RUNTIME.held[job.id]
+        failed = isinstance(outcome, errors.EmbedqError)
+        for req, size in job.context.reqs:
+            try:
+                _ack(req)
+            except Exception:  # the broker is away: the message is redelivered and found already stored
+                log.warning("could not acknowledge job %s; it will be redelivered and recognised", job.id)
+            worker_state.task_ready(req, successful=not failed)
             if RUNTIME.window is not None:
                 RUNTIME.window.released(size)
                 released = True
-        if isinstance(outcome, errors.EmbedqError):
+        req = job.context.primary
+        if failed:
             req.send_event("task-failed", exception=repr(outcome), traceback="")
+        elif outcome == ALREADY_STORED:
+            req.send_event("task-succeeded", result="already stored", runtime=runtime)
         else:
             req.send_event("task-succeeded", result=f"{outcome['usage']['texts']} vectors", runtime=runtime)
     if released:
         _apply_window()
+
+
+def _renew_leases() -> None:
+    """Consumer thread: keep every held message from being redelivered while this worker lives."""
+    channel = _current_channel()
+    if channel is None or not RUNTIME.held:
+        return
+    tags = [req.message.delivery_tag for job in RUNTIME.held.values() for req, _ in job.context.reqs]
+    try:
+        renew_leases(channel, tags)
+    except Exception as exc:
+        log.warning("could not renew the leases of %d held messages: %s", len(tags), type(exc).__name__)
 
 
 def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
@@ -125,19 +222,29 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
     from celery.worker.strategy import hybrid_to_proto2, proto1_to_proto2
 
     service = load_service()
+    settings = service.settings
     hostname = consumer.hostname
     eventer = consumer.event_dispatcher
     connection_errors = consumer.connection_errors
     Req = create_request_cls(symbol_by_name(task.Request), task, consumer.pool, hostname, eventer, app=app)
     if RUNTIME.window is None:  # kept across consumer restarts: held messages are still held
-        RUNTIME.window = PrefetchWindow(max_messages=service.settings.prefetch_window,
-                                        max_texts=service.settings.prefetch_texts)
+        RUNTIME.window = PrefetchWindow(max_messages=settings.prefetch_window, max_texts=settings.prefetch_texts)
+    if RUNTIME.ledger is None:
+        RUNTIME.ledger = Ledger(task.backend, max_attempts=settings.max_attempts)
     RUNTIME.consumer = consumer
-    if RUNTIME.timer_entry is not None:
-        RUNTIME.timer_entry.cancel()
-    RUNTIME.timer_entry = consumer.timer.call_repeatedly(ACK_INTERVAL, _drain_finished)
+    for entry in RUNTIME.timers:
+        entry.cancel()
+    RUNTIME.timers = [consumer.timer.call_repeatedly(ACK_INTERVAL, _drain_finished),
+                      consumer.timer.call_repeatedly(lease_interval(settings), _renew_leases)]
 
     def handler(message, body, ack, reject, callbacks, **kw):
+        if RUNTIME.stopped:  # a delivery that raced the graceful stop: straight back to the queue
+            message.reject(requeue=True)
+            return
+        too_large = _too_large(message, settings.max_message_bytes)
+        if too_large is not None:
+            refuse(task, message, too_large)
+            return
         try:
             if body is None and "args" not in message.payload:
                 body, headers, decoded, utc = message.body, message.headers, False, app.uses_utc_timezone()
@@ -148,27 +255,77 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
             req = Req(message, on_ack=ack, on_reject=reject, app=app, hostname=hostname, eventer=eventer,
                       task=task, connection_errors=connection_errors, body=body, headers=headers,
                       decoded=decoded, utc=utc)
-        except Exception as exc:
-            _refuse_malformed(task, message, exc)
+            args, kwargs = req.args, req.kwargs
+        except ContentDisallowed:
+            refuse(task, message, errors.InvalidMessage(
+                f"content type {message.content_type!r} refused: only json and msgpack are accepted"))
             return
-        worker_state.task_reserved(req)
-        req.send_event("task-received", name=req.name, args=_short_args(req), kwargs="")
-        args = req.args
+        except Exception as exc:
+            refuse(task, message, errors.InvalidMessage(f"malformed task message ({type(exc).__name__})"))
+            return
+        if not isinstance(req.id, str) or not req.id:
+            refuse(task, message, errors.InvalidMessage("the message has no job id"))
+            return
         if not isinstance(args, (list, tuple)) or len(args) != 1:
             texts: Any = _BadArgs(args)
         else:
             texts = args[0]
-        job = Job(id=req.id, texts=texts, options=req.kwargs, context=req,
-                  size=len(texts) if isinstance(texts, (list, tuple)) else 1)
-        RUNTIME.window.received(job.size)
+        size = len(texts) if isinstance(texts, (list, tuple)) else 1
+        worker_state.task_reserved(req)
+        RUNTIME.window.received(size)
         _apply_window()
-        if isinstance(texts, _BadArgs):
+        held = RUNTIME.held.get(req.id)
+        if held is not None:  # delivered again while held (resent, or restored across a reconnect)
+            held.context.reqs.append((req, size))
+            service.stats.duplicates += 1
+            return
+        req.send_event("task-received", name=req.name, args=_short_args(req), kwargs="")
+        job = Job(id=req.id, texts=texts, options=kwargs, context=Delivery([(req, size)]), size=size)
+        RUNTIME.held[job.id] = job
+        verdict = Verdict()
+        if req.delivery_info.get("redelivered") or (req._request_dict or {}).get("redelivered"):
+            service.stats.redelivered += 1
+            try:
+                verdict = RUNTIME.ledger.check(job.id)
+            except Exception as exc:  # cannot tell: the safe side is to run it alone
+                log.warning("could not read the history of redelivered job %s: %s", job.id, type(exc).__name__)
+                verdict = Verdict(suspect=True, crashes=1)
+        if verdict.stored:
+            service.stats.jobs_received += 1
+            service.stats.already_stored += 1
+            RUNTIME.finished.put((job, ALREADY_STORED, 0.0))
+        elif verdict.crashes >= settings.max_attempts:
+            _dead_letter(service, job, verdict.crashes, hostname, message)
+        elif isinstance(texts, _BadArgs):
+            service.stats.jobs_received += 1
             service.fail(job, errors.InvalidType(
                 f"{TASK_NAME} takes exactly one positional argument (the list of texts)"))
-            return
-        service.submit(job)
+        else:
+            job.suspect = verdict.suspect
+            service.submit(job)
 
     return handler
+
+
+def _dead_letter(service: EmbeddingService, job: Job, crashes: int, hostname: str, message: Any) -> None:
+    queue_name = (message.delivery_info or {}).get("routing_key") or service.settings.queue_name
+    log.error("job %s was running when the worker died %d times: dead-lettered", job.id, crashes)
+    try:
+        RUNTIME.ledger.dead_letter(job.id, queue=queue_name, crashes=crashes, worker=hostname, texts=job.size)
+    except BROKER_ERRORS:
+        log.warning("could not record dead letter %s", job.id)
+    service.stats.jobs_received += 1
+    service.stats.dead_letters += 1
+    service.fail(job, errors.DeadLetter(
+        f"the worker died while running this job {crashes} times (max_attempts={service.settings.max_attempts}); "
+        "it is not delivered again"))
+
+
+def _too_large(message: Any, limit: int) -> errors.EmbedqError | None:
+    body = getattr(message, "body", None)
+    if isinstance(body, (bytes, bytearray, str)) and len(body) > limit:
+        return errors.MessageTooLarge(f"the message body has {len(body)} bytes; the limit is {limit}")
+    return None
 
 
 class _BadArgs:
@@ -184,12 +341,22 @@ def _short_args(req: Any) -> str:
         return "[?]"
 
 
-def _refuse_malformed(task: Task, message: Any, exc: Exception) -> None:
-    """A message Celery cannot parse: record a typed error if it has an id, and drop it."""
-    task_id = (getattr(message, "headers", None) or {}).get("id")
-    log.warning("refusing malformed message %s: %s", task_id, type(exc).__name__)
-    if task_id:
-        task.backend.mark_as_failure(task_id, errors.InvalidType(f"malformed task message: {exc}"))
+def refuse(task: Task, message: Any, error: errors.EmbedqError) -> None:
+    """A message that is never run: record its typed error when it names a job, acknowledge it, and log
+    its id and the reason only (never its body: it may hold users' texts)."""
+    headers = getattr(message, "headers", None)
+    task_id = headers.get("id") if isinstance(headers, dict) else None
+    log.warning("refused message %s: %s", task_id if isinstance(task_id, str) else "(no id)", error.message)
+    if isinstance(task_id, str) and task_id:
+        try:
+            task.backend.mark_as_failure(task_id, error)
+        except BROKER_ERRORS:
+            log.warning("could not store the refusal of %s", task_id)
+    if RUNTIME.service is not None:
+        RUNTIME.service.stats.jobs_received += 1
+        RUNTIME.service.stats.jobs_failed += 1
+        codes = RUNTIME.service.stats.errors_by_code
+        codes[error.code] = codes.get(error.code, 0) + 1
     message.ack()
 
 
@@ -206,6 +373,7 @@ class EmbedTask(Task):
 
 
 def register(app: Celery) -> Task:
+    app.steps["consumer"].add(GracefulStop)
     return app.register_task(EmbedTask())
 
 
@@ -228,11 +396,79 @@ def _window_stats() -> dict[str, int]:
             "peak_held_texts": window.peak_texts, "prefetch_limit": window.limit()}
 
 
-@signals.worker_shutting_down.connect
-def _on_shutdown(**_: Any) -> None:
-    if RUNTIME.service is not None:
-        RUNTIME.service.stop(timeout=60)
-        try:
-            _drain_finished()  # ack what was stored; the rest goes back to the queue
-        except Exception:
-            log.warning("could not acknowledge finished jobs at shutdown", exc_info=True)
+
+
+class GracefulStop(bootsteps.StartStopStep):
+    """Consumer bootstep: the worker's warm shutdown (SIGTERM, Ctrl-C).
+
+    It runs after Celery has stopped consuming and before the channel closes: the micro-batch in
+    progress finishes (bounded by ``shutdown_timeout``), finished jobs are stored and acknowledged,
+    and every job still held goes back to the head of its queue, marked as handed back so its next
+    delivery is not taken for a crash. kombu's own restore-at-close is switched off: on a lost
+    connection it would requeue jobs this worker is still running (and, with Redis away, dump them
+    to a file); held messages keep their lease instead and are acknowledged after the reconnect.
+    """
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, c: Any) -> None:
+        channel = getattr(c.task_consumer, "channel", None)
+        if channel is not None:
+            channel.qos.restore_at_shutdown = False
+
+    def stop(self, c: Any) -> None:
+        if worker_state.should_stop is not None or worker_state.should_terminate is not None:
+            self.shutdown(c)
+
+    def shutdown(self, c: Any) -> None:
+        if RUNTIME.stopped or RUNTIME.service is None:
+            return
+        RUNTIME.stopped = True
+        settings = RUNTIME.service.settings
+        t0 = time.monotonic()
+        RUNTIME.service.stop(timeout=settings.shutdown_timeout)
+        _drain_finished()
+        leftover = list(RUNTIME.held.values())
+        if leftover and RUNTIME.ledger is not None:
+            try:
+                RUNTIME.ledger.returned([job.id for job in leftover])
+            except BROKER_ERRORS:
+                log.warning("could not mark %d returned jobs", len(leftover))
+        returned = 0
+        for job in leftover:
+            for req, _ in job.context.reqs:
+                try:
+                    req.message.channel.qos.restore_by_tag(req.message.delivery_tag)
+                    returned += 1
+                except Exception as exc:  # it stays in the unacked hash: redelivered after its lease lapses
+                    log.warning("could not hand job %s back: %s", job.id, type(exc).__name__)
+        RUNTIME.held.clear()
+        log.info("stopped in %.1fs: handed %d buffered messages back to the queue", time.monotonic() - t0,
+                 returned)
+
+
+class EmbedqConsumer(Consumer):
+    """Celery's consumer, refusing what it cannot run without logging message bodies.
+
+    Celery's own handlers log up to 1 KiB of the body (users' texts) at ERROR/CRITICAL and leave the
+    producer waiting; these record a typed ``invalid_message`` error for the job id and log the reason.
+    """
+
+    def _task(self) -> Task:
+        return self.app.tasks[TASK_NAME]
+
+    def on_decode_error(self, message: Any, exc: Exception) -> None:
+        compression = (message.headers or {}).get("compression") if isinstance(message.headers, dict) else None
+        how = f"content type {message.content_type!r}" + (f", compression {compression!r}" if compression else "")
+        refuse(self._task(), message, errors.InvalidMessage(f"cannot decode the message ({type(exc).__name__}; {how})"))
+
+    def on_unknown_message(self, body: Any, message: Any) -> None:
+        refuse(self._task(), message, errors.InvalidMessage("not a Celery task message"))
+
+    def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
+        headers = message.headers if isinstance(message.headers, dict) else {}
+        name = str(headers.get("task"))[:100]
+        refuse(self._task(), message, errors.InvalidMessage(f"unknown task {name!r}; this queue runs {TASK_NAME}"))
+
+    def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
+        refuse(self._task(), message, errors.InvalidMessage(f"invalid task message ({type(exc).__name__})"))

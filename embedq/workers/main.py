@@ -7,7 +7,7 @@ import os
 import socket
 
 from embedq.settings import Settings
-from embedq.workers import consumer
+from embedq.workers import consumer, transport
 from embedq.workers.app import make_app
 
 
@@ -32,6 +32,7 @@ def worker_argv(settings: Settings, *, hostname: str | None = None, loglevel: st
 def run_worker(settings: Settings, *, hostname: str | None = None, loglevel: str = "INFO") -> None:
     logging.basicConfig(level=getattr(logging, loglevel.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    transport.install()
     consumer.configure(settings)
     consumer.load_service()  # fail fast (non-zero exit) on a model that cannot load
     app = make_app(settings)

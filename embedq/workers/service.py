@@ -10,6 +10,7 @@ two forward passes, and the consumer thread stays free to send heartbeats during
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -48,6 +49,7 @@ class Job:
     raw: np.ndarray | None = None
     remaining: int = 0
     done: bool = False
+    suspect: bool = False  # redelivered after its worker died: runs alone (see workers/delivery.py)
 
 
 @dataclass
@@ -66,6 +68,12 @@ class Stats:
     inference_seconds: float = 0.0
     results_seconds: float = 0.0  # results thread: post-processing, encoding and storing finished jobs
     errors_by_code: dict[str, int] = field(default_factory=dict)
+    # delivery (see workers/delivery.py)
+    redelivered: int = 0  # messages that came back to the queue (a worker died or stopped)
+    duplicates: int = 0  # deliveries of a job this worker already held (counted once)
+    already_stored: int = 0  # redelivered jobs whose record was already stored: acknowledged, not run
+    isolated_runs: int = 0  # suspect jobs run alone
+    dead_letters: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -75,10 +83,12 @@ class Stats:
 
 
 class EmbeddingService:
-    def __init__(self, backend: Backend, settings: Settings, on_done: DoneCallback) -> None:
+    def __init__(self, backend: Backend, settings: Settings, on_done: DoneCallback,
+                 on_isolated_run: Callable[[Job], None] | None = None) -> None:
         self.backend = backend
         self.settings = settings
         self.on_done = on_done
+        self.on_isolated_run = on_isolated_run
         self.info = backend.info
         self.stats = Stats()
         self.scheduler = Scheduler(
@@ -88,6 +98,8 @@ class EmbeddingService:
         )
         self._cond = threading.Condition()
         self._stopping = False
+        # Suspects of a crash, oldest first: each runs alone, so a poison job can only take itself down.
+        self._suspects: collections.deque[Job] = collections.deque()
         self._aliases = _model_aliases(settings.model, self.info.model_id)
         self._thread = threading.Thread(target=self._loop, name="embedq-inference", daemon=True)
         # (job, None) to finish a job, (job, error) to fail it; None stops the results thread.
@@ -99,6 +111,10 @@ class EmbeddingService:
         self._writer.start()
         self._thread.start()
         return self
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """Finish the micro-batch in progress, write every finished job's outcome, and stop.
@@ -128,7 +144,10 @@ class EmbeddingService:
             self.fail(job, errors.BackendError(f"could not tokenize: {type(exc).__name__}"))
             return
         with self._cond:
-            self.scheduler.add_many(((job, i), len(ids)) for i, ids in enumerate(job.ids))
+            if job.suspect:
+                self._suspects.append(job)
+            else:
+                self.scheduler.add_many(((job, i), len(ids)) for i, ids in enumerate(job.ids))
             self._cond.notify()
 
     def _prepare(self, job: Job) -> None:
@@ -168,16 +187,36 @@ class EmbeddingService:
     # -- inference thread --------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
+            suspect = None
             with self._cond:
-                while not len(self.scheduler) and not self._stopping:
+                while not len(self.scheduler) and not self._suspects and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return
-                batch = self.scheduler.next_batch()
+                if self._suspects:
+                    suspect = self._suspects.popleft()
+                else:
+                    batch = self.scheduler.next_batch()
             try:
-                self._run([item.key for item in batch])
+                if suspect is not None:
+                    self._run_alone(suspect)
+                else:
+                    self._run([item.key for item in batch])
             except Exception:  # never let the inference thread die
                 log.exception("micro-batch bookkeeping failed")
+
+    def _run_alone(self, job: Job) -> None:
+        """A suspect job: count the run, then run its texts in micro-batches of their own."""
+        if job.done:
+            return
+        self.stats.isolated_runs += 1
+        if self.on_isolated_run is not None:
+            self.on_isolated_run(job)
+        own = Scheduler(max_tokens=self.settings.batch_tokens, max_items=self.settings.max_batch_requests,
+                        padded=self.backend.is_padded)
+        own.add_many(((job, i), len(ids)) for i, ids in enumerate(job.ids))
+        while len(own) and not job.done:
+            self._run([item.key for item in own.next_batch()])
 
     def _run(self, keys: list[tuple[Job, int]]) -> None:
         keys = [(job, i) for job, i in keys if not job.done]
@@ -260,9 +299,15 @@ class EmbeddingService:
             if outcome is None:
                 try:
                     outcome = self._payload(job)
+                except errors.EmbedqError as exc:
+                    outcome = exc
                 except Exception as exc:  # never let the results thread die
                     log.exception("encoding the result of job %s failed", job.id)
                     outcome = errors.BackendError(f"could not encode the result: {type(exc).__name__}")
+                if isinstance(outcome, errors.EmbedqError):
+                    self.stats.jobs_succeeded -= 1
+                    self.stats.jobs_failed += 1
+                    self.stats.errors_by_code[outcome.code] = self.stats.errors_by_code.get(outcome.code, 0) + 1
             try:
                 self.on_done(job, outcome)
             except Exception:
@@ -275,6 +320,8 @@ class EmbeddingService:
         dims = opts.dimensions or self.info.dimension
         vectors = postprocess(job.raw, normalize=normalize, dimensions=opts.dimensions)
         job.raw = None
+        if not np.isfinite(vectors).all():  # never a success
+            raise errors.BackendError("a vector is not finite after post-processing")
         fingerprint = Fingerprint(
             model=self.info.model_id, weights_sha256=self.info.weights_sha256, pooling=self.info.pooling,
             normalize=normalize, dimensions=dims, dtype=self.info.dtype, prompt=job.prompt,

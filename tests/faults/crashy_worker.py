@@ -1,0 +1,30 @@
+"""A real ``embedq worker`` whose model run kills its own process on any text containing ``POISON``.
+
+Fault injection for tests/faults: the process dies by SIGKILL inside the inference thread, the way an
+out-of-memory kill or a segfault in a kernel would take a worker down. Nothing else differs from
+``python -m embedq worker``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from embedq.producers.cli import main
+from embedq.workers import service
+
+MARKER = "POISON"
+_run = service.EmbeddingService._run
+
+
+def _run_or_die(self: service.EmbeddingService, keys: list) -> None:
+    if any(isinstance(job.texts, list) and MARKER in job.texts[i] for job, i in keys):
+        os.kill(os.getpid(), signal.SIGKILL)
+    _run(self, keys)
+
+
+service.EmbeddingService._run = _run_or_die
+
+if __name__ == "__main__":
+    sys.exit(main(["worker"]))
