@@ -152,6 +152,10 @@ class Unavailable(EmbedqError):
     http_status = 503
 
 
+class BrokerUnavailable(Unavailable):
+    """A producer could not reach the broker (Redis down, refused, wrong password, TLS failure)."""
+
+
 class JobTimeout(Unavailable):
     code = "timeout"
 

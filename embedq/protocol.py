@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from embedq import errors
 
 TASK_NAME = "embedq.embed"
+#: Message header of a job a producer sent again after a broker restart (the count of resends).
+RESENT_HEADER = "embedq_resent"
 PROTOCOL_VERSION = 1
 
 Encoding = Literal["float32", "float16", "float"]

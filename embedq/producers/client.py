@@ -8,18 +8,22 @@ decoding of the compact result.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from celery import Celery
+from celery import Celery, states
 from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import AsyncResult
+from kombu.utils.url import maybe_sanitize_url
 
 from embedq import errors
 from embedq.protocol import (
+    RESENT_HEADER,
     TASK_NAME,
     EmbedOptions,
     Fingerprint,
@@ -34,6 +38,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between checks, while a producer waits, that the broker is there and still holds its jobs.
 WAIT_SLICE = 2.0
+#: Seconds between reads of the stored result once notifications are lost.
+POLL_SLICE = 0.25
 #: A key with no TTL that changes when Redis loses its data (restarted without persistence, flushed).
 EPOCH_KEY = "embedq.epoch"
 
@@ -52,13 +58,14 @@ class JobHandle:
                  options: dict[str, Any] | None = None, queue: str | None = None, epoch: str | None = None) -> None:
         self._result = result
         self._client = client
-        self._resend = (texts, options, queue)
+        self._resend_args = (texts, options, queue)
         self._epoch = epoch
         self._payload: dict[str, Any] | None = None
         self._error: errors.EmbedqError | None = None
         self.fingerprint: Fingerprint | None = None
         self.usage: dict[str, int] | None = None
         self.resent = 0
+        self._pubsub_ok = True
 
     @property
     def id(self) -> str:
@@ -87,6 +94,8 @@ class JobHandle:
             raise self._error
         if self._payload is None:
             self._payload = self._wait(timeout)
+            if self._client is not None:
+                self._client.pending.discard(self)
         return self._payload
 
     def _wait(self, timeout: float | None) -> dict[str, Any]:
@@ -100,13 +109,23 @@ class JobHandle:
                 raise errors.JobTimeout(f"job {self.id} has no result after {timeout}s")
             step = WAIT_SLICE if left is None else max(min(WAIT_SLICE, left), 0.01)
             try:
-                try:
-                    return self._result.get(timeout=step, propagate=True, disable_sync_subtasks=False)
-                except CeleryTimeout:
-                    pass
-                except errors.EmbedqError as exc:  # the job's own outcome: kept on the handle
-                    self._error = exc
-                    raise
+                if self._pubsub_ok:
+                    try:
+                        return self._result.get(timeout=step, propagate=True, disable_sync_subtasks=False)
+                    except CeleryTimeout:
+                        pass
+                    except errors.EmbedqError as exc:  # the job's own outcome: kept on the handle
+                        self._error = exc
+                        raise
+                    except RuntimeError:  # Celery's result consumer gave up reconnecting: poll instead
+                        log.warning("result notifications are lost after a broker outage; polling for job %s",
+                                    self.id)
+                        self._pubsub_ok = False
+                else:
+                    time.sleep(min(step, POLL_SLICE))
+                stored = self._poll()
+                if stored is not None:
+                    return stored
                 if self._client is not None:
                     self._check_broker()
                 down_since = None
@@ -114,22 +133,39 @@ class JobHandle:
                 now = time.monotonic()
                 down_since = down_since or now
                 if now - down_since >= broker_timeout:
-                    raise errors.Unavailable(
+                    raise errors.BrokerUnavailable(
                         f"the broker has not answered for {now - down_since:.0f}s while waiting for job "
                         f"{self.id} ({type(exc).__name__})") from None
                 time.sleep(min(0.5, broker_timeout / 10))
 
+    def _poll(self) -> dict[str, Any] | None:
+        """Read the stored record directly (a notification can be lost while Redis restarts)."""
+        backend = self._result.backend
+        meta = backend.get_task_meta(self.id, cache=False)
+        if meta.get("status") == states.SUCCESS:
+            return meta["result"]
+        if meta.get("status") in states.PROPAGATE_STATES:
+            exc = backend.exception_to_python(meta["result"])
+            if isinstance(exc, errors.EmbedqError):
+                self._error = exc
+            raise exc
+        return None
+
     def _check_broker(self) -> None:
-        """Between two waits: has Redis lost its data since this job was sent? Then send it again."""
+        """Between two waits: has Redis lost its data since this job was sent? Then the client sends
+        this job, and every other job of its own still waiting, again."""
         assert self._client is not None
         epoch = self._client.epoch(refresh=True)
-        if self._epoch is None or epoch == self._epoch:
-            return
-        texts, options, queue = self._resend
+        if self._epoch is not None and epoch != self._epoch:
+            self._client.resend_lost(epoch)
+
+    def _resend(self, epoch: str) -> None:
+        texts, options, queue = self._resend_args
         if texts is None:
-            raise errors.JobLost(f"the broker lost job {self.id} (Redis restarted without its data)")
-        log.warning("the broker lost its data; sending job %s again", self.id)
-        self._client.app.send_task(TASK_NAME, args=[texts], kwargs=options, queue=queue, task_id=self.id)
+            raise errors.JobLost(f"job {self.id} may be lost: the broker restarted and the job cannot be resent")
+        assert self._client is not None
+        self._client.app.send_task(TASK_NAME, args=[texts], kwargs=options, queue=queue, task_id=self.id,
+                                   headers={RESENT_HEADER: self.resent + 1})
         self._epoch = epoch
         self.resent += 1
 
@@ -168,6 +204,8 @@ class Client:
         self.settings = settings
         self.app = app or make_app(settings)
         self._redis: Any = None
+        self.pending: weakref.WeakSet[JobHandle] = weakref.WeakSet()  # submitted, not yet collected
+        self._resend_lock = threading.Lock()
         self._epoch: str | None = None
         self._epoch_read = 0.0
 
@@ -180,13 +218,38 @@ class Client:
         check_message_size(texts, opts.wire(), serializer=self.settings.serializer,
                            limit=self.settings.max_message_bytes)
         queue = queue or self.settings.queue_name
-        epoch = self.epoch()
-        result = self.app.send_task(TASK_NAME, args=[texts], kwargs=opts.wire(), queue=queue,
-                                    task_id=str(uuid.uuid4()))  # random: job ids cannot be guessed
-        return JobHandle(result, self, texts=texts, options=opts.wire(), queue=queue, epoch=epoch)
+        try:
+            epoch = self.epoch()
+            result = self.app.send_task(TASK_NAME, args=[texts], kwargs=opts.wire(), queue=queue,
+                                        task_id=str(uuid.uuid4()))  # random: job ids cannot be guessed
+        except BROKER_ERRORS as exc:
+            raise self._unreachable(exc) from None
+        handle = JobHandle(result, self, texts=texts, options=opts.wire(), queue=queue, epoch=epoch)
+        with self._resend_lock:
+            self.pending.add(handle)
+        return handle
+
+    def resend_lost(self, epoch: str) -> None:
+        """Redis restarted (or came back without its data): send every job of this client still waiting
+        again, under its own id. A worker that holds the job takes the copy as the same job; one that
+        finds its record already stored acknowledges the copy without running it."""
+        with self._resend_lock:
+            lost = [h for h in list(self.pending) if not h._collected and h._epoch not in (None, epoch)]
+            if lost:
+                log.warning("the broker restarted; sending %d waiting jobs again", len(lost))
+            for handle in lost:
+                handle._resend(epoch)
+
+    def _unreachable(self, exc: BaseException) -> errors.BrokerUnavailable:
+        if isinstance(exc, errors.BrokerUnavailable):
+            return exc
+        return errors.BrokerUnavailable(
+            f"cannot reach the broker at {maybe_sanitize_url(self.settings.broker_url)}: {type(exc).__name__}: "
+            f"{str(exc)[:200]}")
 
     def epoch(self, *, refresh: bool = False) -> str:
-        """The broker's data epoch (:data:`EPOCH_KEY`), read at most once a second unless ``refresh``."""
+        """The broker's epoch (its ``run_id`` and :data:`EPOCH_KEY`), read at most once a second unless
+        ``refresh``: it changes whenever Redis restarted or lost its data."""
         now = time.monotonic()
         if refresh or self._epoch is None or now - self._epoch_read > 1.0:
             if self._redis is None:
@@ -197,7 +260,12 @@ class Client:
             pipe = self._redis.pipeline(transaction=False)
             pipe.set(EPOCH_KEY, uuid.uuid4().hex, nx=True)
             pipe.get(EPOCH_KEY)
-            self._epoch = pipe.execute()[1].decode()
+            pipe.info("server")
+            _, key, info = pipe.execute()
+            # A restart changes run_id even when Redis keeps its data: a message a worker was popping at
+            # that moment can be lost (kombu's BRPOP is not atomic with its unacked record). A flush keeps
+            # run_id but loses the key.
+            self._epoch = f"{info.get('run_id')}/{key.decode()}"
             self._epoch_read = now
         return self._epoch
 

@@ -51,20 +51,26 @@ def free_port() -> int:
 class RedisServer:
     """A private redis-server on a free loopback port (no persistence unless asked)."""
 
-    def __init__(self, *, port: int | None = None, persist: bool = False, dir: str | None = None) -> None:
+    def __init__(self, *, port: int | None = None, persist: bool = False, dir: str | None = None,
+                 password: str | None = None, extra_args: list[str] | None = None) -> None:
         self.port = port or free_port()
         self.persist = persist
+        self.password = password
+        self.extra_args = extra_args or []
         self.dir = dir or tempfile.mkdtemp(prefix="embedq-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         args = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
                 "--save", "", "--appendonly", "yes" if self.persist else "no",
-                "--maxmemory-policy", "noeviction", "--loglevel", "warning"]
+                "--maxmemory-policy", "noeviction", "--loglevel", "warning", *self.extra_args]
+        if self.password:
+            args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -72,7 +78,7 @@ class RedisServer:
                 raise errors.Unavailable(f"redis-server exited with {self.proc.returncode}")
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
                 s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
+                if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):
                     return self
             time.sleep(0.05)
         self.stop()

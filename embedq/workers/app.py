@@ -11,11 +11,12 @@ from kombu.exceptions import OperationalError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeout
 
+from embedq import errors
 from embedq.protocol import TASK_NAME
 from embedq.settings import Settings
 
 #: What a call to the broker raises while Redis is down or restarting (kombu, redis-py or the socket).
-BROKER_ERRORS = (OperationalError, RedisConnectionError, RedisTimeout, OSError)
+BROKER_ERRORS = (OperationalError, RedisConnectionError, RedisTimeout, OSError, errors.BrokerUnavailable)
 
 #: Seconds a result may take before a producer's blocking call gives up (``Client.embed``).
 DEFAULT_RESULT_TIMEOUT = 600.0
@@ -53,6 +54,9 @@ def celery_config(settings: Settings) -> dict[str, object]:
         "visibility_timeout": settings.visibility_timeout,
         "unacked_restore_interval": lease_interval(settings),
         "unacked_restore_throttle": 1,
+        # The sweep's lock outlives a worker killed while sweeping; kombu's 300 s would stall every restore
+        # that long. Restores are transactions (WATCH unacked), so a shorter lock never restores twice.
+        "unacked_mutex_expire": int(min(300, max(5, 2 * lease_interval(settings)))),
         # Fail a publish fast when Redis is gone instead of blocking a web request.
         "socket_connect_timeout": 5,
     }
@@ -60,7 +64,9 @@ def celery_config(settings: Settings) -> dict[str, object]:
         "broker_url": broker,
         "result_backend": settings.result_url,
         "broker_transport_options": transport_options,
-        "result_backend_transport_options": {"retry_policy": {"timeout": 5.0}},
+        # How long a result write (worker) or a result subscription (producer) rides out a Redis restart
+        # before it raises; the worker then retries the write itself, the producer polls.
+        "result_backend_transport_options": {"retry_policy": {"timeout": settings.broker_timeout}},
         "broker_connection_retry_on_startup": True,
         "broker_connection_max_retries": None,  # a worker outlives any Redis restart
         "task_serializer": settings.serializer,

@@ -31,7 +31,7 @@ from kombu.utils.imports import symbol_by_name
 
 from embedq import errors
 from embedq.batching import PrefetchWindow
-from embedq.protocol import TASK_NAME
+from embedq.protocol import RESENT_HEADER, TASK_NAME
 from embedq.settings import Settings
 from embedq.workers.app import BROKER_ERRORS, lease_interval
 from embedq.workers.delivery import Ledger, Verdict, renew_leases
@@ -100,11 +100,11 @@ def load_service() -> EmbeddingService:
     return RUNTIME.service
 
 
-def _count_run(job: Job) -> None:
-    """Inference thread: a suspect job runs alone now; count it before it can take the worker down."""
+def _count_run(job: Job, starting: bool) -> None:
+    """Inference thread: a suspect job starts (or has finished) its run alone; count it while it runs."""
     if RUNTIME.ledger is not None:
         try:
-            RUNTIME.ledger.count_run(job.id)
+            RUNTIME.ledger.count_run(job.id, 1 if starting else -1)
         except BROKER_ERRORS:
             log.warning("could not count the run of suspect job %s (broker unreachable)", job.id)
 
@@ -283,13 +283,15 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
         job = Job(id=req.id, texts=texts, options=kwargs, context=Delivery([(req, size)]), size=size)
         RUNTIME.held[job.id] = job
         verdict = Verdict()
-        if req.delivery_info.get("redelivered") or (req._request_dict or {}).get("redelivered"):
-            service.stats.redelivered += 1
+        headers = req._request_dict or {}
+        redelivered = bool(req.delivery_info.get("redelivered") or headers.get("redelivered"))
+        if redelivered or headers.get(RESENT_HEADER):
+            service.stats.redelivered += redelivered
             try:
-                verdict = RUNTIME.ledger.check(job.id)
+                verdict = RUNTIME.ledger.check(job.id, redelivered=redelivered)
             except Exception as exc:  # cannot tell: the safe side is to run it alone
-                log.warning("could not read the history of redelivered job %s: %s", job.id, type(exc).__name__)
-                verdict = Verdict(suspect=True, crashes=1)
+                log.warning("could not read the history of job %s: %s", job.id, type(exc).__name__)
+                verdict = Verdict(suspect=redelivered, crashes=int(redelivered))
         if verdict.stored:
             service.stats.jobs_received += 1
             service.stats.already_stored += 1

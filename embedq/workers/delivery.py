@@ -11,7 +11,7 @@ safe for embedq:
   after ``visibility_timeout`` however long the buffer is.
 * **Attempts.** A redelivered message is checked before it is run (:meth:`Ledger.check`): a job whose
   result is already stored is acknowledged without running again (the crash came between store and
-  ack); a job that may have taken a worker down runs *alone* and counts each such run, so after
+  ack); a job that may have taken a worker down runs *alone*, counted while it runs, so after
   ``max_attempts`` crashes it is dead-lettered (a terminal ``dead_letter`` error and an entry in
   :data:`DEAD_LETTERS`) instead of killing workers forever. Jobs that merely sat in a dying worker's
   buffer are never counted, and jobs a stopping worker hands back on SIGTERM are marked returned, so
@@ -60,8 +60,11 @@ class Ledger:
     def client(self) -> Any:
         return self.backend.client
 
-    def check(self, job_id: str) -> Verdict:
-        """Consumer thread, for a redelivered message only (first deliveries cost no round trip)."""
+    def check(self, job_id: str, *, redelivered: bool = True) -> Verdict:
+        """Consumer thread, for a redelivered or resent message only (first deliveries cost no round trip).
+
+        A copy a producer resent after a broker restart (``redelivered=False``) is only checked for a
+        stored record: it is no evidence of a crash."""
         pipe = self.client.pipeline(transaction=False)
         pipe.get(RETURNED_KEY.format(job_id))
         pipe.delete(RETURNED_KEY.format(job_id))
@@ -74,6 +77,8 @@ class Ledger:
                     return Verdict(stored=True)
             except Exception:  # an unreadable record is overwritten by running the job again
                 log.warning("job %s has an unreadable stored record; running it again", job_id)
+        if not redelivered:
+            return Verdict()
         if attempts is None:
             if returned:  # handed back by a stopping worker, never suspected: a plain delivery
                 return Verdict()
@@ -84,10 +89,11 @@ class Ledger:
         # Each counted run that did not finish is a crash, plus the presumed one that made it a suspect.
         return Verdict(suspect=True, crashes=int(attempts) + 1)
 
-    def count_run(self, job_id: str) -> None:
-        """Inference thread: a suspect job is about to run alone."""
+    def count_run(self, job_id: str, delta: int = 1) -> None:
+        """Inference thread: +1 before a suspect job runs alone, -1 once its run is over (so only a run
+        the worker died in stays counted)."""
         pipe = self.client.pipeline(transaction=False)
-        pipe.incr(ATTEMPTS_KEY.format(job_id))
+        pipe.incrby(ATTEMPTS_KEY.format(job_id), delta)
         pipe.expire(ATTEMPTS_KEY.format(job_id), BOOKKEEPING_TTL)
         pipe.execute()
 

@@ -84,7 +84,7 @@ class Stats:
 
 class EmbeddingService:
     def __init__(self, backend: Backend, settings: Settings, on_done: DoneCallback,
-                 on_isolated_run: Callable[[Job], None] | None = None) -> None:
+                 on_isolated_run: Callable[[Job, bool], None] | None = None) -> None:
         self.backend = backend
         self.settings = settings
         self.on_done = on_done
@@ -206,17 +206,22 @@ class EmbeddingService:
                 log.exception("micro-batch bookkeeping failed")
 
     def _run_alone(self, job: Job) -> None:
-        """A suspect job: count the run, then run its texts in micro-batches of their own."""
+        """A suspect job: count the run, run its texts in micro-batches of their own, uncount it.
+
+        Only a run during which the process dies stays counted; a job that finished running before
+        another suspect took the worker down is not blamed for it."""
         if job.done:
             return
         self.stats.isolated_runs += 1
         if self.on_isolated_run is not None:
-            self.on_isolated_run(job)
+            self.on_isolated_run(job, True)
         own = Scheduler(max_tokens=self.settings.batch_tokens, max_items=self.settings.max_batch_requests,
                         padded=self.backend.is_padded)
         own.add_many(((job, i), len(ids)) for i, ids in enumerate(job.ids))
         while len(own) and not job.done:
             self._run([item.key for item in own.next_batch()])
+        if self.on_isolated_run is not None:
+            self.on_isolated_run(job, False)
 
     def _run(self, keys: list[tuple[Job, int]]) -> None:
         keys = [(job, i) for job, i in keys if not job.done]

@@ -1,0 +1,145 @@
+"""Broker trouble: Redis restarted mid-run (with and without its data), Redis gone, AUTH and TLS."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+import uuid
+
+import numpy as np
+import pytest
+import trustme
+from conftest import WorkerHandle
+
+from embedq import errors
+from embedq.producers.client import Client
+from embedq.producers.embedded import RedisServer, free_port, start_worker, stop_worker, wait_for_worker
+from embedq.settings import Settings
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def _queue() -> str:
+    return f"embedq.test.{uuid.uuid4().hex[:8]}"
+
+
+@pytest.mark.parametrize("persist", [True, False], ids=["with-persistence", "without-persistence"])
+def test_b_redis_restarts_mid_run_the_worker_recovers_and_no_job_is_lost(persist, tmp_path, corpus):
+    server = RedisServer(persist=persist).start()
+    # a small window, so most jobs are still in the queue (not in the worker) when Redis goes
+    settings = Settings(broker_url=server.url, queue=_queue(), visibility_timeout=10, prefetch_window=200)
+    worker = WorkerHandle(settings, tmp_path / "worker.log")
+    client = Client(settings)
+    texts = [f"{t[:300]} #{i}" for i, t in enumerate(corpus[:1200])]
+    try:
+        handles = [client.submit([t]) for t in texts]
+        for handle in handles[:150]:
+            handle.result(timeout=120)
+        # with persistence Redis saves its AOF on SIGTERM; without, SIGKILL and it comes back empty
+        server.proc.send_signal(signal.SIGTERM if persist else signal.SIGKILL)
+        server.proc.wait(30)
+        time.sleep(2)
+        server.start()
+        vectors = [h.result(timeout=180) for h in handles[150:]]  # each completes (or would raise job_lost)
+        assert all(v.shape == (1, 384) and np.isfinite(v).all() for v in vectors)
+        # the handles noticed the restart and sent their waiting jobs again (with persistence the copies
+        # are recognised by the worker: already stored, or held)
+        assert sum(h.resent for h in handles) > 0
+        assert worker.proc.poll() is None, "the worker died instead of reconnecting"
+        assert "Unrecoverable" not in worker.log()
+        assert client.embed(["after the restart"], timeout=60).shape == (1, 384)
+    finally:
+        worker.stop()
+        client.close()
+        server.stop()
+
+
+def test_producer_calls_raise_a_clear_error_when_the_broker_is_gone(tmp_path):
+    server = RedisServer().start()
+    settings = Settings(broker_url=server.url, queue=_queue(), broker_timeout=3)
+    client = Client(settings)
+    try:
+        handle = client.submit(["nobody will run this"])
+        server.stop()
+        t0 = time.monotonic()
+        with pytest.raises(errors.Unavailable, match="broker has not answered"):
+            handle.result(timeout=120)
+        assert time.monotonic() - t0 < 30
+        t0 = time.monotonic()
+        with pytest.raises(errors.BrokerUnavailable, match="cannot reach the broker"):
+            client.submit(["and this cannot be sent"])
+        assert time.monotonic() - t0 < 30
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_a_waiting_producer_times_out_with_a_typed_error(redis_server):
+    with Client(Settings(broker_url=redis_server.url, queue=_queue())) as client:
+        handle = client.submit(["no worker listens on this queue"])
+        t0 = time.monotonic()
+        with pytest.raises(errors.JobTimeout):
+            handle.result(timeout=3)
+        assert 2.5 < time.monotonic() - t0 < 15
+
+
+def test_redis_auth_password_works_and_stays_out_of_the_logs(tmp_path):
+    password = f"pw-{uuid.uuid4().hex}"
+    with RedisServer(password=password) as server:
+        settings = Settings(broker_url=server.url, queue=_queue())
+        worker = WorkerHandle(settings, tmp_path / "worker.log")
+        try:
+            assert worker.client.embed(["authenticated"], timeout=60).shape == (1, 384)
+            assert password not in worker.log()
+        finally:
+            worker.stop()
+        wrong = Settings(broker_url=server.url.replace(password, "wrong"), queue=settings.queue_name)
+        with Client(wrong) as client, pytest.raises(errors.BrokerUnavailable) as info:
+            client.submit(["refused"])
+        assert "wrong" not in info.value.message and password not in info.value.message
+
+
+@pytest.fixture
+def tls_redis(tmp_path):
+    """A redis-server serving TLS (plain port for its readiness check only), with a throwaway CA."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    ca_file, cert_file, key_file = tmp_path / "ca.pem", tmp_path / "server.pem", tmp_path / "server.key"
+    ca.cert_pem.write_to_path(str(ca_file))
+    cert.cert_chain_pems[0].write_to_path(str(cert_file))
+    cert.private_key_pem.write_to_path(str(key_file))
+    tls_port = free_port()
+    server = RedisServer(extra_args=["--tls-port", str(tls_port), "--tls-cert-file", str(cert_file),
+                                     "--tls-key-file", str(key_file), "--tls-ca-cert-file", str(ca_file),
+                                     "--tls-auth-clients", "no"])
+    try:
+        server.start()
+    except errors.Unavailable:
+        help_text = subprocess.run([server_binary(), "--help"], capture_output=True, text=True).stdout
+        pytest.skip(f"this redis-server has no TLS support ({help_text[:60]!r})")
+    yield f"rediss://127.0.0.1:{tls_port}/0", str(ca_file)
+    server.stop()
+
+
+def server_binary() -> str:
+    from embedq.producers.embedded import find_redis_server
+
+    return find_redis_server()
+
+
+def test_rediss_tls_with_a_ca_file(tls_redis, tmp_path):
+    url, ca_file = tls_redis
+    settings = Settings(broker_url=url, queue=_queue(), tls_ca_file=ca_file)
+    proc = start_worker(settings, log_path=tmp_path / "worker.log")
+    client = Client(settings)
+    try:
+        wait_for_worker(client.app, proc, timeout=120, log_path=tmp_path / "worker.log")
+        assert client.embed(["over TLS"], timeout=60).shape == (1, 384)
+    finally:
+        client.close()
+        stop_worker(proc)
+    # without the CA the server's certificate cannot be verified: refused, with a clear error
+    with Client(Settings(broker_url=url, queue=settings.queue_name)) as client, \
+            pytest.raises(errors.BrokerUnavailable, match="cannot reach the broker"):
+        client.submit(["unverified"])

@@ -1,0 +1,223 @@
+"""Workers that die or stop: SIGKILL mid-run, a poison job, SIGTERM, and leases on long-held messages.
+
+Real redis-server, real worker processes. ``visibility_timeout=5`` so a dead worker's messages come back
+within seconds (leases are renewed every 1.25 s, the restore sweep runs as often).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+from conftest import WorkerHandle
+
+from embedq import errors
+from embedq.producers.client import Client
+from embedq.producers.embedded import start_worker, stop_worker
+from embedq.protocol import decode_result
+from embedq.settings import Settings
+from embedq.workers.delivery import dead_letters
+
+pytestmark = pytest.mark.timeout(420)
+
+CRASHY = [sys.executable, str(Path(__file__).with_name("crashy_worker.py"))]
+
+
+def _settings(redis_server, **overrides) -> Settings:
+    return Settings(broker_url=redis_server.url, queue=f"embedq.test.{uuid.uuid4().hex[:8]}",
+                    visibility_timeout=5, **overrides)
+
+
+class Recorder:
+    """Every record any worker stores (Celery publishes each on ``celery-task-meta-<id>``), by job id."""
+
+    def __init__(self, url: str) -> None:
+        self.records: dict[str, list[dict]] = {}
+        self._pubsub = redis.Redis.from_url(url).pubsub(ignore_subscribe_messages=True)
+        self._pubsub.psubscribe("celery-task-meta-*")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            msg = self._pubsub.get_message(timeout=0.2)
+            if msg and msg["type"] == "pmessage":
+                meta = json.loads(msg["data"])
+                self.records.setdefault(meta["task_id"], []).append(meta)
+
+    def close(self) -> None:
+        time.sleep(0.5)
+        self._stop.set()
+        self._thread.join()
+        self._pubsub.close()
+
+
+def _short_texts(corpus: list[str], n: int) -> list[str]:
+    short = [t for t in corpus if len(t) < 400]
+    return [f"{short[i % len(short)]} #{i}" for i in range(n)]
+
+
+def test_a_worker_sigkilled_three_times_loses_nothing_and_no_job_has_two_results(redis_server, tmp_path, corpus):
+    settings = _settings(redis_server, max_attempts=10)
+    log = tmp_path / "worker.log"
+    texts = _short_texts(corpus, 2000)
+    recorder = Recorder(redis_server.url)
+    r = redis.Redis.from_url(redis_server.url)
+    worker = WorkerHandle(settings, log)
+    client = Client(settings)
+    try:
+        handles = [client.submit([t]) for t in texts]
+        vectors: dict[str, np.ndarray] = {}
+        collector = threading.Thread(target=lambda: vectors.update((h.id, h.result(timeout=180)) for h in handles))
+        collector.start()
+        held_at_kill = []
+        for _ in range(3):  # kill it while it holds jobs, each time after it made some progress
+            since = len(vectors)
+            deadline = time.monotonic() + 120
+            while not (len(vectors) >= since + 30 and r.zcard("unacked_index") >= 20):
+                assert time.monotonic() < deadline and collector.is_alive(), "no progress to kill into"
+                time.sleep(0.05)
+            held_at_kill.append(r.zcard("unacked_index"))
+            os.kill(worker.proc.pid, signal.SIGKILL)
+            worker.proc.wait()
+            worker.client.close()
+            worker = WorkerHandle(settings, log)
+        collector.join(300)
+        assert len(vectors) == len(handles)
+        assert len(held_at_kill) == 3 and min(held_at_kill) > 0, held_at_kill
+        # every job ended with a correct result: the same as the text embedded again now, in other batches
+        reference = np.concatenate([client.embed(texts[k:k + 64]) for k in range(0, len(texts), 64)])
+        got = np.concatenate([vectors[h.id] for h in handles])
+        assert np.abs(got - reference).max() <= 1e-6
+        assert not dead_letters(redis.Redis.from_url(redis_server.url))
+    finally:
+        recorder.close()
+        worker.stop()
+        client.close()
+    # none with two different results: every record stored for a job is a success with the same vectors
+    ids = {h.id for h in handles}
+    assert ids <= set(recorder.records)
+    for job_id in ids:
+        stored = recorder.records[job_id]
+        assert all(r["status"] == "SUCCESS" for r in stored), stored
+        first = decode_result(stored[0]["result"])[0]
+        for other in stored[1:]:
+            assert np.abs(decode_result(other["result"])[0] - first).max() <= 1e-6
+
+
+def _supervise(settings: Settings, log: Path, until, timeout: float) -> int:
+    """Keep one crashy worker running (restart it whenever it dies) until ``until()``; return the deaths."""
+    deaths = 0
+    proc = start_worker(settings, log_path=log, command=CRASHY)
+    deadline = time.monotonic() + timeout
+    try:
+        while not until():
+            assert time.monotonic() < deadline, f"gave up after {deaths} worker deaths"
+            if proc.poll() is not None:
+                assert proc.returncode == -signal.SIGKILL, proc.returncode
+                deaths += 1
+                proc = start_worker(settings, log_path=log, command=CRASHY)
+            time.sleep(0.2)
+        assert proc.poll() is None
+        return deaths
+    finally:
+        stop_worker(proc)
+
+
+def test_d_a_poison_job_is_dead_lettered_after_max_attempts_and_the_others_succeed(redis_server, tmp_path):
+    settings = _settings(redis_server, max_attempts=3)
+    client = Client(settings)
+    before = [client.submit([f"an ordinary text {i}"]) for i in range(40)]
+    poison = client.submit(["this text is POISON to the model"])
+    after = [client.submit([f"another ordinary text {i}"]) for i in range(40)]
+    log = tmp_path / "worker.log"
+    try:
+        deaths = _supervise(settings, log, until=lambda: all(h.ready() for h in [*before, poison, *after]),
+                            timeout=240)
+        with pytest.raises(errors.DeadLetter, match="3 times"):
+            poison.result(timeout=5)
+        assert deaths == 3  # it took the worker down max_attempts times, then never again
+        for handle in [*before, *after]:  # bystanders ran alone after the first crash, and succeeded
+            assert handle.result(timeout=5).shape == (1, 384)
+        [record] = [r for r in dead_letters(redis.Redis.from_url(redis_server.url)) if r["id"] == poison.id]
+        assert record["crashes"] == 3 and record["queue"] == settings.queue_name and record["texts"] == 1
+        assert "POISON" not in log.read_text()
+    finally:
+        client.close()
+
+
+def test_sigterm_finishes_the_batch_hands_the_buffer_back_and_exits_in_bounded_time(redis_server, tmp_path,
+                                                                                    corpus):
+    settings = _settings(redis_server, shutdown_timeout=20)
+    log = tmp_path / "worker.log"
+    texts = _short_texts(corpus, 1500)
+    worker = WorkerHandle(settings, log)
+    client = Client(settings)
+    r = redis.Redis.from_url(redis_server.url)
+    try:
+        handles = [client.submit([t]) for t in texts]
+        for handle in handles[:100]:
+            handle.result(timeout=120, forget=False)
+        t0 = time.monotonic()
+        worker.proc.send_signal(signal.SIGTERM)
+        rc = worker.proc.wait(60)
+        stopped_in = time.monotonic() - t0
+        assert rc == 0 and stopped_in < settings.shutdown_timeout + 10, (rc, stopped_in)
+        handed_back = int(worker.log().rsplit("handed ", 1)[1].split()[0])
+        assert handed_back > 0
+        # nothing in limbo: each job is either stored or back in the queue, and nothing is unacknowledged
+        stored = sum(r.exists(f"celery-task-meta-{h.id}") for h in handles)
+        assert r.hlen("unacked") == 0
+        assert stored + r.llen(settings.queue_name) == len(handles)
+        worker.client.close()
+        worker = WorkerHandle(settings, log)
+        assert all(h.result(timeout=120).shape == (1, 384) for h in handles)
+        stats = worker.stats()
+        assert stats["redelivered"] >= handed_back
+        assert stats["isolated_runs"] == 0  # handed back, not crashed: batched as usual
+    finally:
+        worker.stop()
+        client.close()
+
+
+def test_held_messages_are_not_redelivered_while_their_worker_lives(redis_server, tmp_path, corpus):
+    """The buffer takes several visibility timeouts to drain; leases keep every held message its own."""
+    settings = _settings(redis_server)
+    long_texts = sorted(corpus, key=len)[-400:]
+    worker = WorkerHandle(settings, tmp_path / "worker.log")
+    client = Client(settings)
+    try:
+        t0 = time.monotonic()
+        handles = [client.submit([t]) for t in long_texts]
+        assert all(h.result(timeout=300).shape == (1, 384) for h in handles)
+        took = time.monotonic() - t0
+        stats = worker.stats()
+        assert took > 2 * settings.visibility_timeout, f"drained in {took:.1f}s: too fast to test leases"
+        assert stats["redelivered"] == 0 and stats["duplicates"] == 0, stats
+        assert stats["peak_held_messages"] > 100  # most of them were held together, for several timeouts
+    finally:
+        worker.stop()
+        client.close()
+
+
+def test_worker_exits_cleanly_when_stopped_with_nothing_held(redis_server, tmp_path):
+    settings = _settings(redis_server)
+    proc = start_worker(settings, log_path=tmp_path / "w.log")
+    client = Client(settings)
+    try:
+        assert client.embed(["warm"], timeout=120).shape == (1, 384)
+    finally:
+        client.close()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert "handed 0 buffered messages back" in (tmp_path / "w.log").read_text()
