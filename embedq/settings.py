@@ -76,6 +76,10 @@ class Settings(BaseSettings):
         default=30.0, gt=0, description="Seconds a producer's blocking call rides out an unreachable broker "
         "before it raises `unavailable`.",
     )
+    resend_after: float | None = Field(
+        default=None, gt=0, description="Seconds after which a producer waiting on a job with no result "
+        "sends it again under the same id (None: 2 × visibility_timeout). Workers recognise the copy.",
+    )
     tls_ca_file: str | None = Field(default=None, description="CA bundle for rediss:// URLs.")
     tls_cert_file: str | None = Field(default=None, description="Client certificate for rediss:// (mutual TLS).")
     tls_key_file: str | None = Field(default=None, description="Client key for rediss:// (mutual TLS).")

@@ -66,6 +66,7 @@ class JobHandle:
         self.usage: dict[str, int] | None = None
         self.resent = 0
         self._pubsub_ok = True
+        self._sent_at = time.monotonic()
 
     @property
     def id(self) -> str:
@@ -128,6 +129,7 @@ class JobHandle:
                     return stored
                 if self._client is not None:
                     self._check_broker()
+                    self._maybe_resend()
                 down_since = None
             except BROKER_ERRORS as exc:
                 now = time.monotonic()
@@ -159,6 +161,16 @@ class JobHandle:
         if self._epoch is not None and epoch != self._epoch:
             self._client.resend_lost(epoch)
 
+    def _maybe_resend(self) -> None:
+        """No result long after sending: send the job again under its id. This covers the one window in
+        which Redis can lose a message whatever its persistence: a worker killed between popping it and
+        recording it as unacknowledged (kombu's BRPOP and its unacked record are two steps). A copy of a
+        job that is held or already stored costs the worker one lookup."""
+        assert self._client is not None
+        if time.monotonic() - self._sent_at >= self._client.resend_after:
+            log.info("job %s has no result after %.0fs; sending it again", self.id, self._client.resend_after)
+            self._resend(self._client.epoch())
+
     def _resend(self, epoch: str) -> None:
         texts, options, queue = self._resend_args
         if texts is None:
@@ -167,6 +179,7 @@ class JobHandle:
         self._client.app.send_task(TASK_NAME, args=[texts], kwargs=options, queue=queue, task_id=self.id,
                                    headers={RESENT_HEADER: self.resent + 1})
         self._epoch = epoch
+        self._sent_at = time.monotonic()
         self.resent += 1
 
     def result(self, timeout: float | None = DEFAULT_RESULT_TIMEOUT, *, forget: bool = True) -> np.ndarray:
@@ -206,6 +219,7 @@ class Client:
         self._redis: Any = None
         self.pending: weakref.WeakSet[JobHandle] = weakref.WeakSet()  # submitted, not yet collected
         self._resend_lock = threading.Lock()
+        self.resend_after = settings.resend_after or 2.0 * settings.visibility_timeout
         self._epoch: str | None = None
         self._epoch_read = 0.0
 

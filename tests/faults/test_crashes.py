@@ -22,7 +22,7 @@ from conftest import WorkerHandle
 
 from embedq import errors
 from embedq.producers.client import Client
-from embedq.producers.embedded import start_worker, stop_worker
+from embedq.producers.embedded import RedisServer, start_worker, stop_worker
 from embedq.protocol import decode_result
 from embedq.settings import Settings
 from embedq.workers.delivery import dead_letters
@@ -67,7 +67,15 @@ def _short_texts(corpus: list[str], n: int) -> list[str]:
     return [f"{short[i % len(short)]} #{i}" for i in range(n)]
 
 
-def test_a_worker_sigkilled_three_times_loses_nothing_and_no_job_has_two_results(redis_server, tmp_path, corpus):
+@pytest.fixture
+def own_redis():
+    """A Redis of the test's own: killed workers leave unacknowledged entries that no other test should see."""
+    with RedisServer() as server:
+        yield server
+
+
+def test_a_worker_sigkilled_three_times_loses_nothing_and_no_job_has_two_results(own_redis, tmp_path, corpus):
+    redis_server = own_redis
     settings = _settings(redis_server, max_attempts=10)
     log = tmp_path / "worker.log"
     texts = _short_texts(corpus, 2000)
@@ -78,13 +86,22 @@ def test_a_worker_sigkilled_three_times_loses_nothing_and_no_job_has_two_results
     try:
         handles = [client.submit([t]) for t in texts]
         vectors: dict[str, np.ndarray] = {}
-        collector = threading.Thread(target=lambda: vectors.update((h.id, h.result(timeout=180)) for h in handles))
+        failures: list[BaseException] = []
+
+        def collect() -> None:
+            try:
+                vectors.update((h.id, h.result(timeout=180)) for h in handles)
+            except BaseException as exc:
+                failures.append(exc)
+
+        collector = threading.Thread(target=collect)
         collector.start()
         held_at_kill = []
         for _ in range(3):  # kill it while it holds jobs, each time after it made some progress
             since = len(vectors)
             deadline = time.monotonic() + 120
             while not (len(vectors) >= since + 30 and r.zcard("unacked_index") >= 20):
+                assert not failures, failures
                 assert time.monotonic() < deadline and collector.is_alive(), "no progress to kill into"
                 time.sleep(0.05)
             held_at_kill.append(r.zcard("unacked_index"))
@@ -93,6 +110,7 @@ def test_a_worker_sigkilled_three_times_loses_nothing_and_no_job_has_two_results
             worker.client.close()
             worker = WorkerHandle(settings, log)
         collector.join(300)
+        assert not failures, failures
         assert len(vectors) == len(handles)
         assert len(held_at_kill) == 3 and min(held_at_kill) > 0, held_at_kill
         # every job ended with a correct result: the same as the text embedded again now, in other batches
@@ -134,7 +152,8 @@ def _supervise(settings: Settings, log: Path, until, timeout: float) -> int:
         stop_worker(proc)
 
 
-def test_d_a_poison_job_is_dead_lettered_after_max_attempts_and_the_others_succeed(redis_server, tmp_path):
+def test_d_a_poison_job_is_dead_lettered_after_max_attempts_and_the_others_succeed(own_redis, tmp_path):
+    redis_server = own_redis
     settings = _settings(redis_server, max_attempts=3)
     client = Client(settings)
     before = [client.submit([f"an ordinary text {i}"]) for i in range(40)]
