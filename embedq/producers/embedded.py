@@ -52,7 +52,9 @@ class RedisServer:
     """A private redis-server on a free loopback port (no persistence unless asked)."""
 
     def __init__(self, *, port: int | None = None, persist: bool = False, dir: str | None = None,
-                 password: str | None = None, extra_args: list[str] | None = None) -> None:
+                 password: str | None = None, extra_args: list[str] | None = None,
+                 executable: str | None = None) -> None:
+        self.executable = executable
         self.port = port or free_port()
         self.persist = persist
         self.password = password
@@ -66,8 +68,8 @@ class RedisServer:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
-        args = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
-                "--save", "", "--appendonly", "yes" if self.persist else "no",
+        args = [self.executable or find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
+                "--dir", self.dir, "--save", "", "--appendonly", "yes" if self.persist else "no",
                 "--maxmemory-policy", "noeviction", "--loglevel", "warning", *self.extra_args]
         if self.password:
             args += ["--requirepass", self.password]

