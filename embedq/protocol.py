@@ -19,6 +19,8 @@ from embedq import errors
 TASK_NAME = "embedq.embed"
 #: Message header of a job a producer sent again after a broker restart (the count of resends).
 RESENT_HEADER = "embedq_resent"
+#: Message header: when the producer sent the job (Unix time), for the worker's time-in-queue metric.
+SENT_HEADER = "embedq_sent_at"
 PROTOCOL_VERSION = 1
 
 Encoding = Literal["float32", "float16", "float"]
@@ -72,6 +74,19 @@ class EmbedOptions(BaseModel):
     def wire(self) -> dict[str, Any]:
         """The kwargs to put on the wire: only what differs from the defaults."""
         return self.model_dump(exclude_defaults=True)
+
+
+def short_options(options: Any) -> str:
+    """A job's options as monitoring shows them: never a user's text (a custom prompt shows its length)."""
+    if not isinstance(options, dict):
+        return ""
+    shown = {k: (f"<{len(v)} chars>" if k == "prompt" and isinstance(v, str) else v) for k, v in options.items()}
+    return repr(shown)[:200]
+
+
+def task_reprs(texts: Sequence[str], options: dict[str, Any]) -> dict[str, str]:
+    """Celery's ``argsrepr``/``kwargsrepr`` for a job: what Celery and Flower show instead of the texts."""
+    return {"argsrepr": f"[{len(texts)} texts]", "kwargsrepr": short_options(options)}
 
 
 def validate_texts(texts: Any, *, max_texts: int, max_chars: int) -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -85,6 +85,14 @@ class Settings(BaseSettings):
     tls_key_file: str | None = Field(default=None, description="Client key for rediss:// (mutual TLS).")
     tls_cert_reqs: Literal["required", "optional", "none"] = Field(
         default="required", description="Verify the Redis server's certificate (rediss:// only).",
+    )
+    metrics_port: int = Field(
+        default=9808, ge=0, le=65535, description="Port of the worker's Prometheus endpoint (/metrics); 0: none. "
+        "Give each worker on a machine its own port.",
+    )
+    metrics_addr: str = Field(default="0.0.0.0", description="Address the metrics endpoint listens on.")
+    flower_basic_auth: SecretStr | None = Field(
+        default=None, description="user:password[,user:password] for `embedq flower` (HTTP basic auth).",
     )
     serializer: Literal["json", "msgpack"] = "json"
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (CPU).")

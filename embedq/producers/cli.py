@@ -1,4 +1,4 @@
-"""The ``embedq`` command: ``worker``, ``index`` and ``embed``."""
+"""The ``embedq`` command: ``worker``, ``index``, ``embed``, ``status`` and ``flower``."""
 
 from __future__ import annotations
 
@@ -117,6 +117,37 @@ def cmd_embed(ns: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_status(ns: argparse.Namespace, settings: Settings) -> int:
+    from embedq.producers.status import show_status
+
+    if not settings.broker_url:
+        print("embedq status: set EMBEDQ_BROKER_URL (e.g. redis://127.0.0.1:6379/0)", file=sys.stderr)
+        return 2
+    return show_status(settings, queues=ns.queue or [], as_json=ns.json, watch=ns.watch)
+
+
+def cmd_flower(ns: argparse.Namespace, settings: Settings, extra: list[str]) -> int:
+    import os
+
+    if not settings.broker_url:
+        print("embedq flower: set EMBEDQ_BROKER_URL (e.g. redis://127.0.0.1:6379/0)", file=sys.stderr)
+        return 2
+    try:
+        import flower  # noqa: F401
+    except ImportError:
+        print("embedq flower: Flower is not installed: pip install 'embedq[flower]'", file=sys.stderr)
+        return 2
+    from embedq.workers.app import make_app
+
+    auth = ns.basic_auth or (settings.flower_basic_auth.get_secret_value() if settings.flower_basic_auth else None)
+    if auth:  # through Flower's environment, not argv: a password on a command line is visible to every user
+        os.environ["FLOWER_BASIC_AUTH"] = auth
+    elif ns.address not in ("127.0.0.1", "localhost", "::1"):
+        print(f"embedq flower: warning: no --basic-auth, and listening on {ns.address}", file=sys.stderr)
+    argv = ["flower", f"--port={ns.port}", f"--address={ns.address}", *extra]
+    return make_app(settings).start(argv) or 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="embedq", description="Throughput-first text embeddings through Celery and Redis: run a worker, embed a "
@@ -169,12 +200,36 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--timeout", type=float, default=120.0)
     _add_embedding_options(e)
     e.set_defaults(func=cmd_embed)
+
+    s = sub.add_parser("status", help="queues and their depths, live workers, recent throughput",
+                       description="Read the broker's queues (waiting + unacknowledged messages) and the live-worker "
+                       "registry (workers report every 5 s) and print them as tables. Exit code 2 when the broker "
+                       "cannot be reached.")
+    s.add_argument("--queue", action="append", help="also show this queue (repeatable); by default every queue "
+                   "declared on the broker")
+    s.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    s.add_argument("--watch", type=_positive(float), metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    s.set_defaults(func=cmd_status)
+
+    f = sub.add_parser("flower", help="start Flower (Celery's web monitor) against the configured broker",
+                       description="Start Flower on the broker of EMBEDQ_BROKER_URL (TLS settings included). Other "
+                       "options are passed to Flower as they are (e.g. --max_tasks=50000 --persistent=True).")
+    f.add_argument("--port", type=int, default=5555)
+    f.add_argument("--address", default="0.0.0.0")
+    f.add_argument("--basic-auth", metavar="USER:PASSWORD[,USER:PASSWORD]",
+                   help="HTTP basic auth (EMBEDQ_FLOWER_BASIC_AUTH); prefer the variable, argv is visible to others")
+    f.set_defaults(func=cmd_flower, passthrough=True)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns, extra = parser.parse_known_args(argv)
+    if extra and not getattr(ns, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        if getattr(ns, "passthrough", False):
+            return ns.func(ns, Settings(), extra)
         return ns.func(ns, Settings())
     except errors.EmbedqError as exc:
         print(f"embedq: {exc.message}", file=sys.stderr)

@@ -24,11 +24,13 @@ from kombu.utils.url import maybe_sanitize_url
 from embedq import errors
 from embedq.protocol import (
     RESENT_HEADER,
+    SENT_HEADER,
     TASK_NAME,
     EmbedOptions,
     Fingerprint,
     check_message_size,
     decode_result,
+    task_reprs,
     validate_texts,
 )
 from embedq.settings import Settings
@@ -177,7 +179,8 @@ class JobHandle:
             raise errors.JobLost(f"job {self.id} may be lost: the broker restarted and the job cannot be resent")
         assert self._client is not None
         self._client.app.send_task(TASK_NAME, args=[texts], kwargs=options, queue=queue, task_id=self.id,
-                                   headers={RESENT_HEADER: self.resent + 1})
+                                   headers={RESENT_HEADER: self.resent + 1, SENT_HEADER: time.time()},
+                                   **task_reprs(texts, options))
         self._epoch = epoch
         self._sent_at = time.monotonic()
         self.resent += 1
@@ -228,17 +231,17 @@ class Client:
         texts = validate_texts(
             texts, max_texts=self.settings.max_texts_per_job, max_chars=self.settings.max_chars
         )
-        opts = EmbedOptions.parse(options)
-        check_message_size(texts, opts.wire(), serializer=self.settings.serializer,
-                           limit=self.settings.max_message_bytes)
+        wire = EmbedOptions.parse(options).wire()
+        check_message_size(texts, wire, serializer=self.settings.serializer, limit=self.settings.max_message_bytes)
         queue = queue or self.settings.queue_name
         try:
             epoch = self.epoch()
-            result = self.app.send_task(TASK_NAME, args=[texts], kwargs=opts.wire(), queue=queue,
-                                        task_id=str(uuid.uuid4()))  # random: job ids cannot be guessed
+            result = self.app.send_task(TASK_NAME, args=[texts], kwargs=wire, queue=queue,
+                                        task_id=str(uuid.uuid4()),  # random: job ids cannot be guessed
+                                        headers={SENT_HEADER: time.time()}, **task_reprs(texts, wire))
         except BROKER_ERRORS as exc:
             raise self._unreachable(exc) from None
-        handle = JobHandle(result, self, texts=texts, options=opts.wire(), queue=queue, epoch=epoch)
+        handle = JobHandle(result, self, texts=texts, options=wire, queue=queue, epoch=epoch)
         with self._resend_lock:
             self.pending.add(handle)
         return handle

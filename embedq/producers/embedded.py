@@ -107,6 +107,8 @@ def start_worker(settings: Settings, *, log_path: str | Path | None = None,
     """Start ``embedq worker`` (or ``command``) as a child process against ``settings.broker_url``."""
     env = dict(os.environ)
     env.update(settings_env(settings))
+    if "metrics_port" not in settings.model_fields_set:  # private workers serve no metrics unless asked
+        env["EMBEDQ_METRICS_PORT"] = "0"
     env.update(extra_env or {})
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
     try:

@@ -17,6 +17,7 @@ finishes the micro-batch in progress, stores and acknowledges what is done, and 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 from dataclasses import dataclass, field
@@ -26,15 +27,17 @@ from celery import Celery, Task, bootsteps
 from celery.worker import state as worker_state
 from celery.worker.consumer import Consumer
 from celery.worker.control import inspect_command
+from celery.worker.request import Request
 from kombu.exceptions import ContentDisallowed
 from kombu.utils.imports import symbol_by_name
 
-from embedq import errors
+from embedq import __version__, errors, monitor
 from embedq.batching import PrefetchWindow
-from embedq.protocol import RESENT_HEADER, TASK_NAME
+from embedq.protocol import RESENT_HEADER, SENT_HEADER, TASK_NAME, short_options
 from embedq.settings import Settings
 from embedq.workers.app import BROKER_ERRORS, lease_interval
 from embedq.workers.delivery import Ledger, Verdict, renew_leases
+from embedq.workers.metrics import Reporter, WorkerMetrics
 from embedq.workers.service import EmbeddingService, Job
 
 log = logging.getLogger(__name__)
@@ -48,7 +51,12 @@ class _Runtime:
     settings: Settings | None = None
     service: EmbeddingService | None = None
     ledger: Ledger | None = None
-    finished: queue.SimpleQueue = queue.SimpleQueue()
+    finished: queue.SimpleQueue = queue.SimpleQueue()  # (job, outcome, monotonic time stored)
+    started: queue.SimpleQueue = queue.SimpleQueue()  # jobs whose first micro-batch started (for events)
+    metrics: WorkerMetrics | None = None
+    reporter: Reporter | None = None
+    hostname: str = ""
+    started_at: float = 0.0  # Unix time the worker started consuming
     timers: list[Any] = []
     window: PrefetchWindow | None = None
     consumer: Any = None  # Celery's Consumer: its qos is the channel's prefetch count
@@ -88,16 +96,42 @@ def load_service() -> EmbeddingService:
         from embedq.backends import load_backend  # the worker process only: imports torch
 
         settings = RUNTIME.settings or Settings()
+        metrics = RUNTIME.metrics = WorkerMetrics()
         t0 = time.perf_counter()
         backend = load_backend(
             settings.model, device=settings.device, dtype=settings.dtype, torch_threads=settings.torch_threads,
             linear_kernel=settings.linear_kernel,
         )
+        metrics.model_load_seconds = time.perf_counter() - t0
         log.info("loaded %s on %s (%s, %s linear kernel) in %.1fs", backend.info.model_id, backend.info.device,
-                 backend.info.dtype, backend.info.linear_kernel, time.perf_counter() - t0)
-        RUNTIME.service = EmbeddingService(backend, settings, on_done=_store_outcome,
-                                           on_isolated_run=_count_run).start()
+                 backend.info.dtype, backend.info.linear_kernel, metrics.model_load_seconds)
+        RUNTIME.service = EmbeddingService(backend, settings, on_done=_store_outcome, on_isolated_run=_count_run,
+                                           on_started=_job_started, metrics=metrics).start()
+        metrics.bind(RUNTIME.service, window_state=_window_stats, queues=[settings.queue_name],
+                     redis=monitor.redis_client(settings) if settings.broker_url else None)
     return RUNTIME.service
+
+
+def serve_metrics(settings: Settings) -> None:
+    """Serve Prometheus metrics on ``metrics_port`` (0: none). A taken port stops the worker with a clear
+    message: a worker nobody can see is worse than one that does not start."""
+    if not settings.metrics_port or RUNTIME.metrics is None:
+        return
+    try:
+        RUNTIME.metrics.serve(settings.metrics_port, settings.metrics_addr)
+    except OSError as exc:
+        where = f"{settings.metrics_addr}:{settings.metrics_port}"
+        raise SystemExit(f"embedq worker: cannot serve metrics on {where} ({exc.strerror or exc}); give each "
+                         "worker its own EMBEDQ_METRICS_PORT, or 0 for none") from None
+    log.info("metrics on http://%s:%d/metrics", settings.metrics_addr, settings.metrics_port)
+
+
+def _job_started(job: Job) -> None:
+    """Inference thread: the job's first micro-batch starts (its task-started event goes out on the
+    consumer thread, which owns the event connection)."""
+    if RUNTIME.metrics is not None and job.started is not None:
+        RUNTIME.metrics.observe("buffer_seconds", max(job.started - job.received, 0.0))
+    RUNTIME.started.put(job)
 
 
 def _count_run(job: Job, starting: bool) -> None:
@@ -135,7 +169,7 @@ def _store_outcome(job: Job, outcome: dict[str, Any] | errors.EmbedqError) -> No
             log.warning("storing job %s failed (%s); retrying in %.1fs", job.id, type(exc).__name__, delay)
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
-    RUNTIME.finished.put((job, outcome, time.monotonic() - job.received))
+    RUNTIME.finished.put((job, outcome, time.monotonic()))
 
 
 def _apply_window() -> None:
@@ -175,12 +209,21 @@ def _ack(req: Any) -> None:
 
 def _drain_finished() -> None:
     """Consumer thread: acknowledge what has been stored and emit the task events."""
+    while True:
+        try:
+            job = RUNTIME.started.get_nowait()
+        except queue.Empty:
+            break
+        job.context.primary.send_event("task-started")
     released = False
     while True:
         try:
-            job, outcome, runtime = RUNTIME.finished.get_nowait()
+            job, outcome, done_at = RUNTIME.finished.get_nowait()
         except queue.Empty:
             break
+        runtime = done_at - (job.started if job.started is not None else job.received)
+        if RUNTIME.metrics is not None and outcome != ALREADY_STORED:
+            RUNTIME.metrics.observe("job_seconds", max(done_at - job.received, 0.0))
         if RUNTIME.held.get(job.id) is job:
             del RUNTIME.held[job.id]
         failed = isinstance(outcome, errors.EmbedqError)
@@ -232,6 +275,10 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
     if RUNTIME.ledger is None:
         RUNTIME.ledger = Ledger(task.backend, max_attempts=settings.max_attempts)
     RUNTIME.consumer = consumer
+    if RUNTIME.reporter is None and RUNTIME.metrics is not None and RUNTIME.metrics.redis is not None:
+        RUNTIME.hostname, RUNTIME.started_at = hostname, time.time()
+        RUNTIME.reporter = Reporter(worker_record, RUNTIME.metrics, RUNTIME.metrics.redis)
+        RUNTIME.reporter.start()
     for entry in RUNTIME.timers:
         entry.cancel()
     RUNTIME.timers = [consumer.timer.call_repeatedly(ACK_INTERVAL, _drain_finished),
@@ -279,11 +326,16 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
             held.context.reqs.append((req, size))
             service.stats.duplicates += 1
             return
-        req.send_event("task-received", name=req.name, args=_short_args(req), kwargs="")
+        routing_key = (req.delivery_info or {}).get("routing_key") or settings.queue_name
+        req.send_event("task-received", name=req.name, args=_short_args(req),
+                       kwargs=_event_kwargs(kwargs, service, routing_key))
         job = Job(id=req.id, texts=texts, options=kwargs, context=Delivery([(req, size)]), size=size)
         RUNTIME.held[job.id] = job
         verdict = Verdict()
         headers = req._request_dict or {}
+        sent_at = headers.get(SENT_HEADER)
+        if isinstance(sent_at, (int, float)) and RUNTIME.metrics is not None:
+            RUNTIME.metrics.observe("queue_seconds", max(time.time() - sent_at, 0.0))
         redelivered = bool(req.delivery_info.get("redelivered") or headers.get("redelivered"))
         if redelivered or headers.get(RESENT_HEADER):
             service.stats.redelivered += redelivered
@@ -293,13 +345,13 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
                 log.warning("could not read the history of job %s: %s", job.id, type(exc).__name__)
                 verdict = Verdict(suspect=redelivered, crashes=int(redelivered))
         if verdict.stored:
-            service.stats.jobs_received += 1
+            service.count_received(job.size)
             service.stats.already_stored += 1
-            RUNTIME.finished.put((job, ALREADY_STORED, 0.0))
+            RUNTIME.finished.put((job, ALREADY_STORED, time.monotonic()))
         elif verdict.crashes >= settings.max_attempts:
             _dead_letter(service, job, verdict.crashes, hostname, message)
         elif isinstance(texts, _BadArgs):
-            service.stats.jobs_received += 1
+            service.count_received(job.size)
             service.fail(job, errors.InvalidType(
                 f"{TASK_NAME} takes exactly one positional argument (the list of texts)"))
         else:
@@ -316,7 +368,7 @@ def _dead_letter(service: EmbeddingService, job: Job, crashes: int, hostname: st
         RUNTIME.ledger.dead_letter(job.id, queue=queue_name, crashes=crashes, worker=hostname, texts=job.size)
     except BROKER_ERRORS:
         log.warning("could not record dead letter %s", job.id)
-    service.stats.jobs_received += 1
+    service.count_received(job.size)
     service.stats.dead_letters += 1
     service.fail(job, errors.DeadLetter(
         f"the worker died while running this job {crashes} times (max_attempts={service.settings.max_attempts}); "
@@ -343,6 +395,24 @@ def _short_args(req: Any) -> str:
         return "[?]"
 
 
+def _event_kwargs(kwargs: Any, service: EmbeddingService, queue_name: str) -> str:
+    """What Flower shows as a task's keyword arguments: the model, the queue and the job's options."""
+    info = f"model={service.info.model_id!r}, queue={queue_name!r}"
+    options = short_options(kwargs)
+    return info + (f", options={options}" if options and options != "{}" else "")
+
+
+class EmbedRequest(Request):
+    """A job's Celery request. ``inspect reserved`` (and Flower's worker page) list the requests a worker
+    holds with their arguments: they show the texts' count and the options, never the texts."""
+
+    def info(self, safe: bool = False) -> dict[str, Any]:
+        out = super().info(safe=True)
+        out["args"] = _short_args(self)
+        out["kwargs"] = short_options(self._kwargs if isinstance(self._kwargs, dict) else {})
+        return out
+
+
 def refuse(task: Task, message: Any, error: errors.EmbedqError) -> None:
     """A message that is never run: record its typed error when it names a job, acknowledge it, and log
     its id and the reason only (never its body: it may hold users' texts)."""
@@ -354,11 +424,9 @@ def refuse(task: Task, message: Any, error: errors.EmbedqError) -> None:
             task.backend.mark_as_failure(task_id, error)
         except BROKER_ERRORS:
             log.warning("could not store the refusal of %s", task_id)
-    if RUNTIME.service is not None:
-        RUNTIME.service.stats.jobs_received += 1
-        RUNTIME.service.stats.jobs_failed += 1
-        codes = RUNTIME.service.stats.errors_by_code
-        codes[error.code] = codes.get(error.code, 0) + 1
+    if RUNTIME.service is not None:  # texts unknown: the message could not be read as a job
+        RUNTIME.service.count_received(0)
+        RUNTIME.service.count_failure(error.code, 0)
     message.ack()
 
 
@@ -369,6 +437,7 @@ class EmbedTask(Task):
     acks_late = True
     typing = False
     Strategy = "embedq.workers.consumer:coalescing_strategy"
+    Request = "embedq.workers.consumer:EmbedRequest"
 
     def run(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - only reached by .apply()
         raise errors.Unavailable("embedq.embed runs only inside an embedq worker")
@@ -376,7 +445,43 @@ class EmbedTask(Task):
 
 def register(app: Celery) -> Task:
     app.steps["consumer"].add(GracefulStop)
+    app.steps["consumer"].add(WorkerInfo)
     return app.register_task(EmbedTask())
+
+
+def worker_record() -> dict[str, Any]:
+    """This worker's entry in the live-worker registry (embedq/monitor.py; ``embedq status``)."""
+    service = RUNTIME.service
+    settings = RUNTIME.settings or Settings()
+    record: dict[str, Any] = {"hostname": RUNTIME.hostname, "pid": os.getpid(), "version": __version__,
+                              "queues": [settings.queue_name], "metrics_port": settings.metrics_port or None,
+                              "started_at": RUNTIME.started_at, "reported_at": time.time(),
+                              "ready": service is not None and not RUNTIME.stopped}
+    if service is not None:
+        info, st = service.info, service.stats
+        record.update(model=info.model_id, device=info.device, dtype=info.dtype, linear_kernel=info.linear_kernel,
+                      buffered=len(service.scheduler), **_window_stats())
+        record["counters"] = {k: getattr(st, k) for k in (
+            "jobs_received", "jobs_succeeded", "jobs_failed", "items_received", "items_succeeded",
+            "items_failed", "batches", "real_tokens", "padded_tokens", "redelivered", "dead_letters")}
+        record["errors_by_code"] = dict(st.errors_by_code)
+    if RUNTIME.metrics is not None:
+        record["rates"] = RUNTIME.metrics.rates.current()
+    return record
+
+
+class WorkerInfo(bootsteps.StartStopStep):
+    """Consumer bootstep that adds the model, device and dtype to ``celery inspect stats``, which Flower
+    shows for each worker (``/api/workers``). (A start-stop step: only those are asked for their info.)"""
+
+    def info(self, c: Any) -> dict[str, Any]:
+        service = RUNTIME.service
+        if service is None:
+            return {"embedq": {"ready": False}}
+        info = service.info
+        return {"embedq": {"ready": True, "model": info.model_id, "device": info.device, "dtype": info.dtype,
+                           "linear_kernel": info.linear_kernel, "queues": [service.settings.queue_name],
+                           "version": __version__, "metrics_port": service.settings.metrics_port or None}}
 
 
 @inspect_command()
@@ -445,6 +550,8 @@ class GracefulStop(bootsteps.StartStopStep):
                 except Exception as exc:  # it stays in the unacked hash: redelivered after its lease lapses
                     log.warning("could not hand job %s back: %s", job.id, type(exc).__name__)
         RUNTIME.held.clear()
+        if RUNTIME.reporter is not None:
+            RUNTIME.reporter.withdraw()
         log.info("stopped in %.1fs: handed %d buffered messages back to the queue", time.monotonic() - t0,
                  returned)
 

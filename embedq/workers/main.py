@@ -68,6 +68,7 @@ def run_worker(settings: Settings, *, hostname: str | None = None, loglevel: str
     transport.install()
     consumer.configure(settings)
     consumer.load_service()  # fail fast (non-zero exit) on a model that cannot load
+    consumer.serve_metrics(settings)  # and on a metrics port that is taken
     app = make_app(settings)
     consumer.register(app)
     app.worker_main(worker_argv(settings, hostname=hostname, loglevel=loglevel))

@@ -50,6 +50,7 @@ class Job:
     remaining: int = 0
     done: bool = False
     suspect: bool = False  # redelivered after its worker died: runs alone (see workers/delivery.py)
+    started: float | None = None  # monotonic time its first micro-batch started
 
 
 @dataclass
@@ -59,6 +60,9 @@ class Stats:
     jobs_received: int = 0
     jobs_succeeded: int = 0
     jobs_failed: int = 0
+    items_received: int = 0  # texts, as received (a malformed job counts one)
+    items_succeeded: int = 0
+    items_failed: int = 0
     batches: int = 0
     items: int = 0
     real_tokens: int = 0
@@ -67,7 +71,8 @@ class Stats:
     max_batch_items: int = 0
     inference_seconds: float = 0.0
     results_seconds: float = 0.0  # results thread: post-processing, encoding and storing finished jobs
-    errors_by_code: dict[str, int] = field(default_factory=dict)
+    errors_by_code: dict[str, int] = field(default_factory=dict)  # failed jobs by error code
+    items_failed_by_code: dict[str, int] = field(default_factory=dict)
     # delivery (see workers/delivery.py)
     redelivered: int = 0  # messages that came back to the queue (a worker died or stopped)
     duplicates: int = 0  # deliveries of a job this worker already held (counted once)
@@ -78,17 +83,21 @@ class Stats:
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
         out["errors_by_code"] = dict(self.errors_by_code)
+        out["items_failed_by_code"] = dict(self.items_failed_by_code)
         out["padding_ratio"] = (1 - self.real_tokens / self.padded_tokens) if self.padded_tokens else 0.0
         return out
 
 
 class EmbeddingService:
     def __init__(self, backend: Backend, settings: Settings, on_done: DoneCallback,
-                 on_isolated_run: Callable[[Job, bool], None] | None = None) -> None:
+                 on_isolated_run: Callable[[Job, bool], None] | None = None,
+                 on_started: Callable[[Job], None] | None = None, metrics: Any = None) -> None:
         self.backend = backend
         self.settings = settings
         self.on_done = on_done
         self.on_isolated_run = on_isolated_run
+        self.on_started = on_started  # inference thread: a job's first micro-batch starts
+        self.metrics = metrics  # a workers.metrics.WorkerMetrics, or None
         self.info = backend.info
         self.stats = Stats()
         self.scheduler = Scheduler(
@@ -133,7 +142,8 @@ class EmbeddingService:
     # -- intake (consumer thread) ------------------------------------------------------------
     def submit(self, job: Job) -> None:
         """Validate and tokenize ``job``; a bad job is finished with its typed error at once."""
-        self.stats.jobs_received += 1
+        self.count_received(job.size)
+        t0 = time.perf_counter()
         try:
             self._prepare(job)
         except errors.EmbedqError as exc:
@@ -143,12 +153,26 @@ class EmbeddingService:
             log.exception("preparing job %s failed", job.id)
             self.fail(job, errors.BackendError(f"could not tokenize: {type(exc).__name__}"))
             return
+        if self.metrics is not None:
+            self.metrics.observe("tokenize_seconds", time.perf_counter() - t0)
         with self._cond:
             if job.suspect:
                 self._suspects.append(job)
             else:
                 self.scheduler.add_many(((job, i), len(ids)) for i, ids in enumerate(job.ids))
             self._cond.notify()
+
+    def count_received(self, items: int) -> None:
+        self.stats.jobs_received += 1
+        self.stats.items_received += items
+
+    def count_failure(self, code: str, items: int) -> None:
+        """One failed job of ``items`` texts (also for messages refused before they became jobs)."""
+        st = self.stats
+        st.jobs_failed += 1
+        st.items_failed += items
+        st.errors_by_code[code] = st.errors_by_code.get(code, 0) + 1
+        st.items_failed_by_code[code] = st.items_failed_by_code.get(code, 0) + items
 
     def _prepare(self, job: Job) -> None:
         opts = job.options if isinstance(job.options, EmbedOptions) else EmbedOptions.parse(job.options)
@@ -230,6 +254,12 @@ class EmbeddingService:
         seqs = [job.ids[i] for job, i in keys]
         lengths = [len(s) for s in seqs]
         cost = batch_cost(lengths, padded=self.backend.is_padded)
+        now = time.monotonic()
+        for job, _ in keys:
+            if job.started is None:
+                job.started = now
+                if self.on_started is not None:
+                    self.on_started(job)
         t0 = time.perf_counter()
         try:
             vectors = self.backend.embed(seqs, [job.prompt_length for job, _ in keys])
@@ -239,15 +269,18 @@ class EmbeddingService:
             failure: Exception = exc
         elapsed = time.perf_counter() - t0
         st = self.stats
+        real = sum(lengths)
         st.batches += 1
         st.items += len(keys)
-        st.real_tokens += sum(lengths)
+        st.real_tokens += real
         st.padded_tokens += cost
         st.max_batch_cost = max(st.max_batch_cost, cost)
         st.max_batch_items = max(st.max_batch_items, len(keys))
         st.inference_seconds += elapsed
-        log.debug("micro-batch: %d items, %d real / %d padded tokens, %.1f ms",
-                  len(keys), sum(lengths), cost, elapsed * 1e3)
+        log.info("micro-batch: %d items, %d real / %d padded tokens, %.1f ms",
+                 len(keys), real, cost, elapsed * 1e3)
+        if self.metrics is not None:
+            self.metrics.observe_batch(len(keys), real, cost, elapsed)
         if vectors is None:
             self._isolate(keys, failure)
             return
@@ -284,6 +317,7 @@ class EmbeddingService:
         """Inference thread: every text of ``job`` is embedded; the results thread does the rest."""
         job.done = True
         self.stats.jobs_succeeded += 1
+        self.stats.items_succeeded += len(job.ids)
         self._outbox.put((job, None))
 
     def fail(self, job: Job, exc: errors.EmbedqError) -> None:
@@ -292,8 +326,7 @@ class EmbeddingService:
         job.done, job.raw = True, None
         with self._cond:
             self.scheduler.discard((job, i) for i in range(len(job.ids)))
-        self.stats.jobs_failed += 1
-        self.stats.errors_by_code[exc.code] = self.stats.errors_by_code.get(exc.code, 0) + 1
+        self.count_failure(exc.code, job.size)
         self._outbox.put((job, exc))
 
     # -- results thread ------------------------------------------------------------------------
@@ -311,8 +344,8 @@ class EmbeddingService:
                     outcome = errors.BackendError(f"could not encode the result: {type(exc).__name__}")
                 if isinstance(outcome, errors.EmbedqError):
                     self.stats.jobs_succeeded -= 1
-                    self.stats.jobs_failed += 1
-                    self.stats.errors_by_code[outcome.code] = self.stats.errors_by_code.get(outcome.code, 0) + 1
+                    self.stats.items_succeeded -= len(job.ids)
+                    self.count_failure(outcome.code, job.size)
             try:
                 self.on_done(job, outcome)
             except Exception:

@@ -1,0 +1,167 @@
+"""What an operator sees without asking the workers: queue depths and the live-worker registry, read
+straight from Redis (no torch, no remote-control broadcast).
+
+* **Queue depth** is what waits in the queue's Redis list *plus* what workers have received and not yet
+  acknowledged (kombu's ``unacked`` hash, which holds the messages a worker buffers and those of a dead
+  worker until they are restored). Flower shows neither. The unacked entries are counted per queue by
+  a server-side script that reads only the tail of each entry (its routing key), so a scrape moves a few
+  bytes, not the buffered texts.
+* **Live workers** publish a small JSON record under :data:`WORKER_KEY` every
+  :data:`REPORT_INTERVAL` seconds with a TTL of three intervals, so a worker that died disappears
+  within :data:`WORKER_TTL` seconds. The record carries the model, device, dtype, queues, counters and
+  recent rates. Reading it never depends on a worker answering a broadcast, so ``embedq status`` and
+  the test fixtures cannot hang on a dead worker's mailbox.
+
+Keys are declared here once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from embedq.settings import Settings
+from embedq.workers.delivery import DEAD_LETTERS
+
+WORKER_KEY = "embedq.worker.{}"  # one JSON record per live worker, keyed by its Celery node name
+REPORT_INTERVAL = 5.0  # seconds between two records of a worker
+WORKER_TTL = int(3 * REPORT_INTERVAL)
+KOMBU_BINDINGS = "_kombu.binding.{}"  # one set per exchange; members: routing key, pattern, queue
+#: Celery's own exchanges (remote control, replies, events): their queues are not job queues.
+CELERY_EXCHANGES = frozenset({"celery.pidbox", "reply.celery.pidbox", "celeryev"})
+KOMBU_SEP = "\x06\x16"
+KOMBU_UNACKED = "unacked"
+KOMBU_PRIORITY_STEPS = (3, 6, 9)  # kombu keeps priority messages in lists "<queue>\x06\x16<n>"
+
+#: Counts kombu's unacked hash per routing key (the last element of each JSON entry). Only each
+#: entry's last 512 bytes are matched.
+_UNACKED_BY_QUEUE = """
+local counts = {}
+for _, entry in ipairs(redis.call('HVALS', KEYS[1])) do
+  local rk = string.match(string.sub(entry, -512), '"([^"]*)"%]%s*$')
+  if rk then counts[rk] = (counts[rk] or 0) + 1 end
+end
+local out = {}
+for rk, n in pairs(counts) do out[#out + 1] = rk; out[#out + 1] = n end
+return out
+"""
+
+
+def redis_client(settings: Settings, *, timeout: float = 5.0) -> Any:
+    """A redis-py client for the broker (TLS options from the settings), with bounded socket waits."""
+    import redis
+
+    from embedq.workers.app import tls_options
+
+    if not settings.broker_url:
+        raise ValueError("no broker configured: set EMBEDQ_BROKER_URL")
+    return redis.Redis.from_url(settings.broker_url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                **(tls_options(settings) or {}))
+
+
+@dataclass(frozen=True)
+class QueueDepth:
+    queue: str
+    waiting: int  # in the Redis list(s): not yet received by any worker
+    unacked: int  # received by a worker and not yet acknowledged (buffered, running, or a dead worker's)
+
+    @property
+    def depth(self) -> int:
+        return self.waiting + self.unacked
+
+
+def known_queues(client: Any) -> set[str]:
+    """Every job queue declared on this broker (kombu's bindings; Celery's own queues left out)."""
+    queues: set[str] = set()
+    prefix = KOMBU_BINDINGS.format("")
+    for key in client.scan_iter(match=KOMBU_BINDINGS.format("*"), count=500):
+        exchange = (key.decode() if isinstance(key, bytes) else key)[len(prefix):]
+        if exchange in CELERY_EXCHANGES:
+            continue
+        for member in client.smembers(key):
+            text = member.decode() if isinstance(member, bytes) else member
+            parts = text.split(KOMBU_SEP)
+            if len(parts) == 3 and parts[2]:
+                queues.add(parts[2])
+    return queues
+
+
+def unacked_by_queue(client: Any) -> dict[str, int]:
+    flat = client.eval(_UNACKED_BY_QUEUE, 1, KOMBU_UNACKED)
+    out: dict[str, int] = {}
+    for key, n in zip(flat[::2], flat[1::2]):
+        out[key.decode() if isinstance(key, bytes) else key] = int(n)
+    return out
+
+
+def queue_depths(client: Any, queues: Iterable[str] = ()) -> dict[str, QueueDepth]:
+    """Depth of ``queues`` plus every queue that has a binding or unacked messages, by name."""
+    unacked = unacked_by_queue(client)
+    names = sorted(set(queues) | known_queues(client) | set(unacked))
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.llen(name)
+        for step in KOMBU_PRIORITY_STEPS:
+            pipe.llen(f"{name}{KOMBU_SEP}{step}")
+    lengths = pipe.execute()
+    per = 1 + len(KOMBU_PRIORITY_STEPS)
+    return {name: QueueDepth(name, sum(lengths[i * per:(i + 1) * per]), unacked.get(name, 0))
+            for i, name in enumerate(names)}
+
+
+def publish_worker(client: Any, record: dict[str, Any]) -> None:
+    client.set(WORKER_KEY.format(record["hostname"]), json.dumps(record), ex=WORKER_TTL)
+
+
+def withdraw_worker(client: Any, hostname: str) -> None:
+    client.delete(WORKER_KEY.format(hostname))
+
+
+def live_workers(client: Any) -> list[dict[str, Any]]:
+    """The records of the workers that reported within the last :data:`WORKER_TTL` seconds."""
+    keys = sorted(client.scan_iter(match=WORKER_KEY.format("*"), count=500))
+    if not keys:
+        return []
+    out = []
+    for raw in client.mget(keys):
+        if raw is None:  # expired between SCAN and MGET
+            continue
+        try:
+            out.append(json.loads(raw))
+        except ValueError:
+            continue
+    return out
+
+
+def dead_letter_count(client: Any) -> int:
+    return int(client.llen(DEAD_LETTERS))
+
+
+@dataclass
+class Snapshot:
+    """Everything ``embedq status`` shows, read in one go."""
+
+    queues: dict[str, QueueDepth]
+    workers: list[dict[str, Any]]
+    dead_letters: int
+    taken_at: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "taken_at": self.taken_at,
+            "queues": {name: {"waiting": q.waiting, "unacked": q.unacked, "depth": q.depth}
+                       for name, q in self.queues.items()},
+            "workers": self.workers,
+            "dead_letters": self.dead_letters,
+        }
+
+
+def snapshot(client: Any, queues: Iterable[str] = ()) -> Snapshot:
+    workers = live_workers(client)
+    wanted = set(queues)
+    for record in workers:
+        wanted.update(record.get("queues", []))
+    return Snapshot(queue_depths(client, wanted), workers, dead_letter_count(client), time.time())

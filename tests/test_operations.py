@@ -1,0 +1,339 @@
+"""Operations: Flower's API, the worker's Prometheus endpoint, ``embedq status`` and the per-batch log line.
+
+One private redis-server, one real ``embedq worker`` (metrics on a free port) and one real Flower process
+(basic auth) serve the module; the tests run in file order and each measures only its own jobs.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import WorkerHandle
+from kombu import Connection
+from prometheus_client.parser import text_string_to_metric_families
+
+from embedq import monitor
+from embedq.producers.embedded import RedisServer, free_port
+from embedq.settings import Settings
+from embedq.workers.metrics import exported_names
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+AUTH = ("ops", "s3cret-flower-pass")
+MARKER = "zebra-marker-7f3a"  # a word in the texts that no monitoring output may contain
+IDLE_QUEUE = "embedq.test.nobody-consumes"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("ops")
+    server = RedisServer().start()
+    settings = Settings(broker_url=server.url, queue=f"embedq.test.ops-{uuid.uuid4().hex[:6]}",
+                        metrics_port=free_port(), metrics_addr="127.0.0.1")
+    worker = WorkerHandle(settings, logs / "worker.log")
+    flower_port = free_port()
+    env = dict(os.environ, EMBEDQ_BROKER_URL=server.url, EMBEDQ_FLOWER_BASIC_AUTH=":".join(AUTH))
+    flower_log = open(logs / "flower.log", "wb")  # noqa: SIM115 - closed at teardown
+    flower = subprocess.Popen([sys.executable, "-m", "embedq", "flower", f"--port={flower_port}",
+                               "--address=127.0.0.1"], env=env, stdout=flower_log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    stack = {"server": server, "settings": settings, "worker": worker, "flower": flower,
+             "flower_url": f"http://127.0.0.1:{flower_port}", "flower_log": logs / "flower.log"}
+    try:
+        yield stack
+    finally:
+        flower.terminate()
+        try:
+            flower.wait(15)
+        except subprocess.TimeoutExpired:
+            flower.kill()
+        flower_log.close()
+        worker.stop()
+        server.stop()
+
+
+def _flower(stack, path: str, *, auth: bool = True, timeout: float = 30.0):
+    headers = {"Authorization": "Basic " + base64.b64encode(":".join(AUTH).encode()).decode()} if auth else {}
+    req = urllib.request.Request(stack["flower_url"] + path, headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _wait(predicate, timeout: float, what: str, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except (OSError, urllib.error.URLError, ValueError) as exc:
+            last = exc
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+def _texts(n: int, tag: str) -> list[str]:
+    return [f"{MARKER} {tag} text number {i} about embeddings and queues" for i in range(n)]
+
+
+# -- a. Flower ------------------------------------------------------------------------------------
+def test_a_flower_api_shows_our_tasks_and_worker(stack):
+    worker: WorkerHandle = stack["worker"]
+    node = _wait(lambda: [n for n, alive in _flower(stack, "/api/workers?status=true").items()
+                          if alive and f"-{worker.proc.pid}@" in n], 60, "Flower to see the worker online")[0]
+    with pytest.raises(urllib.error.HTTPError) as denied:
+        _flower(stack, "/api/tasks", auth=False)
+    assert denied.value.code == 401
+
+    client = worker.client
+    good = [client.submit(_texts(3, f"flower-{i}"), dimensions=64) for i in range(4)]
+    bad = client.submit(_texts(2, "flower-bad"), dimensions=100_000)
+    for handle in good:
+        assert handle.result(60).shape == (3, 64)
+    with pytest.raises(Exception, match="dimensions"):
+        bad.result(60)
+
+    ids = {h.id for h in good} | {bad.id}
+
+    def tasks_done():
+        tasks = _flower(stack, "/api/tasks?limit=1000")
+        mine = {tid: t for tid, t in tasks.items() if tid in ids}
+        if len(mine) == len(ids) and all(t["state"] in ("SUCCESS", "FAILURE") for t in mine.values()):
+            return tasks
+        return None
+
+    tasks = _wait(tasks_done, 60, "Flower to report our 5 tasks finished")
+    for handle in good:
+        t = tasks[handle.id]
+        assert t["name"] == "embedq.embed"
+        assert t["state"] == "SUCCESS"
+        assert t["args"] == "[3 texts]"
+        assert "all-MiniLM-L6-v2" in t["kwargs"] and stack["settings"].queue_name in t["kwargs"]
+        assert "'dimensions': 64" in t["kwargs"]
+        assert t["worker"] == node
+        assert isinstance(t["runtime"], float) and 0 <= t["runtime"] < 60
+        assert t["received"] and t["started"] and t["succeeded"]
+        assert t["received"] <= t["started"] <= t["succeeded"]
+    failed = tasks[bad.id]
+    assert failed["state"] == "FAILURE" and failed["args"] == "[2 texts]"
+    assert "invalid_dimensions" in failed["exception"]
+    assert MARKER not in json.dumps(tasks)
+
+    # While the worker holds jobs, Flower's worker view (inspect reserved, stats) shows no texts either.
+    held = [client.submit([*_texts(4, f"held-{i}"), "long " * 200]) for i in range(40)]
+    workers = _flower(stack, "/api/workers?refresh=1", timeout=60)
+    for handle in held:
+        handle.result(120)
+    info = workers[node]
+    assert info["stats"]["embedq"]["model"].endswith("all-MiniLM-L6-v2")
+    assert info["stats"]["embedq"]["device"] == "cpu"
+    assert info["stats"]["embedq"]["dtype"] == "float32"
+    assert "embedq.embed" in info["registered"]
+    assert [q["name"] for q in info["active_queues"]] == [stack["settings"].queue_name]
+    for request in info.get("reserved") or []:
+        assert re.fullmatch(r"\[\d+ texts\]", request["args"]), request
+    assert MARKER not in json.dumps(workers)
+    assert ":".join(AUTH) not in stack["flower_log"].read_text(errors="replace")
+
+
+# -- b. Prometheus --------------------------------------------------------------------------------
+def _scrape(stack) -> dict[tuple[str, tuple], float]:
+    url = f"http://127.0.0.1:{stack['settings'].metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def _v(samples, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def _idle(samples):
+    return samples if _v(samples, "embedq_jobs_in_flight") == 0 else None
+
+
+def _delta(after, before, name: str, **labels) -> float:
+    return _v(after, name, **labels) - _v(before, name, **labels)
+
+
+def test_b_metrics_move_by_exactly_what_the_jobs_did(stack):
+    worker: WorkerHandle = stack["worker"]
+    queue = stack["settings"].queue_name
+    # Quiescent first: the last jobs of earlier tests are acknowledged (and observed) on the consumer thread
+    # just after their results are stored.
+    before = _wait(lambda: _idle(_scrape(stack)), 30, "the worker to be idle")
+    log_offset = worker.log_path.stat().st_size
+    names = {name for name, _ in before}
+    families = {re.sub(r"_(total|bucket|sum|count|created)$", "", n) for n in names if n.startswith("embedq_")}
+    assert families == exported_names(), families ^ exported_names()
+
+    client = worker.client
+    good = [client.submit(_texts(3, f"metrics-{i}")) for i in range(10)]
+    too_wide = client.submit(_texts(2, "wide"), dimensions=100_000)  # invalid_dimensions, at the worker
+    other_model = client.submit(_texts(2, "other"), model="some/other-model")  # unknown_model, at the worker
+    tokens = 0
+    for handle in good:
+        handle.result(60)
+        tokens += handle.usage["tokens"]
+    for handle in (too_wide, other_model):
+        with pytest.raises(Exception):  # noqa: B017 - the codes are checked through the metrics below
+            handle.result(60)
+
+    def settled():
+        after = _scrape(stack)
+        done = _delta(after, before, "embedq_job_seconds_count") >= 12 and _v(after, "embedq_jobs_in_flight") == 0
+        return after if done else None
+
+    after = _wait(settled, 30, "the worker to account for all 12 jobs")
+    d = lambda name, **labels: _delta(after, before, name, **labels)  # noqa: E731
+    assert d("embedq_jobs_received_total") == 12
+    assert d("embedq_jobs_succeeded_total") == 10
+    assert d("embedq_jobs_failed_total", code="invalid_dimensions") == 1
+    assert d("embedq_jobs_failed_total", code="unknown_model") == 1
+    assert d("embedq_items_received_total") == 34
+    assert d("embedq_items_succeeded_total") == 30
+    assert d("embedq_items_failed_total", code="invalid_dimensions") == 2
+    assert d("embedq_items_failed_total", code="unknown_model") == 2
+    # Only the 30 good texts reach the model; the bad jobs fail before it.
+    batches = d("embedq_batches_total")
+    assert batches >= 1
+    assert d("embedq_batch_items_count") == batches == d("embedq_inference_seconds_count")
+    assert d("embedq_batch_items_sum") == 30
+    assert d("embedq_real_tokens_total") == tokens == d("embedq_batch_real_tokens_sum")
+    assert d("embedq_padded_tokens_total") == d("embedq_batch_tokens_sum") >= tokens
+    assert d("embedq_inference_seconds_sum") > 0
+    assert d("embedq_tokenize_seconds_count") == 10
+    assert d("embedq_queue_seconds_count") == 12  # every job carried the producer's send time
+    assert d("embedq_buffer_seconds_count") == 10
+    assert d("embedq_job_seconds_count") == 12
+    bucket = ("embedq_batch_items_bucket", (("le", "+Inf"),))
+    assert after[bucket] - before.get(bucket, 0) == batches
+    assert _v(after, "embedq_items_in_flight") == 0 and _v(after, "embedq_jobs_in_flight") == 0
+    assert _v(after, "embedq_model_load_seconds") > 0
+    assert _v(after, "embedq_broker_up") == 1
+    # Depths are read from Redis at most every 2 s: the next fresh read finds the queue empty.
+    _wait(lambda: _v(_scrape(stack), "embedq_queue_depth", queue=queue) == 0, 10, "the queue depth to read 0")
+    info = [labels for (name, labels) in after if name == "embedq_worker_info"]
+    assert info and dict(info[0])["device"] == "cpu" and dict(info[0])["queue"] == queue
+
+    # Logs: one INFO line per micro-batch, and nothing else at INFO while jobs run (no texts, ever).
+    with worker.log_path.open("rb") as fh:
+        fh.seek(log_offset)
+        lines = fh.read().decode(errors="replace").splitlines()
+    info_lines = [line for line in lines if " INFO " in line]
+    batch_lines = [line for line in info_lines if re.search(r"micro-batch: \d+ items, \d+ real / \d+ padded "
+                                                            r"tokens, [\d.]+ ms", line)]
+    assert len(batch_lines) == batches, info_lines
+    assert info_lines == batch_lines
+    assert sum(int(re.search(r"(\d+) items", line).group(1)) for line in batch_lines) == 30
+    assert MARKER not in "\n".join(lines)
+
+
+def test_queue_depth_counts_waiting_and_unacknowledged_messages(stack):
+    """Against kombu's own records: messages received and not acknowledged count, per queue."""
+    settings: Settings = stack["settings"]
+    client = monitor.redis_client(settings)
+    qa, qb = f"embedq.test.depth-a-{uuid.uuid4().hex[:6]}", f"embedq.test.depth-b-{uuid.uuid4().hex[:6]}"
+    with Connection(settings.broker_url) as conn:
+        a, b = conn.SimpleQueue(qa), conn.SimpleQueue(qb)
+        for i in range(5):
+            a.put({"n": i, "pad": "x" * 3000})  # entries longer than the 512 bytes the script reads
+        for i in range(3):
+            b.put({"n": i})
+        taken = [a.get(timeout=5) for _ in range(2)]  # received, not acknowledged: in kombu's unacked hash
+        depths = monitor.queue_depths(client)
+        assert (depths[qa].waiting, depths[qa].unacked, depths[qa].depth) == (3, 2, 5)
+        assert (depths[qb].waiting, depths[qb].unacked) == (3, 0)
+        for message in taken:
+            message.ack()
+        assert monitor.queue_depths(client, [qa])[qa].unacked == 0
+        a.close()
+        b.close()
+    client.close()
+
+
+# -- c. embedq status -----------------------------------------------------------------------------
+def _status(stack, *args: str, broker: str | None = None, timeout: float = 60):
+    env = dict(os.environ, EMBEDQ_BROKER_URL=broker or stack["server"].url, COLUMNS="250")
+    return subprocess.run([sys.executable, "-m", "embedq", "status", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _cells(row: str) -> list[str]:
+    return [cell.strip() for cell in re.split(r"[│┃|]", row) if cell.strip()]
+
+
+def test_c_status_lists_queue_depths_and_the_live_worker(stack):
+    worker: WorkerHandle = stack["worker"]
+    for i in range(3):  # jobs nobody consumes: they wait in the list
+        worker.client.submit(_texts(1, f"idle-{i}"), queue=IDLE_QUEUE)
+    done = worker.client.submit(_texts(2, "status"))
+    done.result(60)
+    time.sleep(monitor.REPORT_INTERVAL + 1)  # the worker's next record carries the latest counters
+
+    out = _status(stack)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "Queues" in text and "Live workers: 1" in text
+    idle_row = next(line for line in text.splitlines() if IDLE_QUEUE in line)
+    assert _cells(idle_row)[-3:] == ["3", "0", "3"]  # waiting, unacked, depth
+    assert any(stack["settings"].queue_name in line for line in text.splitlines())
+    worker_row = next(line for line in text.splitlines() if f"-{worker.proc.pid}@" in line)
+    cells = _cells(worker_row)
+    assert cells[1].endswith("all-MiniLM-L6-v2") and cells[2:4] == ["cpu", "float32"], cells
+    assert "recent throughput" in text and "dead letters: 0" in text
+
+    snap = json.loads(_status(stack, "--json").stdout)
+    assert snap["queues"][IDLE_QUEUE] == {"waiting": 3, "unacked": 0, "depth": 3}
+    (record,) = snap["workers"]
+    assert record["pid"] == worker.proc.pid and record["device"] == "cpu" and record["ready"] is True
+    assert record["counters"]["items_succeeded"] >= 2
+    assert record["rates"]["items_per_s"] > 0  # texts were embedded within the last minute
+    assert record["metrics_port"] == stack["settings"].metrics_port
+
+
+def test_status_on_an_unreachable_broker_fails_fast_and_clearly(stack):
+    t0 = time.monotonic()
+    out = _status(stack, broker=f"redis://127.0.0.1:{free_port()}/0")
+    assert out.returncode == 2
+    assert "cannot reach the broker" in out.stderr
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_stopped_worker_leaves_the_registry(stack):
+    worker: WorkerHandle = stack["worker"]
+    worker.stop()
+    snap = json.loads(_status(stack, "--json").stdout)
+    assert snap["workers"] == []
+    assert "no live workers" in _status(stack).stdout
+
+
+def test_a_taken_metrics_port_stops_the_worker_with_a_clear_message(stack, tmp_path):
+    import socket
+
+    from embedq.producers.embedded import start_worker
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        settings = stack["settings"].model_copy(update={"metrics_port": port})
+        proc = start_worker(settings, log_path=tmp_path / "w.log")
+        assert proc.wait(120) != 0
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in Path(tmp_path / "w.log").read_text()
