@@ -17,6 +17,7 @@ The last line is the headline ratio embedq / sentence-transformers (texts/s).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -52,9 +53,12 @@ def st_padded_tokens(lengths_by_text: list[int], texts: list[str], batch_size: i
     return padded
 
 
-def run_st(texts: list[str], device: str, dtype: str, model_path: str) -> tuple[float, np.ndarray, list[int]]:
+def run_st(texts: list[str], device: str, dtype: str, model_path: str, *,
+           st_default_attention: bool = False) -> tuple[float, np.ndarray, list[int]]:
     import torch
     from sentence_transformers import SentenceTransformer
+
+    from embedq.backends.dense import attention_kernels
 
     model = SentenceTransformer(model_path, device=device)
     if dtype == "float16":
@@ -62,13 +66,17 @@ def run_st(texts: list[str], device: str, dtype: str, model_path: str) -> tuple[
     elif dtype == "bfloat16":
         model.bfloat16()
     lengths = [int(n) for n in model.preprocess(texts)["attention_mask"].sum(1).tolist()]
-    model.encode(texts[:64], batch_size=32)  # warm-up
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    vecs = model.encode(texts, batch_size=32, convert_to_numpy=True)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    # The same attention kernels as the worker (no cuDNN attention on CUDA, see embedq/backends/dense.py), so
+    # the ratio measures batching, not a kernel choice. --st-default-attention keeps PyTorch's own choice.
+    attention = contextlib.nullcontext if st_default_attention else attention_kernels(torch.device(device))
+    with attention():
+        model.encode(texts[:64], batch_size=32)  # warm-up
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        vecs = model.encode(texts, batch_size=32, convert_to_numpy=True)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
     return time.perf_counter() - t0, vecs, lengths
 
 
@@ -132,6 +140,9 @@ def main() -> None:
     p.add_argument("--max-batch-tokens", type=int, default=None)
     p.add_argument("--naive-n", type=int, default=1000, help="texts for the naive baseline (0: skip)")
     p.add_argument("--no-kernel-compare", action="store_true", help="skip the PyTorch-kernel embedq run (CPU)")
+    p.add_argument("--st-default-attention", action="store_true",
+                   help="CUDA: let the sentence-transformers baseline use PyTorch's default attention kernels "
+                   "(cuDNN attention in fp16/bf16) instead of the worker's")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
 
@@ -140,7 +151,8 @@ def main() -> None:
     logdir = Path(os.environ.get("TMPDIR", "/tmp")) / "embedq-bench"
     logdir.mkdir(exist_ok=True)
 
-    st_s, st_vecs, lengths = run_st(texts, args.device, args.dtype, model_path)
+    st_s, st_vecs, lengths = run_st(texts, args.device, args.dtype, model_path,
+                                    st_default_attention=args.st_default_attention)
     real = sum(lengths)
     st_padded = st_padded_tokens(lengths, texts, 32)
 

@@ -337,3 +337,9 @@ def test_a_taken_metrics_port_stops_the_worker_with_a_clear_message(stack, tmp_p
         proc = start_worker(settings, log_path=tmp_path / "w.log")
         assert proc.wait(120) != 0
     assert f"cannot serve metrics on 127.0.0.1:{port}" in Path(tmp_path / "w.log").read_text()
+
+
+def test_the_operations_guide_documents_every_metric():
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "OPERATIONS.md").read_text()
+    table = {re.sub(r"_total$", "", name) for name in re.findall(r"^\| `(embedq_\w+)`", guide, flags=re.M)}
+    assert table == exported_names(), table ^ exported_names()

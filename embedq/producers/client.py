@@ -159,7 +159,7 @@ class JobHandle:
         """Between two waits: has Redis lost its data since this job was sent? Then the client sends
         this job, and every other job of its own still waiting, again."""
         assert self._client is not None
-        epoch = self._client.epoch(refresh=True)
+        epoch = self._client.epoch()  # at most 1 s old: one read per client per second, however many wait
         if self._epoch is not None and epoch != self._epoch:
             self._client.resend_lost(epoch)
 
