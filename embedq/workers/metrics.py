@@ -67,7 +67,8 @@ CATALOG: dict[str, tuple[str, str]] = {
     "batch_real_tokens": ("histogram", "Real tokens per micro-batch."),
     "inference_seconds": ("histogram", "Duration of one micro-batch through the model."),
     "tokenize_seconds": ("histogram", "Duration of validating and tokenizing one job."),
-    "queue_seconds": ("histogram", "Time from the producer's send to the worker's receipt (the job's wait in Redis)."),
+    "queue_seconds": ("histogram", "Time from the producer's send to the worker's receipt (the job's wait in "
+                      "Redis); jobs from embedq's Client, which stamps the send time."),
     "buffer_seconds": ("histogram", "Time from the worker's receipt to the job's first micro-batch."),
     "job_seconds": ("histogram", "Time from the worker's receipt to the job's result stored."),
 }
