@@ -260,6 +260,8 @@ class Reporter(threading.Thread):
 
     def withdraw(self) -> None:
         self._stop_event.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout=5)  # a report in progress must not put the record back after it is deleted
         if self.hostname is not None:
             try:
                 monitor.withdraw_worker(self.redis, self.hostname)
