@@ -17,7 +17,6 @@ finishes the micro-batch in progress, stores and acknowledges what is done, and 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import time
 from dataclasses import dataclass, field
@@ -26,45 +25,24 @@ from typing import Any
 from celery import Celery, Task, bootsteps
 from celery.worker import state as worker_state
 from celery.worker.consumer import Consumer
-from celery.worker.control import inspect_command
-from celery.worker.request import Request
 from kombu.exceptions import ContentDisallowed
 from kombu.utils.imports import symbol_by_name
 
-from embedq import __version__, errors, monitor
+from embedq import errors, monitor
 from embedq.batching import PrefetchWindow
-from embedq.protocol import RESENT_HEADER, SENT_HEADER, TASK_NAME, short_options
+from embedq.protocol import RESENT_HEADER, SENT_HEADER, TASK_NAME
 from embedq.settings import Settings
 from embedq.workers.app import BROKER_ERRORS, lease_interval
 from embedq.workers.delivery import Ledger, Verdict, renew_leases
 from embedq.workers.metrics import Reporter, WorkerMetrics
+from embedq.workers.observe import WorkerInfo, event_kwargs, job_started, short_args, window_stats, worker_record
+from embedq.workers.runtime import RUNTIME
 from embedq.workers.service import EmbeddingService, Job
 
 log = logging.getLogger(__name__)
 
 ACK_INTERVAL = 0.02  # seconds between drains of finished jobs on the consumer thread
 
-
-class _Runtime:
-    """Per-process state of a worker: its settings, the service, the jobs it holds, finished jobs to ack."""
-
-    settings: Settings | None = None
-    service: EmbeddingService | None = None
-    ledger: Ledger | None = None
-    finished: queue.SimpleQueue = queue.SimpleQueue()  # (job, outcome, monotonic time stored)
-    started: queue.SimpleQueue = queue.SimpleQueue()  # jobs whose first micro-batch started (for events)
-    metrics: WorkerMetrics | None = None
-    reporter: Reporter | None = None
-    hostname: str = ""
-    started_at: float = 0.0  # Unix time the worker started consuming
-    timers: list[Any] = []
-    window: PrefetchWindow | None = None
-    consumer: Any = None  # Celery's Consumer: its qos is the channel's prefetch count
-    held: dict[str, Job] = {}  # job id -> job, from delivery until acknowledged (consumer thread only)
-    stopped: bool = False
-
-
-RUNTIME = _Runtime()
 
 #: A job whose terminal record was already stored before this delivery (see delivery.Ledger.check).
 ALREADY_STORED = "already-stored"
@@ -106,32 +84,10 @@ def load_service() -> EmbeddingService:
         log.info("loaded %s on %s (%s, %s linear kernel) in %.1fs", backend.info.model_id, backend.info.device,
                  backend.info.dtype, backend.info.linear_kernel, metrics.model_load_seconds)
         RUNTIME.service = EmbeddingService(backend, settings, on_done=_store_outcome, on_isolated_run=_count_run,
-                                           on_started=_job_started, metrics=metrics).start()
-        metrics.bind(RUNTIME.service, window_state=_window_stats, queues=[settings.queue_name],
+                                           on_started=job_started, metrics=metrics).start()
+        metrics.bind(RUNTIME.service, window_state=window_stats, queues=[settings.queue_name],
                      redis=monitor.redis_client(settings) if settings.broker_url else None)
     return RUNTIME.service
-
-
-def serve_metrics(settings: Settings) -> None:
-    """Serve Prometheus metrics on ``metrics_port`` (0: none). A taken port stops the worker with a clear
-    message: a worker nobody can see is worse than one that does not start."""
-    if not settings.metrics_port or RUNTIME.metrics is None:
-        return
-    try:
-        RUNTIME.metrics.serve(settings.metrics_port, settings.metrics_addr)
-    except OSError as exc:
-        where = f"{settings.metrics_addr}:{settings.metrics_port}"
-        raise SystemExit(f"embedq worker: cannot serve metrics on {where} ({exc.strerror or exc}); give each "
-                         "worker its own EMBEDQ_METRICS_PORT, or 0 for none") from None
-    log.info("metrics on http://%s:%d/metrics", settings.metrics_addr, settings.metrics_port)
-
-
-def _job_started(job: Job) -> None:
-    """Inference thread: the job's first micro-batch starts (its task-started event goes out on the
-    consumer thread, which owns the event connection)."""
-    if RUNTIME.metrics is not None and job.started is not None:
-        RUNTIME.metrics.observe("buffer_seconds", max(job.started - job.received, 0.0))
-    RUNTIME.started.put(job)
 
 
 def _count_run(job: Job, starting: bool) -> None:
@@ -327,8 +283,8 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
             service.stats.duplicates += 1
             return
         routing_key = (req.delivery_info or {}).get("routing_key") or settings.queue_name
-        req.send_event("task-received", name=req.name, args=_short_args(req),
-                       kwargs=_event_kwargs(kwargs, service, routing_key))
+        req.send_event("task-received", name=req.name, args=short_args(req),
+                       kwargs=event_kwargs(kwargs, service, routing_key))
         job = Job(id=req.id, texts=texts, options=kwargs, context=Delivery([(req, size)]), size=size)
         RUNTIME.held[job.id] = job
         verdict = Verdict()
@@ -387,32 +343,6 @@ class _BadArgs:
         self.args = args
 
 
-def _short_args(req: Any) -> str:
-    try:
-        texts = req.args[0]
-        return f"[{len(texts)} texts]"
-    except Exception:
-        return "[?]"
-
-
-def _event_kwargs(kwargs: Any, service: EmbeddingService, queue_name: str) -> str:
-    """What Flower shows as a task's keyword arguments: the model, the queue and the job's options."""
-    info = f"model={service.info.model_id!r}, queue={queue_name!r}"
-    options = short_options(kwargs)
-    return info + (f", options={options}" if options and options != "{}" else "")
-
-
-class EmbedRequest(Request):
-    """A job's Celery request. ``inspect reserved`` (and Flower's worker page) list the requests a worker
-    holds with their arguments: they show the texts' count and the options, never the texts."""
-
-    def info(self, safe: bool = False) -> dict[str, Any]:
-        out = super().info(safe=True)
-        out["args"] = _short_args(self)
-        out["kwargs"] = short_options(self._kwargs if isinstance(self._kwargs, dict) else {})
-        return out
-
-
 def refuse(task: Task, message: Any, error: errors.EmbedqError) -> None:
     """A message that is never run: record its typed error when it names a job, acknowledge it, and log
     its id and the reason only (never its body: it may hold users' texts)."""
@@ -437,7 +367,7 @@ class EmbedTask(Task):
     acks_late = True
     typing = False
     Strategy = "embedq.workers.consumer:coalescing_strategy"
-    Request = "embedq.workers.consumer:EmbedRequest"
+    Request = "embedq.workers.observe:EmbedRequest"
 
     def run(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - only reached by .apply()
         raise errors.Unavailable("embedq.embed runs only inside an embedq worker")
@@ -447,62 +377,6 @@ def register(app: Celery) -> Task:
     app.steps["consumer"].add(GracefulStop)
     app.steps["consumer"].add(WorkerInfo)
     return app.register_task(EmbedTask())
-
-
-def worker_record() -> dict[str, Any]:
-    """This worker's entry in the live-worker registry (embedq/monitor.py; ``embedq status``)."""
-    service = RUNTIME.service
-    settings = RUNTIME.settings or Settings()
-    record: dict[str, Any] = {"hostname": RUNTIME.hostname, "pid": os.getpid(), "version": __version__,
-                              "queues": [settings.queue_name], "metrics_port": settings.metrics_port or None,
-                              "started_at": RUNTIME.started_at, "reported_at": time.time(),
-                              "ready": service is not None and not RUNTIME.stopped}
-    if service is not None:
-        info, st = service.info, service.stats
-        record.update(model=info.model_id, device=info.device, dtype=info.dtype, linear_kernel=info.linear_kernel,
-                      buffered=len(service.scheduler), **_window_stats())
-        record["counters"] = {k: getattr(st, k) for k in (
-            "jobs_received", "jobs_succeeded", "jobs_failed", "items_received", "items_succeeded",
-            "items_failed", "batches", "real_tokens", "padded_tokens", "redelivered", "dead_letters")}
-        record["errors_by_code"] = dict(st.errors_by_code)
-    if RUNTIME.metrics is not None:
-        record["rates"] = RUNTIME.metrics.rates.current()
-    return record
-
-
-class WorkerInfo(bootsteps.StartStopStep):
-    """Consumer bootstep that adds the model, device and dtype to ``celery inspect stats``, which Flower
-    shows for each worker (``/api/workers``). (A start-stop step: only those are asked for their info.)"""
-
-    def info(self, c: Any) -> dict[str, Any]:
-        service = RUNTIME.service
-        if service is None:
-            return {"embedq": {"ready": False}}
-        info = service.info
-        return {"embedq": {"ready": True, "model": info.model_id, "device": info.device, "dtype": info.dtype,
-                           "linear_kernel": info.linear_kernel, "queues": [service.settings.queue_name],
-                           "version": __version__, "metrics_port": service.settings.metrics_port or None}}
-
-
-@inspect_command()
-def embedq_stats(state: Any) -> dict[str, Any]:
-    """``celery inspect embedq_stats``: the service's counters and model."""
-    service = RUNTIME.service
-    if service is None:
-        return {"ready": False}
-    return {"ready": True, "model": service.info.model_id, "device": service.info.device,
-            "dtype": service.info.dtype, "linear_kernel": service.info.linear_kernel,
-            "buffered": len(service.scheduler), **_window_stats(), **service.stats.as_dict()}
-
-
-def _window_stats() -> dict[str, int]:
-    window = RUNTIME.window
-    if window is None:
-        return {}
-    return {"held_messages": window.messages, "held_texts": window.texts, "peak_held_messages": window.peak_messages,
-            "peak_held_texts": window.peak_texts, "prefetch_limit": window.limit()}
-
-
 
 
 class GracefulStop(bootsteps.StartStopStep):

@@ -8,7 +8,7 @@ import socket
 import sys
 
 from embedq.settings import Settings
-from embedq.workers import consumer, transport
+from embedq.workers import consumer, observe, transport
 from embedq.workers.app import make_app
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
@@ -68,7 +68,7 @@ def run_worker(settings: Settings, *, hostname: str | None = None, loglevel: str
     transport.install()
     consumer.configure(settings)
     consumer.load_service()  # fail fast (non-zero exit) on a model that cannot load
-    consumer.serve_metrics(settings)  # and on a metrics port that is taken
+    observe.serve_metrics(settings)  # and on a metrics port that is taken
     app = make_app(settings)
     consumer.register(app)
     app.worker_main(worker_argv(settings, hostname=hostname, loglevel=loglevel))

@@ -1,0 +1,128 @@
+"""What a worker shows of itself: Prometheus metrics endpoint, task-event summaries, Celery's ``inspect``
+views (``stats``, ``reserved``, ``embedq_stats``) and its record in the live-worker registry.
+
+None of it ever carries a user's text: jobs are summarised by their texts' count, model, queue and options.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from celery import bootsteps
+from celery.worker.control import inspect_command
+from celery.worker.request import Request
+
+from embedq import __version__
+from embedq.protocol import short_options
+from embedq.settings import Settings
+from embedq.workers.runtime import RUNTIME
+
+if TYPE_CHECKING:
+    from embedq.workers.service import Job
+
+log = logging.getLogger(__name__)
+
+
+def serve_metrics(settings: Settings) -> None:
+    """Serve Prometheus metrics on ``metrics_port`` (0: none). A taken port stops the worker with a clear
+    message: a worker nobody can see is worse than one that does not start."""
+    if not settings.metrics_port or RUNTIME.metrics is None:
+        return
+    try:
+        RUNTIME.metrics.serve(settings.metrics_port, settings.metrics_addr)
+    except OSError as exc:
+        where = f"{settings.metrics_addr}:{settings.metrics_port}"
+        raise SystemExit(f"embedq worker: cannot serve metrics on {where} ({exc.strerror or exc}); give each "
+                         "worker its own EMBEDQ_METRICS_PORT, or 0 for none") from None
+    log.info("metrics on http://%s:%d/metrics", settings.metrics_addr, settings.metrics_port)
+
+
+def job_started(job: Job) -> None:
+    """Inference thread: the job's first micro-batch starts (its task-started event goes out on the
+    consumer thread, which owns the event connection)."""
+    if RUNTIME.metrics is not None and job.started is not None:
+        RUNTIME.metrics.observe("buffer_seconds", max(job.started - job.received, 0.0))
+    RUNTIME.started.put(job)
+
+
+def short_args(req: Any) -> str:
+    try:
+        texts = req.args[0]
+        return f"[{len(texts)} texts]"
+    except Exception:
+        return "[?]"
+
+
+def event_kwargs(kwargs: Any, service: Any, queue_name: str) -> str:
+    """What Flower shows as a task's keyword arguments: the model, the queue and the job's options."""
+    info = f"model={service.info.model_id!r}, queue={queue_name!r}"
+    options = short_options(kwargs)
+    return info + (f", options={options}" if options and options != "{}" else "")
+
+
+class EmbedRequest(Request):
+    """A job's Celery request. ``inspect reserved`` (and Flower's worker page) list the requests a worker
+    holds with their arguments: they show the texts' count and the options, never the texts."""
+
+    def info(self, safe: bool = False) -> dict[str, Any]:
+        out = super().info(safe=True)
+        out["args"] = short_args(self)
+        out["kwargs"] = short_options(self._kwargs if isinstance(self._kwargs, dict) else {})
+        return out
+
+
+def worker_record() -> dict[str, Any]:
+    """This worker's entry in the live-worker registry (embedq/monitor.py; ``embedq status``)."""
+    service = RUNTIME.service
+    settings = RUNTIME.settings or Settings()
+    record: dict[str, Any] = {"hostname": RUNTIME.hostname, "pid": os.getpid(), "version": __version__,
+                              "queues": [settings.queue_name], "metrics_port": settings.metrics_port or None,
+                              "started_at": RUNTIME.started_at, "reported_at": time.time(),
+                              "ready": service is not None and not RUNTIME.stopped}
+    if service is not None:
+        info, st = service.info, service.stats
+        record.update(model=info.model_id, device=info.device, dtype=info.dtype, linear_kernel=info.linear_kernel,
+                      buffered=len(service.scheduler), **window_stats())
+        record["counters"] = {k: getattr(st, k) for k in (
+            "jobs_received", "jobs_succeeded", "jobs_failed", "items_received", "items_succeeded",
+            "items_failed", "batches", "real_tokens", "padded_tokens", "redelivered", "dead_letters")}
+        record["errors_by_code"] = dict(st.errors_by_code)
+    if RUNTIME.metrics is not None:
+        record["rates"] = RUNTIME.metrics.rates.current()
+    return record
+
+
+class WorkerInfo(bootsteps.StartStopStep):
+    """Consumer bootstep that adds the model, device and dtype to ``celery inspect stats``, which Flower
+    shows for each worker (``/api/workers``). (A start-stop step: only those are asked for their info.)"""
+
+    def info(self, c: Any) -> dict[str, Any]:
+        service = RUNTIME.service
+        if service is None:
+            return {"embedq": {"ready": False}}
+        info = service.info
+        return {"embedq": {"ready": True, "model": info.model_id, "device": info.device, "dtype": info.dtype,
+                           "linear_kernel": info.linear_kernel, "queues": [service.settings.queue_name],
+                           "version": __version__, "metrics_port": service.settings.metrics_port or None}}
+
+
+@inspect_command()
+def embedq_stats(state: Any) -> dict[str, Any]:
+    """``celery inspect embedq_stats``: the service's counters and model."""
+    service = RUNTIME.service
+    if service is None:
+        return {"ready": False}
+    return {"ready": True, "model": service.info.model_id, "device": service.info.device,
+            "dtype": service.info.dtype, "linear_kernel": service.info.linear_kernel,
+            "buffered": len(service.scheduler), **window_stats(), **service.stats.as_dict()}
+
+
+def window_stats() -> dict[str, int]:
+    window = RUNTIME.window
+    if window is None:
+        return {}
+    return {"held_messages": window.messages, "held_texts": window.texts, "peak_held_messages": window.peak_messages,
+            "peak_held_texts": window.peak_texts, "prefetch_limit": window.limit()}
