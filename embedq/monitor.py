@@ -26,6 +26,8 @@ from typing import Any
 from embedq.settings import Settings
 from embedq.workers.delivery import DEAD_LETTERS
 
+DEPTHS_KEY = "embedq.queue-depths"  # the last depths read by any worker, shared for DEPTHS_TTL seconds
+DEPTHS_TTL = 5.0
 WORKER_KEY = "embedq.worker.{}"  # one JSON record per live worker, keyed by its Celery node name
 REPORT_INTERVAL = 5.0  # seconds between two records of a worker
 WORKER_TTL = int(3 * REPORT_INTERVAL)
@@ -110,6 +112,24 @@ def queue_depths(client: Any, queues: Iterable[str] = ()) -> dict[str, QueueDept
     per = 1 + len(KOMBU_PRIORITY_STEPS)
     return {name: QueueDepth(name, sum(lengths[i * per:(i + 1) * per]), unacked.get(name, 0))
             for i, name in enumerate(names)}
+
+
+def shared_queue_depths(client: Any, queues: Iterable[str] = ()) -> dict[str, QueueDepth]:
+    """:func:`queue_depths` read by one worker for all: counting the unacked hash reads every entry, and
+    with N workers scraped every 15 s Redis would do it N times over. The first worker to ask in a
+    DEPTHS_TTL window counts and shares the result; a queue missing from it (just declared) is counted."""
+    raw = client.get(DEPTHS_KEY)
+    if raw is not None:
+        try:
+            depths = {name: QueueDepth(name, int(w), int(u)) for name, (w, u) in json.loads(raw).items()}
+        except (ValueError, TypeError):
+            depths = None
+        if depths is not None and set(queues) <= set(depths):
+            return depths
+    depths = queue_depths(client, queues)
+    client.set(DEPTHS_KEY, json.dumps({name: [q.waiting, q.unacked] for name, q in depths.items()}),
+               px=int(DEPTHS_TTL * 1000))
+    return depths
 
 
 def publish_worker(client: Any, record: dict[str, Any]) -> None:

@@ -227,8 +227,9 @@ def test_b_metrics_move_by_exactly_what_the_jobs_did(stack):
     assert _v(after, "embedq_items_in_flight") == 0 and _v(after, "embedq_jobs_in_flight") == 0
     assert _v(after, "embedq_model_load_seconds") > 0
     assert _v(after, "embedq_broker_up") == 1
-    # Depths are read from Redis at most every 2 s: the next fresh read finds the queue empty.
-    _wait(lambda: _v(_scrape(stack), "embedq_queue_depth", queue=queue) == 0, 10, "the queue depth to read 0")
+    # Depths are read from Redis at most every 2 s (and shared between workers for 5 s): a fresh read finds
+    # the queue empty.
+    _wait(lambda: _v(_scrape(stack), "embedq_queue_depth", queue=queue) == 0, 20, "the queue depth to read 0")
     info = [labels for (name, labels) in after if name == "embedq_worker_info"]
     assert info and dict(info[0])["device"] == "cpu" and dict(info[0])["queue"] == queue
 
@@ -260,9 +261,18 @@ def test_queue_depth_counts_waiting_and_unacknowledged_messages(stack):
         depths = monitor.queue_depths(client)
         assert (depths[qa].waiting, depths[qa].unacked, depths[qa].depth) == (3, 2, 5)
         assert (depths[qb].waiting, depths[qb].unacked) == (3, 0)
+        # Shared between workers: the first read counts and stores, the next reads within the TTL reuse it ...
+        client.delete(monitor.DEPTHS_KEY)
+        assert monitor.shared_queue_depths(client, [qa])[qa].unacked == 2
         for message in taken:
             message.ack()
         assert monitor.queue_depths(client, [qa])[qa].unacked == 0
+        assert monitor.shared_queue_depths(client, [qa])[qa].unacked == 2
+        # ... unless a queue is missing from it (just declared), or the shared copy has expired (deleted here).
+        qc = f"embedq.test.depth-c-{uuid.uuid4().hex[:6]}"
+        assert monitor.shared_queue_depths(client, [qa, qc])[qa].unacked == 0
+        client.delete(monitor.DEPTHS_KEY)
+        assert monitor.shared_queue_depths(client, [qa])[qa].unacked == 0
         a.close()
         b.close()
     client.close()

@@ -63,8 +63,9 @@ class Ledger:
     def check(self, job_id: str, *, redelivered: bool = True) -> Verdict:
         """Consumer thread, for a redelivered or resent message only (first deliveries cost no round trip).
 
-        A copy a producer resent after a broker restart (``redelivered=False``) is only checked for a
-        stored record: it is no evidence of a crash."""
+        A copy a producer resent (``redelivered=False``: after a broker restart, or after ``resend_after``)
+        is no evidence of a crash by itself; but a job that is already a suspect stays one, whichever copy
+        comes: a resent copy of a poison job run in a batch would take the worker down uncounted."""
         pipe = self.client.pipeline(transaction=False)
         pipe.get(RETURNED_KEY.format(job_id))
         pipe.delete(RETURNED_KEY.format(job_id))
@@ -77,10 +78,8 @@ class Ledger:
                     return Verdict(stored=True)
             except Exception:  # an unreadable record is overwritten by running the job again
                 log.warning("job %s has an unreadable stored record; running it again", job_id)
-        if not redelivered:
-            return Verdict()
         if attempts is None:
-            if returned:  # handed back by a stopping worker, never suspected: a plain delivery
+            if returned or not redelivered:  # handed back by a stopping worker, or resent: a plain delivery
                 return Verdict()
             # Its last delivery ended with the worker gone (it may have been in the running micro-batch):
             # from now on it runs alone. The key's existence is the mark.

@@ -6,7 +6,8 @@ Grafana dashboard) uses only these names, and a test checks it.
 Counters are read at scrape time from the service's :class:`~embedq.workers.service.Stats`, the one
 place the worker counts, so the metrics, ``celery inspect embedq_stats`` and ``embedq status`` never
 disagree. Distributions (micro-batch sizes, durations, waits) are histograms observed where they
-happen. Queue depths are read from Redis at scrape time (cached for :data:`QUEUE_CACHE_SECONDS`).
+happen. Queue depths are read from Redis at scrape time (cached for :data:`QUEUE_CACHE_SECONDS` here and
+shared between workers for ``monitor.DEPTHS_TTL``).
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ class WorkerMetrics:
             if time.monotonic() - taken < QUEUE_CACHE_SECONDS:
                 return cached
             try:
-                cached = monitor.queue_depths(self.redis, self.queues) if self.redis is not None else None
+                cached = monitor.shared_queue_depths(self.redis, self.queues) if self.redis is not None else None
             except Exception as exc:
                 log.debug("queue depths unavailable: %s", type(exc).__name__)
                 cached = None

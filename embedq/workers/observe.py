@@ -74,18 +74,26 @@ class EmbedRequest(Request):
         return out
 
 
+def identity() -> dict[str, Any]:
+    """What this worker serves: shown by ``inspect stats`` (Flower), ``embedq_stats`` and the registry."""
+    service = RUNTIME.service
+    settings = RUNTIME.settings or Settings()
+    out: dict[str, Any] = {"ready": service is not None and not RUNTIME.stopped, "version": __version__,
+                           "queues": [settings.queue_name], "metrics_port": settings.metrics_port or None}
+    if service is not None:
+        info = service.info
+        out.update(model=info.model_id, device=info.device, dtype=info.dtype, linear_kernel=info.linear_kernel)
+    return out
+
+
 def worker_record() -> dict[str, Any]:
     """This worker's entry in the live-worker registry (embedq/monitor.py; ``embedq status``)."""
     service = RUNTIME.service
-    settings = RUNTIME.settings or Settings()
-    record: dict[str, Any] = {"hostname": RUNTIME.hostname, "pid": os.getpid(), "version": __version__,
-                              "queues": [settings.queue_name], "metrics_port": settings.metrics_port or None,
-                              "started_at": RUNTIME.started_at, "reported_at": time.time(),
-                              "ready": service is not None and not RUNTIME.stopped}
+    record: dict[str, Any] = {"hostname": RUNTIME.hostname, "pid": os.getpid(), "started_at": RUNTIME.started_at,
+                              "reported_at": time.time(), **identity()}
     if service is not None:
-        info, st = service.info, service.stats
-        record.update(model=info.model_id, device=info.device, dtype=info.dtype, linear_kernel=info.linear_kernel,
-                      buffered=len(service.scheduler), **window_stats())
+        st = service.stats
+        record.update(buffered=len(service.scheduler), **window_stats())
         record["counters"] = {k: getattr(st, k) for k in (
             "jobs_received", "jobs_succeeded", "jobs_failed", "items_received", "items_succeeded",
             "items_failed", "batches", "real_tokens", "padded_tokens", "redelivered", "dead_letters")}
@@ -100,13 +108,7 @@ class WorkerInfo(bootsteps.StartStopStep):
     shows for each worker (``/api/workers``). (A start-stop step: only those are asked for their info.)"""
 
     def info(self, c: Any) -> dict[str, Any]:
-        service = RUNTIME.service
-        if service is None:
-            return {"embedq": {"ready": False}}
-        info = service.info
-        return {"embedq": {"ready": True, "model": info.model_id, "device": info.device, "dtype": info.dtype,
-                           "linear_kernel": info.linear_kernel, "queues": [service.settings.queue_name],
-                           "version": __version__, "metrics_port": service.settings.metrics_port or None}}
+        return {"embedq": identity()}
 
 
 @inspect_command()
@@ -115,9 +117,7 @@ def embedq_stats(state: Any) -> dict[str, Any]:
     service = RUNTIME.service
     if service is None:
         return {"ready": False}
-    return {"ready": True, "model": service.info.model_id, "device": service.info.device,
-            "dtype": service.info.dtype, "linear_kernel": service.info.linear_kernel,
-            "buffered": len(service.scheduler), **window_stats(), **service.stats.as_dict()}
+    return {**identity(), "buffered": len(service.scheduler), **window_stats(), **service.stats.as_dict()}
 
 
 def window_stats() -> dict[str, int]:

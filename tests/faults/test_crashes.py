@@ -25,7 +25,8 @@ from embedq.producers.client import Client
 from embedq.producers.embedded import RedisServer, start_worker, stop_worker
 from embedq.protocol import decode_result
 from embedq.settings import Settings
-from embedq.workers.delivery import dead_letters
+from embedq.workers.app import make_app
+from embedq.workers.delivery import Ledger, Verdict, dead_letters
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -150,6 +151,21 @@ def _supervise(settings: Settings, log: Path, until, timeout: float) -> int:
         return deaths
     finally:
         stop_worker(proc)
+
+
+def test_a_resent_copy_of_a_suspect_job_stays_a_suspect(redis_server):
+    """A producer resends a job that has no result after resend_after; if that job has already killed a
+    worker, the copy must run alone and be counted like the redelivered original (else a poison job's copy
+    takes a worker down in a batch, uncounted)."""
+    app = make_app(Settings(broker_url=redis_server.url))
+    ledger = Ledger(app.backend, max_attempts=3)
+    job = str(uuid.uuid4())
+    assert ledger.check(job, redelivered=False) == Verdict()  # resent, no history: a plain delivery
+    assert ledger.check(job, redelivered=True) == Verdict(suspect=True, crashes=1)  # back after a death
+    ledger.count_run(job, 1)  # it runs alone, and the worker dies in that run
+    assert ledger.check(job, redelivered=False) == Verdict(suspect=True, crashes=2)  # a resent copy
+    assert ledger.check(job, redelivered=True) == Verdict(suspect=True, crashes=2)  # the original
+    app.close()
 
 
 def _settled(handle) -> bool:
