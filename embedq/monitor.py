@@ -9,8 +9,8 @@ straight from Redis (no torch, no remote-control broadcast).
 * **Live workers** publish a small JSON record under :data:`WORKER_KEY` every
   :data:`REPORT_INTERVAL` seconds with a TTL of three intervals, so a worker that died disappears
   within :data:`WORKER_TTL` seconds. The record carries the model, device, dtype, queues, counters and
-  recent rates. Reading it never depends on a worker answering a broadcast, so ``embedq status`` and
-  the test fixtures cannot hang on a dead worker's mailbox.
+  recent rates. Reading it never depends on a worker answering a broadcast, so ``embedq status``
+  cannot hang on a dead worker's mailbox.
 
 Keys are declared here once.
 """

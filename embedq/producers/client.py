@@ -34,7 +34,7 @@ from embedq.protocol import (
     validate_texts,
 )
 from embedq.settings import Settings
-from embedq.workers.app import BROKER_ERRORS, DEFAULT_RESULT_TIMEOUT, make_app, tls_options
+from embedq.workers.app import BROKER_ERRORS, DEFAULT_RESULT_TIMEOUT, make_app
 
 log = logging.getLogger(__name__)
 
@@ -270,10 +270,9 @@ class Client:
         now = time.monotonic()
         if refresh or self._epoch is None or now - self._epoch_read > 1.0:
             if self._redis is None:
-                import redis
+                from embedq.monitor import redis_client
 
-                self._redis = redis.Redis.from_url(self.settings.broker_url, socket_timeout=5,
-                                                   socket_connect_timeout=5, **(tls_options(self.settings) or {}))
+                self._redis = redis_client(self.settings, timeout=5.0)
             pipe = self._redis.pipeline(transaction=False)
             pipe.set(EPOCH_KEY, uuid.uuid4().hex, nx=True)
             pipe.get(EPOCH_KEY)
