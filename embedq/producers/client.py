@@ -106,6 +106,7 @@ class JobHandle:
         deadline = None if timeout is None else start + timeout
         broker_timeout = self._client.settings.broker_timeout if self._client else 30.0
         down_since: float | None = None
+        outage = False  # the broker did not answer since the last epoch check: read it afresh
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -130,12 +131,14 @@ class JobHandle:
                 if stored is not None:
                     return stored
                 if self._client is not None:
-                    self._check_broker()
+                    self._check_broker(refresh=outage)
+                    outage = False
                     self._maybe_resend()
                 down_since = None
             except BROKER_ERRORS as exc:
                 now = time.monotonic()
                 down_since = down_since or now
+                outage = True
                 if now - down_since >= broker_timeout:
                     raise errors.BrokerUnavailable(
                         f"the broker has not answered for {now - down_since:.0f}s while waiting for job "
@@ -155,11 +158,13 @@ class JobHandle:
             raise exc
         return None
 
-    def _check_broker(self) -> None:
+    def _check_broker(self, *, refresh: bool = False) -> None:
         """Between two waits: has Redis lost its data since this job was sent? Then the client sends
         this job, and every other job of its own still waiting, again."""
         assert self._client is not None
-        epoch = self._client.epoch()  # at most 1 s old: one read per client per second, however many wait
+        # At most 1 s old (one read per client per second, however many wait); fresh after an outage, so a
+        # restart is noticed before the results that were waiting come in.
+        epoch = self._client.epoch(refresh=refresh)
         if self._epoch is not None and epoch != self._epoch:
             self._client.resend_lost(epoch)
 
