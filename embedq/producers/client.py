@@ -34,7 +34,7 @@ from embedq.protocol import (
     validate_texts,
 )
 from embedq.settings import Settings
-from embedq.workers.app import BROKER_ERRORS, DEFAULT_RESULT_TIMEOUT, make_app
+from embedq.workers.app import BROKER_ERRORS, DEFAULT_RESULT_TIMEOUT, make_app, tls_options
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,6 @@ class JobHandle:
         deadline = None if timeout is None else start + timeout
         broker_timeout = self._client.settings.broker_timeout if self._client else 30.0
         down_since: float | None = None
-        outage = False  # the broker did not answer since the last epoch check: read it afresh
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -131,14 +130,12 @@ class JobHandle:
                 if stored is not None:
                     return stored
                 if self._client is not None:
-                    self._check_broker(refresh=outage)
-                    outage = False
+                    self._check_broker()
                     self._maybe_resend()
                 down_since = None
             except BROKER_ERRORS as exc:
                 now = time.monotonic()
                 down_since = down_since or now
-                outage = True
                 if now - down_since >= broker_timeout:
                     raise errors.BrokerUnavailable(
                         f"the broker has not answered for {now - down_since:.0f}s while waiting for job "
@@ -158,13 +155,11 @@ class JobHandle:
             raise exc
         return None
 
-    def _check_broker(self, *, refresh: bool = False) -> None:
+    def _check_broker(self) -> None:
         """Between two waits: has Redis lost its data since this job was sent? Then the client sends
         this job, and every other job of its own still waiting, again."""
         assert self._client is not None
-        # At most 1 s old (one read per client per second, however many wait); fresh after an outage, so a
-        # restart is noticed before the results that were waiting come in.
-        epoch = self._client.epoch(refresh=refresh)
+        epoch = self._client.epoch()  # at most 1 s old: one read per client per second, however many wait
         if self._epoch is not None and epoch != self._epoch:
             self._client.resend_lost(epoch)
 
@@ -275,9 +270,10 @@ class Client:
         now = time.monotonic()
         if refresh or self._epoch is None or now - self._epoch_read > 1.0:
             if self._redis is None:
-                from embedq.monitor import redis_client
+                import redis
 
-                self._redis = redis_client(self.settings, timeout=5.0)
+                self._redis = redis.Redis.from_url(self.settings.broker_url, socket_timeout=5,
+                                                   socket_connect_timeout=5, **(tls_options(self.settings) or {}))
             pipe = self._redis.pipeline(transaction=False)
             pipe.set(EPOCH_KEY, uuid.uuid4().hex, nx=True)
             pipe.get(EPOCH_KEY)
