@@ -146,6 +146,22 @@ class Overloaded(EmbedqError):
     http_status = 429
 
 
+class Expired(EmbedqError):
+    """The job's deadline passed before it ran: dropped before it cost compute (send it again with a new
+    deadline, or none)."""
+
+    code = "expired"
+    retryable = True
+    http_status = 504
+
+
+class Cancelled(EmbedqError):
+    """The job was cancelled (``JobHandle.cancel()``, or revoked through Celery) before it ran."""
+
+    code = "cancelled"
+    http_status = 409
+
+
 class Unavailable(EmbedqError):
     code = "unavailable"
     retryable = True
@@ -173,6 +189,6 @@ HTTP_STATUS: dict[str, int] = {
         EmbedqError, ValidationError, EmptyInput, EmptyText, InvalidType, InvalidOption,
         UnknownPromptName, InvalidDimensions, UnknownModel, TooLong, InvalidText, InvalidMessage, InvalidRecord,
         DuplicateId, OutputMismatch, PayloadTooLarge, TooManyTexts, TextTooLong, MessageTooLarge, DeadLetter,
-        BackendError, UnsupportedModel, Overloaded, Unavailable, JobTimeout, JobLost,
+        BackendError, UnsupportedModel, Overloaded, Expired, Cancelled, Unavailable, JobTimeout, JobLost,
     )
 }

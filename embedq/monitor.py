@@ -99,6 +99,15 @@ def unacked_by_queue(client: Any) -> dict[str, int]:
     return out
 
 
+def waiting(client: Any, queue: str) -> int:
+    """Messages waiting in ``queue``'s Redis list(s), not yet received by any worker (one round trip)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.llen(queue)
+    for step in KOMBU_PRIORITY_STEPS:
+        pipe.llen(f"{queue}{KOMBU_SEP}{step}")
+    return int(sum(pipe.execute()))
+
+
 def queue_depths(client: Any, queues: Iterable[str] = ()) -> dict[str, QueueDepth]:
     """Depth of ``queues`` plus every queue that has a binding or unacked messages, by name."""
     unacked = unacked_by_queue(client)

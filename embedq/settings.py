@@ -34,13 +34,43 @@ class Settings(BaseSettings):
     )
     result_backend: str | None = Field(default=None, description="Result store; defaults to broker_url.")
     model: str = Field(default=DEFAULT_MODEL, description="Model id or local sentence-transformers folder.")
-    queue: str | None = Field(default=None, description="Queue name; defaults to embedq.<model slug>.")
+    queue: str | None = Field(default=None, description="Queue of online jobs; defaults to embedq.<model slug>.")
+    bulk_queue: str | None = Field(default=None, description="Queue of bulk jobs; defaults to <queue>.bulk.")
     device: str = "cpu"
     dtype: Dtype = "float32"
     max_batch_tokens: int | None = Field(
         default=None, ge=16,
         description="Padded tokens per micro-batch. None: 2048 on CPU (cache-sized batches are fastest "
         "there), 16384 on CUDA.",
+    )
+    online_batch_tokens: int | None = Field(
+        default=None, ge=16,
+        description="Padded tokens per micro-batch while online jobs are about (one arrived in the last "
+        "second): an online job waits for at most one such batch. None: 256 on CPU, 4096 on CUDA.",
+    )
+    bulk_min_share: float = Field(
+        default=0.1, ge=0.0, le=1.0,
+        description="While online and bulk jobs both wait, the least share of the model's tokens bulk gets.",
+    )
+    online_reserve: float = Field(
+        default=0.25, ge=0.0, lt=1.0,
+        description="Share of the prefetch window (messages and texts) kept for online jobs: bulk jobs never "
+        "fill it, so an online job is fetched at once even while a bulk run saturates the worker.",
+    )
+    online_queue_limit: int = Field(
+        default=1000, ge=0,
+        description="Online jobs waiting in a queue beyond which producers refuse new online jobs at once "
+        "with `overloaded` (HTTP 429); 0: no limit.",
+    )
+    bulk_queue_limit: int = Field(
+        default=10_000, ge=0,
+        description="Bulk jobs waiting in a queue beyond which bulk producers (the indexer) wait for room "
+        "before sending more; 0: no limit.",
+    )
+    bulk_wait_timeout: float | None = Field(
+        default=None, gt=0,
+        description="Seconds a bulk producer waits for room in a full bulk queue before it raises "
+        "`overloaded`; None: as long as it takes.",
     )
     max_batch_requests: int = Field(default=256, ge=1, description="Texts per micro-batch.")
     max_chars: int = Field(default=100_000, ge=1, description="Characters per text.")
@@ -114,8 +144,27 @@ class Settings(BaseSettings):
         return 16384 if self.device.startswith("cuda") else 2048
 
     @property
+    def online_tokens(self) -> int:
+        if self.online_batch_tokens is not None:
+            return min(self.online_batch_tokens, self.batch_tokens)
+        return min(4096 if self.device.startswith("cuda") else 256, self.batch_tokens)
+
+    @property
     def queue_name(self) -> str:
+        """The online queue (what producers send to unless a job is bulk)."""
         return self.queue or f"embedq.{model_slug(self.model)}"
+
+    @property
+    def bulk_queue_name(self) -> str:
+        return self.bulk_queue or f"{self.queue_name}.bulk"
+
+    def queue_for(self, traffic_class: str) -> str:
+        return self.bulk_queue_name if traffic_class == "bulk" else self.queue_name
+
+    @property
+    def queues(self) -> list[str]:
+        """What a worker consumes: the online queue first."""
+        return [self.queue_name, self.bulk_queue_name]
 
     @property
     def result_url(self) -> str | None:

@@ -122,6 +122,7 @@ def test_a_flower_api_shows_our_tasks_and_worker(stack):
         assert t["args"] == "[3 texts]"
         assert "all-MiniLM-L6-v2" in t["kwargs"] and stack["settings"].queue_name in t["kwargs"]
         assert "'dimensions': 64" in t["kwargs"]
+        assert "class='online'" in t["kwargs"]
         assert t["worker"] == node
         assert isinstance(t["runtime"], float) and 0 <= t["runtime"] < 60
         assert t["received"] and t["started"] and t["succeeded"]
@@ -141,7 +142,7 @@ def test_a_flower_api_shows_our_tasks_and_worker(stack):
     assert info["stats"]["embedq"]["device"] == "cpu"
     assert info["stats"]["embedq"]["dtype"] == "float32"
     assert "embedq.embed" in info["registered"]
-    assert [q["name"] for q in info["active_queues"]] == [stack["settings"].queue_name]
+    assert [q["name"] for q in info["active_queues"]] == stack["settings"].queues  # online and bulk
     for request in info.get("reserved") or []:
         assert re.fullmatch(r"\[\d+ texts\]", request["args"]), request
     assert MARKER not in json.dumps(workers)
@@ -197,7 +198,8 @@ def test_b_metrics_move_by_exactly_what_the_jobs_did(stack):
 
     def settled():
         after = _scrape(stack)
-        done = _delta(after, before, "embedq_job_seconds_count") >= 12 and _v(after, "embedq_jobs_in_flight") == 0
+        done = (_delta(after, before, "embedq_job_seconds_count", traffic_class="online") >= 12
+                and _v(after, "embedq_jobs_in_flight") == 0)
         return after if done else None
 
     after = _wait(settled, 30, "the worker to account for all 12 jobs")
@@ -219,9 +221,13 @@ def test_b_metrics_move_by_exactly_what_the_jobs_did(stack):
     assert d("embedq_padded_tokens_total") == d("embedq_batch_tokens_sum") >= tokens
     assert d("embedq_inference_seconds_sum") > 0
     assert d("embedq_tokenize_seconds_count") == 10
-    assert d("embedq_queue_seconds_count") == 12  # every job carried the producer's send time
-    assert d("embedq_buffer_seconds_count") == 10
-    assert d("embedq_job_seconds_count") == 12
+    online = {"traffic_class": "online"}  # waits are labelled by traffic class; these jobs are all online
+    assert d("embedq_queue_seconds_count", **online) == 12  # every job carried the producer's send time
+    assert d("embedq_buffer_seconds_count", **online) == 10
+    assert d("embedq_job_seconds_count", **online) == 12
+    assert d("embedq_class_jobs_received_total", **online) == 12
+    assert d("embedq_class_items_embedded_total", **online) == 30
+    assert d("embedq_jobs_cancelled_total") == 0
     bucket = ("embedq_batch_items_bucket", (("le", "+Inf"),))
     assert after[bucket] - before.get(bucket, 0) == batches
     assert _v(after, "embedq_items_in_flight") == 0 and _v(after, "embedq_jobs_in_flight") == 0
@@ -231,7 +237,7 @@ def test_b_metrics_move_by_exactly_what_the_jobs_did(stack):
     # the queue empty.
     _wait(lambda: _v(_scrape(stack), "embedq_queue_depth", queue=queue) == 0, 20, "the queue depth to read 0")
     info = [labels for (name, labels) in after if name == "embedq_worker_info"]
-    assert info and dict(info[0])["device"] == "cpu" and dict(info[0])["queue"] == queue
+    assert info and dict(info[0])["device"] == "cpu" and dict(info[0])["queue"] == ",".join(stack["settings"].queues)
 
     # Logs: one INFO line per micro-batch, and nothing else at INFO while jobs run (no texts, ever).
     with worker.log_path.open("rb") as fh:

@@ -69,8 +69,8 @@ class Scheduler:
                 self._drop_length(item.length)
         return dropped
 
-    def _fits(self, longest: int, count: int, total: int) -> bool:
-        return count <= self.max_items and (longest * count if self.padded else total) <= self.max_tokens
+    def _fits(self, longest: int, count: int, total: int, max_tokens: int, max_items: int) -> bool:
+        return count <= max_items and (longest * count if self.padded else total) <= max_tokens
 
     def _take(self, length: int) -> Item:
         """Remove and return the oldest item of the bucket ``length`` (which must be non-empty)."""
@@ -82,41 +82,62 @@ class Scheduler:
         del self._buckets[length]
         del self._lengths[bisect_right(self._lengths, length) - 1]
 
-    def next_batch(self) -> list[Item]:
-        """Remove and return the next micro-batch (empty when nothing is buffered)."""
+    def next_batch(self, *, max_tokens: int | None = None, max_items: int | None = None) -> list[Item]:
+        """Remove and return the next micro-batch (empty when nothing is buffered).
+
+        ``max_tokens``/``max_items`` narrow this one batch (the worker's traffic classes use it)."""
         if not self._arrival:
             return []
         # The oldest item overall is also the oldest of its length bucket.
         oldest = self._take(next(iter(self._arrival.values())).length)
         batch = [oldest]
-        longest = total = oldest.length
+        self._grow(batch, oldest.length, oldest.length, max_tokens, max_items)
+        return batch
+
+    def fill(self, batch: list[Item], *, max_tokens: int | None = None, max_items: int | None = None) -> list[Item]:
+        """Add this scheduler's items to ``batch`` (taken from another scheduler) while they fit, least
+        padding first; returns the items added."""
+        if not self._arrival or not batch:
+            return []
+        before = len(batch)
+        longest = max(item.length for item in batch)
+        self._grow(batch, longest, sum(item.length for item in batch), max_tokens, max_items)
+        return batch[before:]
+
+    def _grow(self, batch: list[Item], longest: int, total: int, max_tokens: int | None,
+              max_items: int | None) -> None:
+        """Grow ``batch`` one neighbour in length at a time: whichever of the next shorter or next longer
+        buffered item adds the least padding, until the budget or the item cap is reached."""
+        max_tokens = self.max_tokens if max_tokens is None else max_tokens
+        max_items = self.max_items if max_items is None else max_items
         lengths, buckets = self._lengths, self._buckets
         # left: the longest bucket no longer than the batch's longest item; right: the next longer one.
         left = bisect_right(lengths, longest) - 1
         right = left + 1
-        while len(batch) < self.max_items:
+        taken: set[int] = set()
+        while len(batch) < max_items:
             while left >= 0 and not buckets[lengths[left]]:
                 left -= 1
             while right < len(lengths) and not buckets[lengths[right]]:
                 right += 1
             choice = None
             waste = 0
-            if left >= 0 and self._fits(longest, len(batch) + 1, total + lengths[left]):
+            if left >= 0 and self._fits(longest, len(batch) + 1, total + lengths[left], max_tokens, max_items):
                 choice, waste = left, longest - lengths[left]  # padding of the new, shorter row
             if right < len(lengths):
                 n = lengths[right]
                 grow = (n - longest) * len(batch)  # every row already in pads up to the new longest
-                if self._fits(n, len(batch) + 1, total + n) and (choice is None or grow < waste):
+                if self._fits(n, len(batch) + 1, total + n, max_tokens, max_items) and (choice is None or grow < waste):
                     choice = right
             if choice is None:
                 break
             item = self._take(lengths[choice])
             batch.append(item)
+            taken.add(item.length)
             total += item.length
             if choice == right:
                 longest = item.length
                 left, right = right, right + 1
-        for length in {item.length for item in batch}:
-            if not buckets[length]:
+        for length in taken | {batch[0].length}:
+            if length in buckets and not buckets[length]:
                 self._drop_length(length)
-        return batch

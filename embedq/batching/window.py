@@ -6,6 +6,10 @@ while 64 jobs of 2,048 texts would buffer 131,072 texts — far more than drains
 visibility timeout redelivers them. :class:`PrefetchWindow` keeps both bounds: at most
 ``max_messages`` messages and, once ``max_texts`` texts are held, no new message until some are
 done. The worker turns :meth:`PrefetchWindow.limit` into the channel's prefetch count.
+
+With traffic classes, a share of the window (``online_reserve``) is kept for online jobs: bulk jobs may
+fill the rest, so a saturating bulk run never leaves an online job waiting in Redis for room. The
+worker's transport asks :meth:`PrefetchWindow.admits` which queues to fetch from, online first.
 """
 
 from __future__ import annotations
@@ -14,25 +18,44 @@ from __future__ import annotations
 class PrefetchWindow:
     """Texts and messages held by a worker; not thread-safe (the consumer thread owns it)."""
 
-    def __init__(self, *, max_messages: int, max_texts: int) -> None:
+    def __init__(self, *, max_messages: int, max_texts: int, online_reserve: float = 0.0) -> None:
         if max_messages < 1 or max_texts < 1:
             raise ValueError("max_messages and max_texts must be positive")
+        if not 0.0 <= online_reserve < 1.0:
+            raise ValueError("online_reserve must be at least 0 and less than 1")
         self.max_messages = max_messages
         self.max_texts = max_texts
+        # What bulk jobs may hold at most (at least one message, so bulk always makes progress).
+        self.bulk_messages = max(int(max_messages * (1 - online_reserve)), 1)
+        self.bulk_texts = max(int(max_texts * (1 - online_reserve)), 1)
         self.messages = 0
         self.texts = 0
+        self.bulk_held = [0, 0]  # messages, texts of bulk jobs
         self.peak_messages = 0
         self.peak_texts = 0
 
-    def received(self, texts: int) -> None:
+    def received(self, texts: int, *, bulk: bool = False) -> None:
         self.messages += 1
         self.texts += max(texts, 1)
+        if bulk:
+            self.bulk_held[0] += 1
+            self.bulk_held[1] += max(texts, 1)
         self.peak_messages = max(self.peak_messages, self.messages)
         self.peak_texts = max(self.peak_texts, self.texts)
 
-    def released(self, texts: int) -> None:
+    def released(self, texts: int, *, bulk: bool = False) -> None:
         self.messages = max(self.messages - 1, 0)
         self.texts = max(self.texts - max(texts, 1), 0)
+        if bulk:
+            self.bulk_held[0] = max(self.bulk_held[0] - 1, 0)
+            self.bulk_held[1] = max(self.bulk_held[1] - max(texts, 1), 0)
+
+    def admits(self, *, bulk: bool) -> bool:
+        """May one more job of this class be fetched now? Online may use the whole window; bulk only
+        its share (counting the bulk jobs held)."""
+        if self.messages >= self.max_messages or self.texts >= self.max_texts:
+            return False
+        return not bulk or (self.bulk_held[0] < self.bulk_messages and self.bulk_held[1] < self.bulk_texts)
 
     def limit(self) -> int:
         """The prefetch count to apply now: messages held plus those that may still come (≥ 1).

@@ -110,7 +110,7 @@ def cmd_embed(ns: argparse.Namespace, settings: Settings) -> int:
         settings = settings.model_copy(update={"model": ns.model})
     texts = ns.texts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     with _broker(settings, quiet=True) as live, Client(live) as client:
-        handle = client.submit(texts, **_embedding_options(ns))
+        handle = client.submit(texts, traffic_class=ns.traffic_class, deadline=ns.deadline, **_embedding_options(ns))
         vectors = handle.result(ns.timeout)
     for text, vec in zip(texts, vectors):
         print(json.dumps({"text": text, "embedding": [round(float(x), 7) for x in vec]}))
@@ -198,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("embed", help="embed texts given as arguments (or stdin lines); prints JSON lines")
     e.add_argument("texts", nargs="*")
     e.add_argument("--timeout", type=float, default=120.0)
+    e.add_argument("--traffic-class", choices=["online", "bulk"], default="online",
+                   help="online (default: served first) or bulk (fills the rest of each micro-batch)")
+    e.add_argument("--deadline", type=_positive(float), metavar="SECONDS",
+                   help="drop the job unrun if it has not started within SECONDS (error: expired)")
     _add_embedding_options(e)
     e.set_defaults(func=cmd_embed)
 

@@ -7,12 +7,13 @@ decoding of the compact result.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,8 @@ from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import AsyncResult
 from kombu.utils.url import maybe_sanitize_url
 
-from embedq import errors
+from embedq import cancellation, errors, monitor
+from embedq.batching.traffic import BULK, ONLINE, TRAFFIC_CLASSES
 from embedq.protocol import (
     RESENT_HEADER,
     SENT_HEADER,
@@ -44,6 +46,10 @@ WAIT_SLICE = 2.0
 POLL_SLICE = 0.25
 #: A key with no TTL that changes when Redis loses its data (restarted without persistence, flushed).
 EPOCH_KEY = "embedq.epoch"
+#: Seconds a handle waits past its job's deadline for a result of a job that started just in time.
+DEADLINE_GRACE = 1.0
+#: Longest pause between two looks at a full bulk queue.
+BULK_WAIT_MAX_SLICE = 1.0
 
 
 class JobHandle:
@@ -57,11 +63,15 @@ class JobHandle:
     """
 
     def __init__(self, result: AsyncResult, client: Client | None = None, *, texts: list[str] | None = None,
-                 options: dict[str, Any] | None = None, queue: str | None = None, epoch: str | None = None) -> None:
+                 options: dict[str, Any] | None = None, queue: str | None = None, epoch: str | None = None,
+                 traffic_class: str = ONLINE, deadline: dt.datetime | None = None) -> None:
         self._result = result
         self._client = client
         self._resend_args = (texts, options, queue)
         self._epoch = epoch
+        self.traffic_class = traffic_class
+        #: When the job expires (an aware UTC datetime; None: never). A worker that meets it later drops it.
+        self.deadline = deadline
         self._payload: dict[str, Any] | None = None
         self._error: errors.EmbedqError | None = None
         self.fingerprint: Fingerprint | None = None
@@ -104,11 +114,23 @@ class JobHandle:
     def _wait(self, timeout: float | None) -> dict[str, Any]:
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
+        expiry = None
+        if self.deadline is not None:  # past it (and a grace for a job that started in time) nothing will come
+            expiry = start + (self.deadline.timestamp() - time.time()) + DEADLINE_GRACE
+            if deadline is None or expiry < deadline:
+                deadline = expiry
         broker_timeout = self._client.settings.broker_timeout if self._client else 30.0
         down_since: float | None = None
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
+                if deadline == expiry:
+                    stored = self._poll()
+                    if stored is not None:
+                        return stored
+                    self._error = errors.Expired(f"job {self.id} has no result {DEADLINE_GRACE:.0f}s after its "
+                                                 f"deadline ({self.deadline.isoformat()})")
+                    raise self._error
                 raise errors.JobTimeout(f"job {self.id} has no result after {timeout}s")
             step = WAIT_SLICE if left is None else max(min(WAIT_SLICE, left), 0.01)
             try:
@@ -179,6 +201,7 @@ class JobHandle:
             raise errors.JobLost(f"job {self.id} may be lost: the broker restarted and the job cannot be resent")
         assert self._client is not None
         self._client.app.send_task(TASK_NAME, args=[texts], kwargs=options, queue=queue, task_id=self.id,
+                                   expires=self.deadline,
                                    headers={RESENT_HEADER: self.resent + 1, SENT_HEADER: time.time()},
                                    **task_reprs(texts, options))
         self._epoch = epoch
@@ -201,6 +224,43 @@ class JobHandle:
 
     def forget(self) -> None:
         self._result.forget()
+
+    def cancel(self) -> bool:
+        """Cancel the job unless it already has an outcome.
+
+        Every worker drops a cancelled job that has not started: still queued, or buffered waiting for
+        its micro-batch; it never reaches the model. Returns True when the job had no outcome yet: this
+        handle then raises :class:`~embedq.errors.Cancelled` (a job that was already running finishes in
+        its worker, harmlessly; its result expires unread). False: the job had finished; read it as usual.
+        """
+        if self._collected:
+            return False
+        if self._client is None:
+            raise errors.Unavailable("this handle has no client to cancel through")
+        if not self._client.cancel(self.id):
+            return False
+        self._error = errors.Cancelled(f"job {self.id} was cancelled")
+        self._client.pending.discard(self)
+        return True
+
+
+def _expires(deadline: float | dt.datetime | None) -> dt.datetime | None:
+    """A job's deadline as an aware UTC datetime (Celery's ``expires``)."""
+    if deadline is None:
+        return None
+    if isinstance(deadline, dt.datetime):
+        if deadline.tzinfo is None:
+            raise errors.InvalidOption("deadline must be an aware datetime (with a timezone) or seconds from now")
+        when = deadline.astimezone(dt.timezone.utc)
+    elif isinstance(deadline, (int, float)) and not isinstance(deadline, bool):
+        if not deadline > 0:
+            raise errors.InvalidOption(f"deadline must be a positive number of seconds, got {deadline!r}")
+        when = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=deadline)
+    else:
+        raise errors.InvalidOption(f"deadline must be seconds from now or a datetime, got {type(deadline).__name__}")
+    if when <= dt.datetime.now(dt.timezone.utc):
+        raise errors.Expired("the deadline passed before the job was sent")
+    return when
 
 
 def worker_stats(app: Celery, timeout: float = 1.0) -> dict[str, dict[str, Any]]:
@@ -225,26 +285,96 @@ class Client:
         self.resend_after = settings.resend_after or 2.0 * settings.visibility_timeout
         self._epoch: str | None = None
         self._epoch_read = 0.0
+        self.bulk_waits = 0  # bulk submits that waited for room in a full queue, and for how long in all
+        self.bulk_waited_seconds = 0.0
+        #: Called on every look at a full bulk queue with (queue, jobs waiting, seconds waited); may raise to
+        #: stop waiting (the indexer stops on Ctrl-C that way).
+        self.on_bulk_wait: Callable[[str, int, float], None] | None = None
 
-    def submit(self, texts: str | Sequence[str], *, queue: str | None = None, **options: Any) -> JobHandle:
-        """Validate and enqueue one job; returns at once."""
+    def submit(self, texts: str | Sequence[str], *, queue: str | None = None, traffic_class: str = ONLINE,
+               deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
+        """Validate and enqueue one job; returns a :class:`JobHandle` at once.
+
+        ``traffic_class``: ``"online"`` (someone waits: served first) or ``"bulk"`` (indexing: fills the
+        rest of each micro-batch); each has its own queue per model. ``deadline``: seconds from now, or
+        an aware datetime; a job still queued or buffered then is dropped before it costs compute and
+        ends with :class:`~embedq.errors.Expired`. When the online queue holds ``online_queue_limit`` jobs
+        an online job is refused at once with :class:`~embedq.errors.Overloaded`; a bulk job waits for
+        room under ``bulk_queue_limit`` instead (up to ``bulk_wait_timeout``).
+        """
+        if traffic_class not in TRAFFIC_CLASSES:
+            raise errors.InvalidOption(f"traffic_class must be one of {', '.join(TRAFFIC_CLASSES)}, "
+                                       f"got {traffic_class!r}")
+        expires = _expires(deadline)
         texts = validate_texts(
             texts, max_texts=self.settings.max_texts_per_job, max_chars=self.settings.max_chars
         )
         wire = EmbedOptions.parse(options).wire()
         check_message_size(texts, wire, serializer=self.settings.serializer, limit=self.settings.max_message_bytes)
-        queue = queue or self.settings.queue_name
+        queue = queue or self.settings.queue_for(traffic_class)
         try:
+            self._admit(queue, traffic_class)
             epoch = self.epoch()
             result = self.app.send_task(TASK_NAME, args=[texts], kwargs=wire, queue=queue,
                                         task_id=str(uuid.uuid4()),  # random: job ids cannot be guessed
+                                        expires=expires,
                                         headers={SENT_HEADER: time.time()}, **task_reprs(texts, wire))
         except BROKER_ERRORS as exc:
             raise self._unreachable(exc) from None
-        handle = JobHandle(result, self, texts=texts, options=wire, queue=queue, epoch=epoch)
+        handle = JobHandle(result, self, texts=texts, options=wire, queue=queue, epoch=epoch,
+                           traffic_class=traffic_class, deadline=expires)
         with self._resend_lock:
             self.pending.add(handle)
         return handle
+
+    def _admit(self, queue: str, traffic_class: str) -> None:
+        """Backpressure: refuse an online job at once when its queue is full; wait for room for a bulk one."""
+        limit = self.settings.bulk_queue_limit if traffic_class == BULK else self.settings.online_queue_limit
+        if not limit:
+            return
+        depth = monitor.waiting(self.redis(), queue)
+        if depth < limit:
+            return
+        if traffic_class != BULK:
+            raise errors.Overloaded(f"queue {queue} has {depth} online jobs waiting (limit {limit}, "
+                                    "EMBEDQ_ONLINE_QUEUE_LIMIT); try again shortly")
+        started = time.monotonic()
+        pause = 0.05
+        log.info("bulk queue %s is full (%d jobs waiting, limit %d): waiting for room", queue, depth, limit)
+        while depth >= limit:
+            waited = time.monotonic() - started
+            if self.on_bulk_wait is not None:
+                self.on_bulk_wait(queue, depth, waited)
+            timeout = self.settings.bulk_wait_timeout
+            if timeout is not None and waited >= timeout:
+                raise errors.Overloaded(f"queue {queue} stayed full ({depth} bulk jobs waiting, limit {limit}) "
+                                        f"for {waited:.0f}s (EMBEDQ_BULK_WAIT_TIMEOUT)")
+            time.sleep(pause if timeout is None else min(pause, max(timeout - waited, 0.0)))
+            pause = min(pause * 2, BULK_WAIT_MAX_SLICE)
+            depth = monitor.waiting(self.redis(), queue)
+        self.bulk_waits += 1
+        self.bulk_waited_seconds += time.monotonic() - started
+
+    def cancel(self, job_id: str) -> bool:
+        """Cancel a job by id (see :meth:`JobHandle.cancel`): True if it had no outcome yet."""
+        backend = self.app.backend
+        try:
+            if backend.get_task_meta(job_id, cache=False).get("status") in states.READY_STATES:
+                return False
+            cancellation.announce(self.redis(), job_id)  # workers drop it before it runs
+            backend.mark_as_failure(job_id, errors.Cancelled(f"job {job_id} was cancelled"))  # waiters see it now
+        except BROKER_ERRORS as exc:
+            raise self._unreachable(exc) from None
+        return True
+
+    def redis(self) -> Any:
+        """This client's redis-py connection to the broker (epoch, queue depths, cancellations)."""
+        if self._redis is None:
+            import redis
+
+            self._redis = redis.Redis.from_url(self.settings.broker_url, socket_timeout=5,
+                                               socket_connect_timeout=5, **(tls_options(self.settings) or {}))
+        return self._redis
 
     def resend_lost(self, epoch: str) -> None:
         """Redis restarted (or came back without its data): send every job of this client still waiting
@@ -269,12 +399,7 @@ class Client:
         ``refresh``: it changes whenever Redis restarted or lost its data."""
         now = time.monotonic()
         if refresh or self._epoch is None or now - self._epoch_read > 1.0:
-            if self._redis is None:
-                import redis
-
-                self._redis = redis.Redis.from_url(self.settings.broker_url, socket_timeout=5,
-                                                   socket_connect_timeout=5, **(tls_options(self.settings) or {}))
-            pipe = self._redis.pipeline(transaction=False)
+            pipe = self.redis().pipeline(transaction=False)
             pipe.set(EPOCH_KEY, uuid.uuid4().hex, nx=True)
             pipe.get(EPOCH_KEY)
             pipe.info("server")

@@ -30,8 +30,11 @@ from kombu.utils.imports import symbol_by_name
 
 from embedq import errors, monitor
 from embedq.batching import PrefetchWindow
+from embedq.batching.traffic import BULK, ONLINE
+from embedq.cancellation import CancelFeed
 from embedq.protocol import RESENT_HEADER, SENT_HEADER, TASK_NAME
 from embedq.settings import Settings
+from embedq.workers import transport
 from embedq.workers.app import BROKER_ERRORS, lease_interval
 from embedq.workers.delivery import Ledger, Verdict, renew_leases
 from embedq.workers.metrics import Reporter, WorkerMetrics
@@ -42,6 +45,9 @@ from embedq.workers.service import EmbeddingService, Job
 log = logging.getLogger(__name__)
 
 ACK_INTERVAL = 0.02  # seconds between drains of finished jobs on the consumer thread
+CANCEL_INTERVAL = 0.05  # seconds between reads of the cancellation stream
+CANCEL_STALE = 0.1  # a delivery checks the stream itself when the last read is older than this
+CANCEL_BACKOFF = 2.0  # seconds without reading the stream after a failed read (the broker is away)
 
 
 #: A job whose terminal record was already stored before this delivery (see delivery.Ledger.check).
@@ -62,6 +68,27 @@ class Delivery:
 
 def configure(settings: Settings) -> None:
     RUNTIME.settings = settings
+    RUNTIME.bulk_queues = frozenset({settings.bulk_queue_name})
+    transport.fetch_order = _fetch_order
+
+
+def traffic_class(routing_key: str | None) -> str:
+    return BULK if routing_key in RUNTIME.bulk_queues else ONLINE
+
+
+def _routing_key(req: Any) -> str | None:
+    return (getattr(req, "delivery_info", None) or {}).get("routing_key")
+
+
+def _fetch_order(queues: list[str]) -> list[str]:
+    """The transport asks which queues to fetch from now: online ones first, and bulk ones only while
+    the prefetch window has room for bulk (a share of it stays free for online jobs)."""
+    window = RUNTIME.window
+    online = [q for q in queues if q not in RUNTIME.bulk_queues]
+    bulk = [q for q in queues if q in RUNTIME.bulk_queues]
+    if window is None:
+        return online + bulk
+    return (online if window.admits(bulk=False) else []) + (bulk if window.admits(bulk=True) else [])
 
 
 def load_service() -> EmbeddingService:
@@ -85,7 +112,7 @@ def load_service() -> EmbeddingService:
                  backend.info.dtype, backend.info.linear_kernel, metrics.model_load_seconds)
         RUNTIME.service = EmbeddingService(backend, settings, on_done=_store_outcome, on_isolated_run=_count_run,
                                            on_started=job_started, metrics=metrics).start()
-        metrics.bind(RUNTIME.service, window_state=window_stats, queues=[settings.queue_name],
+        metrics.bind(RUNTIME.service, window_state=window_stats, queues=settings.queues,
                      redis=monitor.redis_client(settings) if settings.broker_url else None)
     return RUNTIME.service
 
@@ -179,7 +206,7 @@ def _drain_finished() -> None:
             break
         runtime = done_at - (job.started if job.started is not None else job.received)
         if RUNTIME.metrics is not None and outcome != ALREADY_STORED:
-            RUNTIME.metrics.observe("job_seconds", max(done_at - job.received, 0.0))
+            RUNTIME.metrics.observe("job_seconds", max(done_at - job.received, 0.0), job.traffic_class)
         if RUNTIME.held.get(job.id) is job:
             del RUNTIME.held[job.id]
         failed = isinstance(outcome, errors.EmbedqError)
@@ -190,10 +217,14 @@ def _drain_finished() -> None:
                 log.warning("could not acknowledge job %s; it will be redelivered and recognised", job.id)
             worker_state.task_ready(req, successful=not failed)
             if RUNTIME.window is not None:
-                RUNTIME.window.released(size)
+                RUNTIME.window.released(size, bulk=traffic_class(_routing_key(req)) == BULK)
                 released = True
         req = job.context.primary
-        if failed:
+        if isinstance(outcome, errors.Cancelled):
+            req.send_event("task-revoked", terminated=False, signum=None, expired=False)
+        elif isinstance(outcome, errors.Expired):
+            req.send_event("task-revoked", terminated=False, signum=None, expired=True)
+        elif failed:
             req.send_event("task-failed", exception=repr(outcome), traceback="")
         elif outcome == ALREADY_STORED:
             req.send_event("task-succeeded", result="already stored", runtime=runtime)
@@ -227,9 +258,12 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
     connection_errors = consumer.connection_errors
     Req = create_request_cls(symbol_by_name(task.Request), task, consumer.pool, hostname, eventer, app=app)
     if RUNTIME.window is None:  # kept across consumer restarts: held messages are still held
-        RUNTIME.window = PrefetchWindow(max_messages=settings.prefetch_window, max_texts=settings.prefetch_texts)
+        RUNTIME.window = PrefetchWindow(max_messages=settings.prefetch_window, max_texts=settings.prefetch_texts,
+                                        online_reserve=settings.online_reserve)
     if RUNTIME.ledger is None:
         RUNTIME.ledger = Ledger(task.backend, max_attempts=settings.max_attempts)
+    if RUNTIME.cancels is None and settings.broker_url:
+        RUNTIME.cancels = CancelFeed(monitor.redis_client(settings, timeout=2.0))
     RUNTIME.consumer = consumer
     if RUNTIME.reporter is None and RUNTIME.metrics is not None and RUNTIME.metrics.redis is not None:
         RUNTIME.hostname, RUNTIME.started_at = hostname, time.time()
@@ -238,7 +272,9 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
     for entry in RUNTIME.timers:
         entry.cancel()
     RUNTIME.timers = [consumer.timer.call_repeatedly(ACK_INTERVAL, _drain_finished),
-                      consumer.timer.call_repeatedly(lease_interval(settings), _renew_leases)]
+                      consumer.timer.call_repeatedly(lease_interval(settings), _renew_leases),
+                      consumer.timer.call_repeatedly(CANCEL_INTERVAL, _follow_cancellations)]
+    _follow_cancellations()
 
     def handler(message, body, ack, reject, callbacks, **kw):
         if RUNTIME.stopped:  # a delivery that raced the graceful stop: straight back to the queue
@@ -274,24 +310,26 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
         else:
             texts = args[0]
         size = len(texts) if isinstance(texts, (list, tuple)) else 1
+        routing_key = _routing_key(req) or settings.queue_name
+        klass = traffic_class(routing_key)
         worker_state.task_reserved(req)
-        RUNTIME.window.received(size)
+        RUNTIME.window.received(size, bulk=klass == BULK)
         _apply_window()
         held = RUNTIME.held.get(req.id)
         if held is not None:  # delivered again while held (resent, or restored across a reconnect)
             held.context.reqs.append((req, size))
             service.stats.duplicates += 1
             return
-        routing_key = (req.delivery_info or {}).get("routing_key") or settings.queue_name
         req.send_event("task-received", name=req.name, args=short_args(req),
-                       kwargs=event_kwargs(kwargs, service, routing_key))
-        job = Job(id=req.id, texts=texts, options=kwargs, context=Delivery([(req, size)]), size=size)
+                       kwargs=event_kwargs(kwargs, service, routing_key, klass), expires=_iso(req.expires))
+        job = Job(id=req.id, texts=texts, options=kwargs, context=Delivery([(req, size)]), size=size,
+                  traffic_class=klass, deadline=_deadline(req.expires))
         RUNTIME.held[job.id] = job
         verdict = Verdict()
         headers = req._request_dict or {}
         sent_at = headers.get(SENT_HEADER)
         if isinstance(sent_at, (int, float)) and RUNTIME.metrics is not None:
-            RUNTIME.metrics.observe("queue_seconds", max(time.time() - sent_at, 0.0))
+            RUNTIME.metrics.observe("queue_seconds", max(time.time() - sent_at, 0.0), klass)
         redelivered = bool(req.delivery_info.get("redelivered") or headers.get("redelivered"))
         if redelivered or headers.get(RESENT_HEADER):
             service.stats.redelivered += redelivered
@@ -301,13 +339,16 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
                 log.warning("could not read the history of job %s: %s", job.id, type(exc).__name__)
                 verdict = Verdict(suspect=redelivered, crashes=int(redelivered))
         if verdict.stored:
-            service.count_received(job.size)
+            service.count_received(job.size, klass)
             service.stats.already_stored += 1
             RUNTIME.finished.put((job, ALREADY_STORED, time.monotonic()))
         elif verdict.crashes >= settings.max_attempts:
             _dead_letter(service, job, verdict.crashes, hostname, message)
+        elif _is_cancelled(req.id):
+            service.count_received(job.size, klass)
+            service.cancel(job)
         elif isinstance(texts, _BadArgs):
-            service.count_received(job.size)
+            service.count_received(job.size, klass)
             service.fail(job, errors.InvalidType(
                 f"{TASK_NAME} takes exactly one positional argument (the list of texts)"))
         else:
@@ -317,6 +358,52 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
     return handler
 
 
+def _deadline(expires: Any) -> float | None:
+    """A Celery ``expires`` (an aware datetime) as a monotonic time."""
+    if expires is None:
+        return None
+    try:
+        return time.monotonic() + (expires.timestamp() - time.time())
+    except (AttributeError, TypeError, ValueError, OverflowError):
+        return None
+
+
+def _iso(expires: Any) -> str | None:
+    return expires.isoformat() if hasattr(expires, "isoformat") else None
+
+
+def _is_cancelled(job_id: str) -> bool:
+    """Consumer thread, on delivery: cancelled through embedq (the stream, read now unless read within
+    CANCEL_STALE seconds) or revoked through Celery (Flower's button, ``celery control revoke``)."""
+    feed = RUNTIME.cancels
+    if feed is not None and time.monotonic() - feed.synced > CANCEL_STALE:
+        _follow_cancellations()
+    return (feed is not None and job_id in feed) or job_id in worker_state.revoked
+
+
+def _follow_cancellations() -> None:
+    """Consumer thread: drop the held jobs cancelled since the last look (those not yet started)."""
+    feed, service = RUNTIME.cancels, RUNTIME.service
+    ids: list[str] = []
+    now = time.monotonic()
+    if feed is not None and now >= RUNTIME.cancels_retry_at:
+        try:
+            ids = feed.poll()
+        except Exception as exc:  # the broker is away: cancellations wait for it (and the event loop does not)
+            RUNTIME.cancels_retry_at = now + CANCEL_BACKOFF
+            log.debug("could not read cancellations: %s", type(exc).__name__)
+    revoked = worker_state.revoked
+    if len(revoked) != RUNTIME.revoked_seen:
+        RUNTIME.revoked_seen = len(revoked)
+        ids += [job_id for job_id in RUNTIME.held if job_id in revoked]
+    if service is None:
+        return
+    for job_id in ids:
+        job = RUNTIME.held.get(job_id)
+        if job is not None and service.cancel(job):
+            log.debug("job %s cancelled before it ran", job_id)
+
+
 def _dead_letter(service: EmbeddingService, job: Job, crashes: int, hostname: str, message: Any) -> None:
     queue_name = (message.delivery_info or {}).get("routing_key") or service.settings.queue_name
     log.error("job %s was running when the worker died %d times: dead-lettered", job.id, crashes)
@@ -324,7 +411,7 @@ def _dead_letter(service: EmbeddingService, job: Job, crashes: int, hostname: st
         RUNTIME.ledger.dead_letter(job.id, queue=queue_name, crashes=crashes, worker=hostname, texts=job.size)
     except BROKER_ERRORS:
         log.warning("could not record dead letter %s", job.id)
-    service.count_received(job.size)
+    service.count_received(job.size, job.traffic_class)
     service.stats.dead_letters += 1
     service.fail(job, errors.DeadLetter(
         f"the worker died while running this job {crashes} times (max_attempts={service.settings.max_attempts}); "

@@ -22,7 +22,7 @@ def worker_argv(settings: Settings, *, hostname: str | None = None, loglevel: st
         # process. Messages never reach the pool anyway (see consumer.coalescing_strategy).
         "--pool=solo",
         "--concurrency=1",
-        f"--queues={settings.queue_name}",
+        f"--queues={','.join(settings.queues)}",  # online first
         f"--prefetch-multiplier={settings.prefetch_window}",
         f"--hostname={name}",
         f"--loglevel={loglevel}",

@@ -42,6 +42,10 @@ CATALOG: dict[str, tuple[str, str]] = {
     "items_received": ("counter", "Texts in the jobs this worker received."),
     "items_succeeded": ("counter", "Texts embedded and stored."),
     "items_failed": ("counter", "Texts in jobs that failed, by error code."),
+    "jobs_cancelled": ("counter", "Jobs cancelled before they ran (JobHandle.cancel, Celery revoke)."),
+    "items_cancelled": ("counter", "Texts in jobs cancelled before they ran."),
+    "class_jobs_received": ("counter", "Jobs received, by traffic class (online, bulk)."),
+    "class_items_embedded": ("counter", "Texts run through the model, by traffic class."),
     "batches": ("counter", "Micro-batches run through the model."),
     "real_tokens": ("counter", "Tokens of the texts run through the model (no padding)."),
     "padded_tokens": ("counter", "Tokens the model computed, padding included."),
@@ -69,9 +73,10 @@ CATALOG: dict[str, tuple[str, str]] = {
     "inference_seconds": ("histogram", "Duration of one micro-batch through the model."),
     "tokenize_seconds": ("histogram", "Duration of validating and tokenizing one job."),
     "queue_seconds": ("histogram", "Time from the producer's send to the worker's receipt (the job's wait in "
-                      "Redis); jobs from embedq's Client, which stamps the send time."),
-    "buffer_seconds": ("histogram", "Time from the worker's receipt to the job's first micro-batch."),
-    "job_seconds": ("histogram", "Time from the worker's receipt to the job's result stored."),
+                      "Redis), by traffic class; jobs from embedq's Client, which stamps the send time."),
+    "buffer_seconds": ("histogram", "Time from the worker's receipt to the job's first micro-batch, by traffic "
+                       "class."),
+    "job_seconds": ("histogram", "Time from the worker's receipt to the job's result stored, by traffic class."),
 }
 
 _POW2 = tuple(float(2 ** i) for i in range(0, 11))  # 1 .. 1024
@@ -81,6 +86,8 @@ _WAIT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 BUCKETS = {"batch_items": _POW2, "batch_tokens": _TOKENS, "batch_real_tokens": _TOKENS,
            "inference_seconds": _FAST, "tokenize_seconds": _FAST, "queue_seconds": _WAIT,
            "buffer_seconds": _WAIT, "job_seconds": _WAIT}
+#: Histograms labelled by traffic class.
+BY_CLASS = frozenset({"queue_seconds", "buffer_seconds", "job_seconds"})
 
 
 def exported_names() -> set[str]:
@@ -125,7 +132,8 @@ class WorkerMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        self.hist = {name: Histogram(PREFIX + name, CATALOG[name][1], buckets=BUCKETS[name], registry=self.registry)
+        self.hist = {name: Histogram(PREFIX + name, CATALOG[name][1], buckets=BUCKETS[name], registry=self.registry,
+                                     labelnames=("traffic_class",) if name in BY_CLASS else ())
                      for name in BUCKETS}
         self.rates = Rates()
         self.model_load_seconds = 0.0
@@ -151,8 +159,9 @@ class WorkerMetrics:
         self.hist["batch_real_tokens"].observe(real)
         self.hist["inference_seconds"].observe(seconds)
 
-    def observe(self, name: str, value: float) -> None:
-        self.hist[name].observe(value)
+    def observe(self, name: str, value: float, traffic_class: str | None = None) -> None:
+        hist = self.hist[name]
+        (hist.labels(traffic_class or "online") if name in BY_CLASS else hist).observe(value)
 
     # -- scrape ------------------------------------------------------------------------------
     def depths(self) -> dict[str, monitor.QueueDepth] | None:
@@ -189,8 +198,14 @@ class _Collector:
             st = service.stats
             for name in ("jobs_received", "jobs_succeeded", "items_received", "items_succeeded", "batches",
                          "real_tokens", "padded_tokens", "redelivered", "duplicates", "already_stored",
-                         "isolated_runs", "dead_letters"):
+                         "isolated_runs", "dead_letters", "jobs_cancelled", "items_cancelled"):
                 yield _counter(name, getattr(st, name))
+            for name, per_class in (("class_jobs_received", st.jobs_by_class),
+                                    ("class_items_embedded", st.items_by_class)):
+                family = CounterMetricFamily(PREFIX + name, CATALOG[name][1], labels=["traffic_class"])
+                for klass, n in sorted(dict(per_class).items()):
+                    family.add_metric([klass], n)
+                yield family
             for name, per_code in (("jobs_failed", st.errors_by_code), ("items_failed", st.items_failed_by_code)):
                 family = CounterMetricFamily(PREFIX + name, CATALOG[name][1], labels=["code"])
                 for code, n in sorted(dict(per_code).items()):

@@ -44,7 +44,7 @@ def job_started(job: Job) -> None:
     """Inference thread: the job's first micro-batch starts (its task-started event goes out on the
     consumer thread, which owns the event connection)."""
     if RUNTIME.metrics is not None and job.started is not None:
-        RUNTIME.metrics.observe("buffer_seconds", max(job.started - job.received, 0.0))
+        RUNTIME.metrics.observe("buffer_seconds", max(job.started - job.received, 0.0), job.traffic_class)
     RUNTIME.started.put(job)
 
 
@@ -56,9 +56,10 @@ def short_args(req: Any) -> str:
         return "[?]"
 
 
-def event_kwargs(kwargs: Any, service: Any, queue_name: str) -> str:
-    """What Flower shows as a task's keyword arguments: the model, the queue and the job's options."""
-    info = f"model={service.info.model_id!r}, queue={queue_name!r}"
+def event_kwargs(kwargs: Any, service: Any, queue_name: str, traffic_class: str = "online") -> str:
+    """What Flower shows as a task's keyword arguments: the model, the queue, the traffic class and the
+    job's options."""
+    info = f"model={service.info.model_id!r}, queue={queue_name!r}, class={traffic_class!r}"
     options = short_options(kwargs)
     return info + (f", options={options}" if options and options != "{}" else "")
 
@@ -79,7 +80,7 @@ def identity() -> dict[str, Any]:
     service = RUNTIME.service
     settings = RUNTIME.settings or Settings()
     out: dict[str, Any] = {"ready": service is not None and not RUNTIME.stopped, "version": __version__,
-                           "queues": [settings.queue_name], "metrics_port": settings.metrics_port or None}
+                           "queues": settings.queues, "metrics_port": settings.metrics_port or None}
     if service is not None:
         info = service.info
         out.update(model=info.model_id, device=info.device, dtype=info.dtype, linear_kernel=info.linear_kernel)
@@ -96,8 +97,10 @@ def worker_record() -> dict[str, Any]:
         record.update(buffered=len(service.scheduler), **window_stats())
         record["counters"] = {k: getattr(st, k) for k in (
             "jobs_received", "jobs_succeeded", "jobs_failed", "items_received", "items_succeeded",
-            "items_failed", "batches", "real_tokens", "padded_tokens", "redelivered", "dead_letters")}
+            "items_failed", "batches", "real_tokens", "padded_tokens", "redelivered", "dead_letters",
+            "jobs_cancelled")}
         record["errors_by_code"] = dict(st.errors_by_code)
+        record["jobs_by_class"] = dict(st.jobs_by_class)
     if RUNTIME.metrics is not None:
         record["rates"] = RUNTIME.metrics.rates.current()
     return record

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from embedq.batching import PrefetchWindow
+    from embedq.cancellation import CancelFeed
     from embedq.settings import Settings
     from embedq.workers.delivery import Ledger
     from embedq.workers.metrics import Reporter, WorkerMetrics
@@ -30,6 +31,10 @@ class _Runtime:
     consumer: Any = None  # Celery's Consumer: its qos is the channel's prefetch count
     held: dict[str, Job] = {}  # job id -> job, from delivery until acknowledged (consumer thread only)
     stopped: bool = False
+    bulk_queues: frozenset[str] = frozenset()  # queues whose jobs are bulk (the rest are online)
+    cancels: CancelFeed | None = None
+    cancels_retry_at: float = 0.0  # monotonic time before which the stream is not read (after a failure)
+    revoked_seen: int = 0  # size of Celery's revoked set at the last look (Flower's "revoke", celery control)
 
 
 RUNTIME = _Runtime()

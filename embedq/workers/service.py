@@ -24,6 +24,7 @@ import numpy as np
 from embedq import __version__, errors
 from embedq.backends.base import Backend, postprocess
 from embedq.batching import Scheduler, batch_cost
+from embedq.batching.traffic import BULK, ONLINE, Deadlines, TrafficScheduler
 from embedq.protocol import EmbedOptions, Fingerprint, encode_result, validate_texts
 from embedq.settings import Settings
 
@@ -50,7 +51,9 @@ class Job:
     remaining: int = 0
     done: bool = False
     suspect: bool = False  # redelivered after its worker died: runs alone (see workers/delivery.py)
-    started: float | None = None  # monotonic time its first micro-batch started
+    started: float | None = None  # monotonic time its first micro-batch started (set under the service lock)
+    traffic_class: str = ONLINE  # "online" or "bulk" (from the queue it came from)
+    deadline: float | None = None  # monotonic time after which it is dropped unless it has started
 
 
 @dataclass
@@ -79,11 +82,18 @@ class Stats:
     already_stored: int = 0  # redelivered jobs whose record was already stored: acknowledged, not run
     isolated_runs: int = 0  # suspect jobs run alone
     dead_letters: int = 0
+    # traffic classes (see batching/traffic.py)
+    jobs_by_class: dict[str, int] = field(default_factory=dict)  # jobs received, by traffic class
+    items_by_class: dict[str, int] = field(default_factory=dict)  # texts run through the model, by class
+    jobs_cancelled: int = 0  # cancelled before they ran (their texts never reached the model)
+    items_cancelled: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
         out["errors_by_code"] = dict(self.errors_by_code)
         out["items_failed_by_code"] = dict(self.items_failed_by_code)
+        out["jobs_by_class"] = dict(self.jobs_by_class)
+        out["items_by_class"] = dict(self.items_by_class)
         out["padding_ratio"] = (1 - self.real_tokens / self.padded_tokens) if self.padded_tokens else 0.0
         return out
 
@@ -100,11 +110,14 @@ class EmbeddingService:
         self.metrics = metrics  # a workers.metrics.WorkerMetrics, or None
         self.info = backend.info
         self.stats = Stats()
-        self.scheduler = Scheduler(
+        self.scheduler = TrafficScheduler(
             max_tokens=settings.batch_tokens,
             max_items=settings.max_batch_requests,
             padded=backend.is_padded,
+            online_tokens=settings.online_tokens,
+            bulk_share=settings.bulk_min_share,
         )
+        self.deadlines = Deadlines()
         self._cond = threading.Condition()
         self._stopping = False
         # Suspects of a crash, oldest first: each runs alone, so a poison job can only take itself down.
@@ -141,8 +154,12 @@ class EmbeddingService:
 
     # -- intake (consumer thread) ------------------------------------------------------------
     def submit(self, job: Job) -> None:
-        """Validate and tokenize ``job``; a bad job is finished with its typed error at once."""
-        self.count_received(job.size)
+        """Validate and tokenize ``job``; a bad job is finished with its typed error at once, and one
+        whose deadline has passed with ``expired``, before it is tokenized."""
+        self.count_received(job.size, job.traffic_class)
+        if job.deadline is not None and job.deadline <= time.monotonic():
+            self.fail(job, _expired(job))
+            return
         t0 = time.perf_counter()
         try:
             self._prepare(job)
@@ -156,15 +173,37 @@ class EmbeddingService:
         if self.metrics is not None:
             self.metrics.observe("tokenize_seconds", time.perf_counter() - t0)
         with self._cond:
+            if job.done:  # cancelled while it was tokenized
+                return
             if job.suspect:
                 self._suspects.append(job)
             else:
-                self.scheduler.add_many(((job, i), len(ids)) for i, ids in enumerate(job.ids))
+                self.scheduler.add_many([((job, i), len(ids)) for i, ids in enumerate(job.ids)],
+                                        BULK if job.traffic_class == BULK else ONLINE)
+            if job.deadline is not None:
+                self.deadlines.add(job.deadline, job)
             self._cond.notify()
 
-    def count_received(self, items: int) -> None:
+    def count_received(self, items: int, traffic_class: str | None = None) -> None:
         self.stats.jobs_received += 1
         self.stats.items_received += items
+        if traffic_class is not None:
+            self.stats.jobs_by_class[traffic_class] = self.stats.jobs_by_class.get(traffic_class, 0) + 1
+
+    def cancel(self, job: Job, error: errors.EmbedqError | None = None) -> bool:
+        """Consumer thread: drop a job that has not started; it finishes with ``cancelled``. A job whose
+        first micro-batch has started runs to the end (returns False)."""
+        with self._cond:
+            if job.done or job.started is not None:
+                return False
+            job.done, job.raw = True, None
+            self.scheduler.discard((job, i) for i in range(len(job.ids)))
+            if job in self._suspects:
+                self._suspects.remove(job)
+        self.stats.jobs_cancelled += 1
+        self.stats.items_cancelled += job.size
+        self._outbox.put((job, error or errors.Cancelled(f"job {job.id} was cancelled before it ran")))
+        return True
 
     def count_failure(self, code: str, items: int) -> None:
         """One failed job of ``items`` texts (also for messages refused before they became jobs)."""
@@ -213,14 +252,28 @@ class EmbeddingService:
         while True:
             suspect = None
             with self._cond:
-                while not len(self.scheduler) and not self._suspects and not self._stopping:
-                    self._cond.wait()
-                if self._stopping:
-                    return
+                while True:
+                    if self._stopping:
+                        return
+                    self._expire(time.monotonic())
+                    if len(self.scheduler) or self._suspects:
+                        break
+                    wake = self.deadlines.next_deadline()
+                    self._cond.wait(None if wake is None else max(wake - time.monotonic(), 0.0) + 0.001)
+                now = time.monotonic()
                 if self._suspects:
                     suspect = self._suspects.popleft()
+                    starting = [suspect] if suspect.started is None else []
+                    if starting:
+                        suspect.started = now
                 else:
                     batch = self.scheduler.next_batch()
+                    starting = list({item.key[0]: None for item in batch if item.key[0].started is None})
+                    for job in starting:
+                        job.started = now
+            if self.on_started is not None:
+                for job in starting:
+                    self.on_started(job)
             try:
                 if suspect is not None:
                     self._run_alone(suspect)
@@ -228,6 +281,14 @@ class EmbeddingService:
                     self._run([item.key for item in batch])
             except Exception:  # never let the inference thread die
                 log.exception("micro-batch bookkeeping failed")
+
+    def _expire(self, now: float) -> None:
+        """Under the lock: fail every buffered job whose deadline has passed and that has not started."""
+        for job in self.deadlines.due(now):
+            if not job.done and job.started is None:
+                self.fail(job, _expired(job))
+        if len(self.deadlines) > 2 * len(self.scheduler) + 1024:
+            self.deadlines.prune(lambda job: job.done)
 
     def _run_alone(self, job: Job) -> None:
         """A suspect job: count the run, run its texts in micro-batches of their own, uncount it.
@@ -254,12 +315,6 @@ class EmbeddingService:
         seqs = [job.ids[i] for job, i in keys]
         lengths = [len(s) for s in seqs]
         cost = batch_cost(lengths, padded=self.backend.is_padded)
-        now = time.monotonic()
-        for job, _ in keys:
-            if job.started is None:
-                job.started = now
-                if self.on_started is not None:
-                    self.on_started(job)
         t0 = time.perf_counter()
         try:
             vectors = self.backend.embed(seqs, [job.prompt_length for job, _ in keys])
@@ -277,6 +332,8 @@ class EmbeddingService:
         st.max_batch_cost = max(st.max_batch_cost, cost)
         st.max_batch_items = max(st.max_batch_items, len(keys))
         st.inference_seconds += elapsed
+        for job, _ in keys:
+            st.items_by_class[job.traffic_class] = st.items_by_class.get(job.traffic_class, 0) + 1
         log.info("micro-batch: %d items, %d real / %d padded tokens, %.1f ms",
                  len(keys), real, cost, elapsed * 1e3)
         if self.metrics is not None:
@@ -366,6 +423,10 @@ class EmbeddingService:
             embedq_version=__version__,
         )
         return encode_result(vectors, opts, fingerprint, tokens=sum(len(s) for s in job.ids))
+
+
+def _expired(job: Job) -> errors.Expired:
+    return errors.Expired(f"job {job.id} passed its deadline before it ran; it was not computed")
 
 
 def _model_aliases(*names: str) -> set[str]:

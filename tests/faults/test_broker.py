@@ -35,7 +35,9 @@ def _queue() -> str:
 def test_b_redis_restarts_mid_run_the_worker_recovers_and_no_job_is_lost(persist, tmp_path, corpus):
     server = RedisServer(persist=persist).start()
     # a small window, so most jobs are still in the queue (not in the worker) when Redis goes
-    settings = Settings(broker_url=server.url, queue=_queue(), visibility_timeout=10, prefetch_window=200)
+    # online_queue_limit=0: a deliberate flood (backpressure is tested in test_traffic.py)
+    settings = Settings(broker_url=server.url, queue=_queue(), visibility_timeout=10, prefetch_window=200,
+                        online_queue_limit=0)
     worker = WorkerHandle(settings, tmp_path / "worker.log")
     client = Client(settings)
     texts = [f"{t[:300]} #{i}" for i, t in enumerate(corpus[:1200])]

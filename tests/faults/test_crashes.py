@@ -34,8 +34,9 @@ CRASHY = [sys.executable, str(Path(__file__).with_name("crashy_worker.py"))]
 
 
 def _settings(redis_server, **overrides) -> Settings:
+    # online_queue_limit=0: these tests flood the queue on purpose (backpressure is tested in test_traffic.py)
     return Settings(broker_url=redis_server.url, queue=f"embedq.test.{uuid.uuid4().hex[:8]}",
-                    visibility_timeout=5, **overrides)
+                    visibility_timeout=5, online_queue_limit=0, **overrides)
 
 
 class Recorder:

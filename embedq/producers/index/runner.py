@@ -75,6 +75,8 @@ class Summary:
     rows: int = 0  # committed rows in the output at the end
     seconds: float = 0.0
     resubmitted: int = 0
+    bulk_waits: int = 0  # sends that waited for room in a full bulk queue (backpressure), and for how long
+    bulk_waited_seconds: float = 0.0
     interrupted: bool = False
     workers: Counter[str] = field(default_factory=Counter)
     failures_by_code: Counter[str] = field(default_factory=Counter)
@@ -111,6 +113,9 @@ class Summary:
         ]
         if self.resubmitted:
             lines.append(f"  resubmitted {self.resubmitted} jobs (timeouts or retryable errors)")
+        if self.bulk_waits:
+            lines.append(f"  waited     {self.bulk_waits} times, {self.bulk_waited_seconds:.1f}s in all, for room "
+                         "in the bulk queue (EMBEDQ_BULK_QUEUE_LIMIT)")
         for i, (worker, n) in enumerate(self.workers.most_common()):
             lines.append(f"  {'workers' if i == 0 else '':10} {worker}: {n:,} texts")
         if self.interrupted:
@@ -156,6 +161,9 @@ class Indexer:
         self.sink: Sink | None = None
         self.bar: Any = None
         self._stop_asked = False
+        self._full_noted = False
+        self._waits_at_start = (client.bulk_waits, client.bulk_waited_seconds)
+        client.on_bulk_wait = self._on_bulk_wait
 
     # -- the run -------------------------------------------------------------------------------------
     def run(self) -> Summary:
@@ -264,6 +272,8 @@ class Indexer:
             self._flush_errors(final=complete)
             s.rows = self.sink.manifest.rows
             s.seconds = time.perf_counter() - t0
+            s.bulk_waits = self.client.bulk_waits - self._waits_at_start[0]
+            s.bulk_waited_seconds = self.client.bulk_waited_seconds - self._waits_at_start[1]
             s.fingerprint = self.sink.manifest.fingerprint
             m = self.sink.manifest
             m.complete = complete and not s.failed
@@ -277,15 +287,25 @@ class Indexer:
         if not s.failed:
             s.errors_file = None
 
+    def _on_bulk_wait(self, queue: str, depth: int, waited: float) -> None:
+        """The bulk queue is full: this run waits for the workers to make room instead of failing; Ctrl-C
+        still stops it."""
+        if not self._full_noted and self.bar is not None:
+            self._full_noted = True
+            self.bar.write(f"embedq index: the bulk queue {queue} is full ({depth:,} jobs waiting); sending "
+                           "resumes as workers make room", file=sys.stderr)
+        self._check_stop()
+
     def _probe(self) -> None:
         """Continuing an output: one tiny job first shows which space the workers now make, so another
         model or dtype is refused before anything is read or written, even when nothing is missing."""
         assert self.sink is not None
-        handle = self._broker(lambda: self.client.submit(["embedq embedding-space probe"], **self.job_options))
+        handle = self._broker(lambda: self.client.submit(["embedq embedding-space probe"], traffic_class="bulk",
+                                                         **self.job_options))
         try:
             payload = self._broker(lambda: handle.payload(timeout=self.config.job_timeout))
         except errors.JobTimeout:
-            raise errors.Unavailable(f"no worker answered on queue {self.client.settings.queue_name} within "
+            raise errors.Unavailable(f"no worker answered on queue {self.client.settings.bulk_queue_name} within "
                                      f"{self.config.job_timeout:.0f}s") from None
         finally:
             handle.forget()
@@ -297,7 +317,8 @@ class Indexer:
 
     # -- submitting and collecting ---------------------------------------------------------------
     def _send(self, chunk: _Chunk) -> None:
-        chunk.handle = self._broker(lambda: self.client.submit(chunk.texts, **self.job_options))
+        # bulk: behind online traffic on the same workers; waits (does not fail) while the bulk queue is full
+        chunk.handle = self._broker(lambda: self.client.submit(chunk.texts, traffic_class="bulk", **self.job_options))
         chunk.head_since = None
         chunk.attempts += 1
 

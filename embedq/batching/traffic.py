@@ -1,0 +1,127 @@
+"""Traffic classes: online jobs (someone is waiting) before bulk jobs (nobody is), without starving bulk.
+
+:class:`TrafficScheduler` keeps one :class:`~embedq.batching.Scheduler` per class and builds every
+micro-batch from the online items first, then fills what the token budget leaves with bulk items
+(least padding first). Two rules bound what each class can do to the other:
+
+* **Online waits at most about one micro-batch.** A micro-batch cannot be interrupted, so an online job
+  that arrives while a bulk batch runs waits for it. While online traffic is about (an online item was
+  buffered within ``online_hold`` seconds) every micro-batch is capped at ``online_tokens`` padded
+  tokens, so that wait is short; with no online traffic bulk runs at the full ``max_tokens``.
+* **Bulk is never starved.** While both classes wait, the real tokens run for each are counted; when
+  bulk's share falls under ``bulk_share``, the next batch starts from the oldest bulk item (and online
+  items fill it). The count restarts whenever one class has nothing waiting, so only contention counts.
+
+:class:`Deadlines` orders buffered jobs by deadline so expired ones are dropped before they cost compute.
+Pure logic: no Celery, Redis or torch; the clock is injected.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any, Literal
+
+from embedq.batching.packer import Item
+from embedq.batching.scheduler import Scheduler
+
+TrafficClass = Literal["online", "bulk"]
+ONLINE: TrafficClass = "online"
+BULK: TrafficClass = "bulk"
+TRAFFIC_CLASSES: tuple[TrafficClass, ...] = (ONLINE, BULK)
+
+
+class TrafficScheduler:
+    """Online-first micro-batches over two classes of buffered items (not thread-safe)."""
+
+    def __init__(self, *, max_tokens: int, max_items: int, padded: bool = True, online_tokens: int | None = None,
+                 bulk_share: float = 0.1, online_hold: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0.0 <= bulk_share <= 1.0:
+            raise ValueError("bulk_share must be between 0 and 1")
+        self.max_tokens = max_tokens
+        self.max_items = max_items
+        self.padded = padded
+        self.online_tokens = min(online_tokens or max_tokens, max_tokens)
+        self.bulk_share = bulk_share
+        self.online_hold = online_hold
+        self.clock = clock
+        self.classes: dict[TrafficClass, Scheduler] = {
+            name: Scheduler(max_tokens=max_tokens, max_items=max_items, padded=padded) for name in TRAFFIC_CLASSES}
+        self.served: dict[TrafficClass, int] = dict.fromkeys(TRAFFIC_CLASSES, 0)
+        self._last_online = float("-inf")
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.classes.values())
+
+    def waiting(self, traffic_class: TrafficClass) -> int:
+        return len(self.classes[traffic_class])
+
+    def add(self, key: Hashable, length: int, traffic_class: TrafficClass = ONLINE) -> Item:
+        if traffic_class == ONLINE:
+            self._last_online = self.clock()
+        return self.classes[traffic_class].add(key, length)
+
+    def add_many(self, pairs: Iterable[tuple[Hashable, int]], traffic_class: TrafficClass = ONLINE) -> None:
+        if traffic_class == ONLINE:
+            self._last_online = self.clock()
+        self.classes[traffic_class].add_many(pairs)
+
+    def discard(self, keys: Iterable[Hashable]) -> int:
+        keys = list(keys)
+        return sum(s.discard(keys) for s in self.classes.values())
+
+    def online_active(self) -> bool:
+        return bool(self.classes[ONLINE]) or self.clock() - self._last_online < self.online_hold
+
+    def budget(self) -> int:
+        """Padded tokens the next micro-batch may cost."""
+        return self.online_tokens if self.online_active() else self.max_tokens
+
+    def next_batch(self) -> list[Item]:
+        """Remove and return the next micro-batch (empty when nothing is buffered)."""
+        online, bulk = self.classes[ONLINE], self.classes[BULK]
+        budget = self.budget()
+        if not online or not bulk:  # no contention: one class, and the share count restarts
+            self.served = dict.fromkeys(TRAFFIC_CLASSES, 0)
+            return (online if online else bulk).next_batch(max_tokens=budget)
+        total = self.served[ONLINE] + self.served[BULK]
+        first = BULK if total and self.served[BULK] < self.bulk_share * total else ONLINE
+        second = BULK if first == ONLINE else ONLINE
+        batch = self.classes[first].next_batch(max_tokens=budget)
+        head = sum(item.length for item in batch)
+        added = self.classes[second].fill(batch, max_tokens=budget, max_items=self.max_items)
+        self.served[first] += head
+        self.served[second] += sum(item.length for item in added)
+        return batch
+
+
+class Deadlines:
+    """Buffered jobs with a deadline, soonest first (a heap; finished jobs are skipped, then pruned)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Any]] = []
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def add(self, deadline: float, job: Any) -> None:
+        heapq.heappush(self._heap, (deadline, self._seq, job))
+        self._seq += 1
+
+    def next_deadline(self) -> float | None:
+        return self._heap[0][0] if self._heap else None
+
+    def due(self, now: float) -> list[Any]:
+        """Remove and return the jobs whose deadline is ``now`` or earlier."""
+        out = []
+        while self._heap and self._heap[0][0] <= now:
+            out.append(heapq.heappop(self._heap)[2])
+        return out
+
+    def prune(self, finished: Callable[[Any], bool]) -> None:
+        """Forget finished jobs (a long deadline would otherwise keep a done job referenced)."""
+        self._heap = [entry for entry in self._heap if not finished(entry[2])]
+        heapq.heapify(self._heap)
