@@ -45,8 +45,9 @@ class Settings(BaseSettings):
     )
     online_batch_tokens: int | None = Field(
         default=None, ge=16,
-        description="Padded tokens per micro-batch while online jobs are about (one arrived in the last "
-        "second): an online job waits for at most one such batch. None: 256 on CPU, 4096 on CUDA.",
+        description="Padded tokens a micro-batch with bulk texts in it may cost while online jobs are about "
+        "(one arrived in the last second): an online job waits behind at most one such batch. Online texts "
+        "alone always use max_batch_tokens. None: 256 on CPU, 4096 on CUDA.",
     )
     bulk_min_share: float = Field(
         default=0.1, ge=0.0, le=1.0,

@@ -52,6 +52,28 @@ def test_bulk_runs_at_the_full_budget_once_online_traffic_has_gone_quiet():
     assert batch_cost([i.length for i in big]) == 1020  # 51 × 20 tokens: the full 1024 budget
 
 
+def test_online_traffic_alone_batches_at_the_full_budget():
+    clock = Clock()
+    s = _sched(clock)
+    for i in range(200):
+        s.add(("o", i), 20, ONLINE)
+    assert batch_cost([i.length for i in s.next_batch()]) == 1020  # not capped at online_tokens (256)
+
+
+def test_a_bulk_fill_never_makes_an_online_batch_long():
+    clock = Clock()
+    s = _sched(clock, bulk_share=0.0)  # online_tokens 256
+    for i in range(20):
+        s.add(("o", i), 20, ONLINE)  # 400 tokens of online work: more than the bulk cap
+    for i in range(50):
+        s.add(("b", i), 20, BULK)
+    batch = s.next_batch()
+    assert all(item.key[0] == "o" for item in batch) and len(batch) == 20  # no bulk beyond the cap
+    s.add(("o", 99), 20, ONLINE)
+    batch = s.next_batch()
+    assert batch[0].key == ("o", 99) and batch_cost([i.length for i in batch]) <= 256
+
+
 def test_online_items_fill_first_and_bulk_items_fill_what_is_left():
     clock = Clock()
     s = _sched(clock, online_tokens=1024)

@@ -6,8 +6,10 @@ micro-batch from the online items first, then fills what the token budget leaves
 
 * **Online waits at most about one micro-batch.** A micro-batch cannot be interrupted, so an online job
   that arrives while a bulk batch runs waits for it. While online traffic is about (an online item was
-  buffered within ``online_hold`` seconds) every micro-batch is capped at ``online_tokens`` padded
-  tokens, so that wait is short; with no online traffic bulk runs at the full ``max_tokens``.
+  buffered within ``online_hold`` seconds) bulk items go into a micro-batch only while it costs at most
+  ``online_tokens`` padded tokens, so that wait is short; with no online traffic bulk runs at the full
+  ``max_tokens``. Online items themselves always use the full budget: with online traffic alone the
+  worker batches exactly as it would without classes.
 * **Bulk is never starved.** While both classes wait, the real tokens run for each are counted; when
   bulk's share falls under ``bulk_share``, the next batch starts from the oldest bulk item (and online
   items fill it). The count restarts whenever one class has nothing waiting, so only contention counts.
@@ -75,23 +77,29 @@ class TrafficScheduler:
     def online_active(self) -> bool:
         return bool(self.classes[ONLINE]) or self.clock() - self._last_online < self.online_hold
 
-    def budget(self) -> int:
-        """Padded tokens the next micro-batch may cost."""
+    def bulk_budget(self) -> int:
+        """Padded tokens a micro-batch with bulk items in it may cost now."""
         return self.online_tokens if self.online_active() else self.max_tokens
 
     def next_batch(self) -> list[Item]:
         """Remove and return the next micro-batch (empty when nothing is buffered)."""
         online, bulk = self.classes[ONLINE], self.classes[BULK]
-        budget = self.budget()
         if not online or not bulk:  # no contention: one class, and the share count restarts
             self.served = dict.fromkeys(TRAFFIC_CLASSES, 0)
-            return (online if online else bulk).next_batch(max_tokens=budget)
+            if online:
+                return online.next_batch()
+            return bulk.next_batch(max_tokens=self.bulk_budget())
         total = self.served[ONLINE] + self.served[BULK]
         first = BULK if total and self.served[BULK] < self.bulk_share * total else ONLINE
         second = BULK if first == ONLINE else ONLINE
-        batch = self.classes[first].next_batch(max_tokens=budget)
+        if first == ONLINE:  # online at the full budget; bulk only while the batch stays short
+            batch = online.next_batch()
+            fill_budget = self.online_tokens
+        else:  # bulk's turn: a short bulk batch, then the waiting online items ride along
+            batch = bulk.next_batch(max_tokens=self.online_tokens)
+            fill_budget = self.max_tokens
         head = sum(item.length for item in batch)
-        added = self.classes[second].fill(batch, max_tokens=budget, max_items=self.max_items)
+        added = self.classes[second].fill(batch, max_tokens=fill_budget, max_items=self.max_items)
         self.served[first] += head
         self.served[second] += sum(item.length for item in added)
         return batch
