@@ -99,12 +99,16 @@ def unacked_by_queue(client: Any) -> dict[str, int]:
     return out
 
 
+def _lists(queue: str) -> list[str]:
+    """The Redis lists that hold a queue's waiting messages: its own and kombu's priority lists."""
+    return [queue, *(f"{queue}{KOMBU_SEP}{step}" for step in KOMBU_PRIORITY_STEPS)]
+
+
 def waiting(client: Any, queue: str) -> int:
     """Messages waiting in ``queue``'s Redis list(s), not yet received by any worker (one round trip)."""
     pipe = client.pipeline(transaction=False)
-    pipe.llen(queue)
-    for step in KOMBU_PRIORITY_STEPS:
-        pipe.llen(f"{queue}{KOMBU_SEP}{step}")
+    for key in _lists(queue):
+        pipe.llen(key)
     return int(sum(pipe.execute()))
 
 
@@ -114,9 +118,8 @@ def queue_depths(client: Any, queues: Iterable[str] = ()) -> dict[str, QueueDept
     names = sorted(set(queues) | known_queues(client) | set(unacked))
     pipe = client.pipeline(transaction=False)
     for name in names:
-        pipe.llen(name)
-        for step in KOMBU_PRIORITY_STEPS:
-            pipe.llen(f"{name}{KOMBU_SEP}{step}")
+        for key in _lists(name):
+            pipe.llen(key)
     lengths = pipe.execute()
     per = 1 + len(KOMBU_PRIORITY_STEPS)
     return {name: QueueDepth(name, sum(lengths[i * per:(i + 1) * per]), unacked.get(name, 0))

@@ -70,7 +70,7 @@ def _idle(worker: WorkerHandle, timeout: float = 120.0) -> dict:
 def test_online_jobs_overtake_a_bulk_backlog_and_buffered_jobs_expire_or_cancel_unrun(tworker):
     client = tworker.client
     before = _idle(tworker)
-    big = client.submit(_long_texts(120, "bulk"), traffic_class="bulk")  # seconds of work on this CPU
+    big = client.submit(_long_texts(60, "bulk"), traffic_class="bulk")  # seconds of work on this CPU
     # long texts: none fits beside the short online query in its micro-batch (the bulk fill)
     doomed = client.submit(_long_texts(3, "due soon"), traffic_class="bulk", deadline=1.0)
     unwanted = client.submit(_long_texts(5, "not needed"), traffic_class="bulk")
@@ -80,7 +80,7 @@ def test_online_jobs_overtake_a_bulk_backlog_and_buffered_jobs_expire_or_cancel_
     vectors = online.result(60)
     assert vectors.shape == (1, 384)
     assert not big.ready(), "the online job waited for the whole bulk backlog"
-    assert big.result(120).shape == (120, 384)
+    assert big.result(120).shape == (60, 384)
     with pytest.raises(errors.Cancelled):
         unwanted.result(5)
     assert isinstance(_stored(tworker, doomed)["result"], errors.Expired)  # the worker's own record
@@ -88,9 +88,9 @@ def test_online_jobs_overtake_a_bulk_backlog_and_buffered_jobs_expire_or_cancel_
         doomed.result(60)
     after = _idle(tworker)
     # what reached the model: the big job and the online query, nothing of the expired or cancelled jobs
-    assert after["items"] - before["items"] == 121
+    assert after["items"] - before["items"] == 61
     bulk_before = before["items_by_class"].get("bulk", 0)
-    assert after["items_by_class"]["bulk"] - bulk_before == 120
+    assert after["items_by_class"]["bulk"] - bulk_before == 60
     assert after["errors_by_code"].get("expired", 0) - before["errors_by_code"].get("expired", 0) == 1
     assert after["jobs_cancelled"] - before["jobs_cancelled"] == 1
     assert after["items_cancelled"] - before["items_cancelled"] == 5

@@ -30,7 +30,7 @@ from kombu.utils.imports import symbol_by_name
 
 from embedq import errors, monitor
 from embedq.batching import PrefetchWindow
-from embedq.batching.traffic import BULK, ONLINE
+from embedq.batching.traffic import BULK, ONLINE, TrafficClass
 from embedq.cancellation import CancelFeed
 from embedq.protocol import RESENT_HEADER, SENT_HEADER, TASK_NAME
 from embedq.settings import Settings
@@ -72,7 +72,7 @@ def configure(settings: Settings) -> None:
     transport.fetch_order = _fetch_order
 
 
-def traffic_class(routing_key: str | None) -> str:
+def traffic_class(routing_key: str | None) -> TrafficClass:
     return BULK if routing_key in RUNTIME.bulk_queues else ONLINE
 
 

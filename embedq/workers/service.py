@@ -24,7 +24,7 @@ import numpy as np
 from embedq import __version__, errors
 from embedq.backends.base import Backend, postprocess
 from embedq.batching import Scheduler, batch_cost
-from embedq.batching.traffic import BULK, ONLINE, Deadlines, TrafficScheduler
+from embedq.batching.traffic import ONLINE, Deadlines, TrafficClass, TrafficScheduler
 from embedq.protocol import EmbedOptions, Fingerprint, encode_result, validate_texts
 from embedq.settings import Settings
 
@@ -52,7 +52,7 @@ class Job:
     done: bool = False
     suspect: bool = False  # redelivered after its worker died: runs alone (see workers/delivery.py)
     started: float | None = None  # monotonic time its first micro-batch started (set under the service lock)
-    traffic_class: str = ONLINE  # "online" or "bulk" (from the queue it came from)
+    traffic_class: TrafficClass = ONLINE  # from the queue it came from
     deadline: float | None = None  # monotonic time after which it is dropped unless it has started
 
 
@@ -178,8 +178,7 @@ class EmbeddingService:
             if job.suspect:
                 self._suspects.append(job)
             else:
-                self.scheduler.add_many([((job, i), len(ids)) for i, ids in enumerate(job.ids)],
-                                        BULK if job.traffic_class == BULK else ONLINE)
+                self.scheduler.add_many([((job, i), len(ids)) for i, ids in enumerate(job.ids)], job.traffic_class)
             if job.deadline is not None:
                 self.deadlines.add(job.deadline, job)
             self._cond.notify()
