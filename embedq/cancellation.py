@@ -9,13 +9,10 @@ clocks do not matter. Imports no torch (producers use it).
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
 from celery.utils.collections import LimitedSet
-
-log = logging.getLogger(__name__)
 
 STREAM = "embedq.cancelled"
 RETENTION = 24 * 3600  # seconds a cancellation is remembered (by the stream and by each worker)
