@@ -71,6 +71,13 @@ class TooLong(ValidationError):
     code = "too_many_tokens"
 
 
+class UnsupportedTask(ValidationError):
+    """The job's kind (rerank, predict, embed, ...) is not one the worker's model serves; the message names
+    the kinds it does serve."""
+
+    code = "unsupported_task"
+
+
 class InvalidText(ValidationError):
     """A text that is not valid Unicode (a lone surrogate cannot be encoded as UTF-8)."""
 
@@ -117,6 +124,13 @@ class TextTooLong(PayloadTooLarge):
 
 class MessageTooLarge(PayloadTooLarge):
     code = "message_too_large"
+
+
+class ResultTooLarge(PayloadTooLarge):
+    """The job's result would be larger than the worker stores (``max_result_bytes``): send fewer inputs
+    per job, or ask for a compact encoding."""
+
+    code = "result_too_large"
 
 
 class DeadLetter(EmbedqError):
@@ -186,9 +200,9 @@ class JobLost(Unavailable):
 HTTP_STATUS: dict[str, int] = {
     cls.code: cls.http_status
     for cls in (
-        EmbedqError, ValidationError, EmptyInput, EmptyText, InvalidType, InvalidOption,
-        UnknownPromptName, InvalidDimensions, UnknownModel, TooLong, InvalidText, InvalidMessage, InvalidRecord,
-        DuplicateId, OutputMismatch, PayloadTooLarge, TooManyTexts, TextTooLong, MessageTooLarge, DeadLetter,
-        BackendError, UnsupportedModel, Overloaded, Expired, Cancelled, Unavailable, JobTimeout, JobLost,
+        EmbedqError, ValidationError, EmptyInput, EmptyText, InvalidType, InvalidOption, UnknownPromptName,
+        InvalidDimensions, UnknownModel, UnsupportedTask, TooLong, InvalidText, InvalidMessage, InvalidRecord,
+        DuplicateId, OutputMismatch, PayloadTooLarge, TooManyTexts, TextTooLong, MessageTooLarge, ResultTooLarge,
+        DeadLetter, BackendError, UnsupportedModel, Overloaded, Expired, Cancelled, Unavailable, JobTimeout, JobLost,
     )
 }

@@ -23,8 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from embedq.settings import Settings
-from embedq.workers.delivery import DEAD_LETTERS
+from embedq.broker import DEAD_LETTERS
 
 DEPTHS_KEY = "embedq.queue-depths"  # the last depths read by any worker, shared for DEPTHS_TTL seconds
 DEPTHS_TTL = 5.0
@@ -50,18 +49,6 @@ local out = {}
 for rk, n in pairs(counts) do out[#out + 1] = rk; out[#out + 1] = n end
 return out
 """
-
-
-def redis_client(settings: Settings, *, timeout: float = 5.0) -> Any:
-    """A redis-py client for the broker (TLS options from the settings), with bounded socket waits."""
-    import redis
-
-    from embedq.workers.app import tls_options
-
-    if not settings.broker_url:
-        raise ValueError("no broker configured: set EMBEDQ_BROKER_URL")
-    return redis.Redis.from_url(settings.broker_url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                **(tls_options(settings) or {}))
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,19 @@
 """The wire contract between producers and workers.
 
-A job is an ordinary Celery task message: ``send_task(TASK_NAME, args=[texts], kwargs=options)``.
-Its result is a plain JSON/msgpack-able dict (see :func:`encode_result`) so that clients in any
-language can read it; Python clients turn it back into numpy with :func:`decode_result`.
+A job is an ordinary Celery task message: ``send_task(spec.name, args=..., kwargs=options)`` where
+``spec`` is one entry of :data:`TASKS`, the table of job kinds (``embedq.embed``, ``embedq.rerank``,
+``embedq.predict``, ``embedq.tokenize``). Each spec says how a message's arguments become *items*
+(what the scheduler packs: a text, or a text pair), which options the kind takes, and which named
+arrays its result holds. A result is a plain JSON/msgpack-able dict so that clients in any language
+can read it; Python clients turn it back into numpy with :func:`decode_result` / :func:`decode_arrays`.
+Adding a kind is one entry here and a head in ``embedq/backends`` (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -16,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from embedq import errors
 
-TASK_NAME = "embedq.embed"
+TASK_NAME = "embedq.embed"  # the embedding task (kept by that name since protocol version 1)
 #: Message header of a job a producer sent again after a broker restart (the count of resends).
 RESENT_HEADER = "embedq_resent"
 #: Message header: when the producer sent the job (Unix time), for the worker's time-in-queue metric.
@@ -27,24 +32,15 @@ Encoding = Literal["float32", "float16", "float"]
 TruncationSide = Literal["right", "left"]
 
 
-class EmbedOptions(BaseModel):
-    """Per-job options (the task's keyword arguments). Unknown keys are refused."""
+class JobOptions(BaseModel):
+    """Options every kind takes (the task's keyword arguments). Unknown keys are refused."""
 
     # strict: "yes" is not a boolean and "64" not a number; a JSON producer sends the real types.
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, protected_namespaces=())
 
     model: str | None = Field(default=None, description="Model the job is meant for; checked by the worker.")
-    normalize: bool | None = Field(
-        default=None,
-        description="None: as the model defines it (its Normalize module). True: unit length (after "
-        "`dimensions`). False: skip the model's Normalize module.",
-    )
-    truncate: bool = Field(default=True, description="False: a text over the model's limit is an error.")
+    truncate: bool = Field(default=True, description="False: an input over the model's limit is an error.")
     truncation_side: TruncationSide = "right"
-    prompt: str | None = None
-    prompt_name: str | None = None
-    dimensions: int | None = Field(default=None, gt=0, description="Matryoshka: keep the first N dims.")
-    encoding: Encoding = Field(default="float32", description="float32/float16: base64 little-endian.")
     v: int = Field(default=PROTOCOL_VERSION, description="Protocol version of the job.")
 
     @field_validator("v")
@@ -55,7 +51,7 @@ class EmbedOptions(BaseModel):
         return value
 
     @classmethod
-    def parse(cls, kwargs: dict[str, Any] | None) -> EmbedOptions:
+    def parse(cls, kwargs: dict[str, Any] | None) -> Any:
         """Options from a message's kwargs, or :class:`~embedq.errors.InvalidOption`."""
         if kwargs is None:
             kwargs = {}
@@ -67,13 +63,47 @@ class EmbedOptions(BaseModel):
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "options"
             raise errors.InvalidOption(f"{where}: {first['msg']}") from None
-        if options.prompt is not None and options.prompt_name is not None:
+        if getattr(options, "prompt", None) is not None and getattr(options, "prompt_name", None) is not None:
             raise errors.InvalidOption("give either prompt or prompt_name, not both")
         return options
 
     def wire(self) -> dict[str, Any]:
         """The kwargs to put on the wire: only what differs from the defaults."""
         return self.model_dump(exclude_defaults=True)
+
+
+class EmbedOptions(JobOptions):
+    """``embedq.embed``: dense vectors."""
+
+    normalize: bool | None = Field(
+        default=None,
+        description="None: as the model defines it (its Normalize module). True: unit length (after "
+        "`dimensions`). False: skip the model's Normalize module.",
+    )
+    prompt: str | None = None
+    prompt_name: str | None = None
+    dimensions: int | None = Field(default=None, gt=0, description="Matryoshka: keep the first N dims.")
+    encoding: Encoding = Field(default="float32", description="float32/float16: base64 little-endian.")
+
+
+class RerankOptions(JobOptions):
+    """``embedq.rerank``: one query against many texts (TEI's ``/rerank``)."""
+
+    raw_scores: bool = Field(default=False, description="True: the model's logits, not its activation.")
+
+
+class PredictOptions(JobOptions):
+    """``embedq.predict``: sequence classification of texts or text pairs (TEI's ``/predict``)."""
+
+    raw_scores: bool = Field(default=False, description="True: logits; else softmax (sigmoid for one label).")
+
+
+class TokenizeOptions(JobOptions):
+    """``embedq.tokenize``: the tokens the model would see (TEI's ``/tokenize``)."""
+
+    add_special_tokens: bool = True
+    prompt: str | None = None
+    prompt_name: str | None = None
 
 
 def short_options(options: Any) -> str:
@@ -84,13 +114,15 @@ def short_options(options: Any) -> str:
     return repr(shown)[:200]
 
 
-def task_reprs(texts: Sequence[str], options: dict[str, Any]) -> dict[str, str]:
+def task_reprs(texts: Sequence[Any], options: dict[str, Any], kind: str = "embed") -> dict[str, str]:
     """Celery's ``argsrepr``/``kwargsrepr`` for a job: what Celery and Flower show instead of the texts."""
-    return {"argsrepr": f"[{len(texts)} texts]", "kwargsrepr": short_options(options)}
+    what = {"rerank": "query, {} texts", "predict": "{} inputs"}.get(kind, "{} texts")
+    return {"argsrepr": "[" + what.format(len(texts)) + "]", "kwargsrepr": short_options(options)}
 
 
-def validate_texts(texts: Any, *, max_texts: int, max_chars: int) -> list[str]:
-    """Check a job's inputs at the edge (producer) and again in the worker."""
+def validate_texts(texts: Any, *, max_texts: int, max_chars: int, what: str | None = None) -> list[str]:
+    """Check a job's inputs at the edge (producer) and again in the worker. ``what`` names a single
+    text in messages (``query``, ``inputs[3][1]``) instead of ``inputs[i]``."""
     if isinstance(texts, str):
         texts = [texts]
     if not isinstance(texts, (list, tuple)):
@@ -100,66 +132,94 @@ def validate_texts(texts: Any, *, max_texts: int, max_chars: int) -> list[str]:
     if len(texts) > max_texts:
         raise errors.TooManyTexts(f"{len(texts)} texts in one job; the limit is {max_texts}")
     for i, text in enumerate(texts):
+        where = what or f"inputs[{i}]"
         if not isinstance(text, str):
-            raise errors.InvalidType(f"inputs[{i}] is {type(text).__name__}, not a string")
+            raise errors.InvalidType(f"{where} is {type(text).__name__}, not a string")
         if len(text) > max_chars:
-            raise errors.TextTooLong(f"inputs[{i}] has {len(text)} characters; the limit is {max_chars}")
+            raise errors.TextTooLong(f"{where} has {len(text)} characters; the limit is {max_chars}")
         if not text.strip():
-            raise errors.EmptyText(f"inputs[{i}] is empty or whitespace only")
+            raise errors.EmptyText(f"{where} is empty or whitespace only")
         if not text.isascii():
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError:
-                raise errors.InvalidText(f"inputs[{i}] is not valid Unicode (a lone surrogate)") from None
+                raise errors.InvalidText(f"{where} is not valid Unicode (a lone surrogate)") from None
     return list(texts)
 
 
-def check_message_size(texts: list[str], options: dict[str, Any], *, serializer: str, limit: int) -> None:
-    """Producer side: the job's message body must stay under ``limit`` bytes (workers check it again).
+def check_message_size(args: list[Any], options: dict[str, Any], *, serializer: str, limit: int) -> None:
+    """Producer side: the job's message body (``args``: the task's positional arguments) must stay
+    under ``limit`` bytes (workers check it again).
 
     A JSON-escaped character takes at most 12 bytes, so only jobs that could reach the limit are
     serialised to measure them."""
-    if sum(len(t) for t in texts) * 12 + 4096 <= limit:
+    if _chars(args) * 12 + 4096 <= limit:
         return
     from kombu.serialization import dumps
 
-    _, _, body = dumps([texts, options, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}],
+    _, _, body = dumps([args, options, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}],
                        serializer=serializer)
     if len(body) > limit:
         raise errors.MessageTooLarge(
             f"the job's message would have {len(body)} bytes; the limit is {limit} (send fewer texts per job)")
 
 
-# -- vectors -----------------------------------------------------------------------------------
-_DTYPES = {"float32": "<f4", "float16": "<f2"}
+def _chars(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value) + 4
+    if isinstance(value, (list, tuple)):
+        return sum(_chars(v) for v in value) + 2
+    return 8
+
+
+# -- arrays ------------------------------------------------------------------------------------
+_DTYPES = {"float32": "<f4", "float16": "<f2", "int32": "<i4", "uint8": "u1"}
+
+
+def encode_array(values: np.ndarray, encoding: Encoding = "float32") -> dict[str, Any]:
+    """An array as ``{"encoding", "dtype", "shape", "data"}``.
+
+    ``data`` is base64 of little-endian bytes, or nested lists with ``encoding="float"`` (JSON-only
+    clients). Float arrays are stored as ``encoding`` (float32 or float16); integer arrays as int32 and
+    boolean ones as uint8, whatever the encoding.
+    """
+    values = np.asarray(values)
+    shape = [int(n) for n in values.shape]
+    if values.dtype.kind == "b":
+        dtype = "uint8"
+    elif values.dtype.kind in "iu":
+        dtype = "int32"
+    elif values.dtype.kind == "f":
+        dtype = "float32" if encoding == "float" else encoding
+    else:
+        raise ValueError(f"cannot encode an array of {values.dtype}")
+    if encoding == "float":
+        return {"encoding": "float", "dtype": dtype, "shape": shape, "data": values.astype(_DTYPES[dtype]).tolist()}
+    raw = np.ascontiguousarray(values, dtype=_DTYPES[dtype]).tobytes()
+    return {"encoding": "base64", "dtype": dtype, "shape": shape, "data": base64.b64encode(raw).decode("ascii")}
+
+
+def decode_array(payload: dict[str, Any]) -> np.ndarray:
+    """Inverse of :func:`encode_array`: float arrays come back as float32, integer ones as int32."""
+    shape = tuple(payload["shape"])
+    dtype = payload.get("dtype", "float32")
+    out_dtype = np.float32 if dtype.startswith("float") else np.dtype(_DTYPES[dtype]).newbyteorder("=")
+    if payload["encoding"] == "float":
+        return np.asarray(payload["data"], dtype=out_dtype).reshape(shape)
+    data = payload["data"]
+    raw = data if isinstance(data, (bytes, bytearray)) else base64.b64decode(data)
+    return np.frombuffer(raw, dtype=_DTYPES[dtype]).reshape(shape).astype(out_dtype)
 
 
 def encode_vectors(vectors: np.ndarray, encoding: Encoding) -> dict[str, Any]:
-    """A 2-D float array as ``{"encoding", "dtype", "shape", "data"}``.
-
-    ``data`` is base64 of little-endian bytes for float32/float16 and nested float lists for
-    ``float`` (JSON-only clients).
-    """
+    """A 2-D float array (one vector per text): :func:`encode_array`, checked to be 2-D."""
     vectors = np.asarray(vectors)
     if vectors.ndim != 2:
         raise ValueError(f"expected a 2-D array, got shape {vectors.shape}")
-    shape = [int(vectors.shape[0]), int(vectors.shape[1])]
-    if encoding == "float":
-        return {"encoding": "float", "dtype": "float32", "shape": shape,
-                "data": vectors.astype(np.float32).tolist()}
-    raw = np.ascontiguousarray(vectors, dtype=_DTYPES[encoding]).tobytes()
-    return {"encoding": "base64", "dtype": encoding, "shape": shape,
-            "data": base64.b64encode(raw).decode("ascii")}
+    return encode_array(vectors.astype(np.float32, copy=False), encoding)
 
 
-def decode_vectors(payload: dict[str, Any]) -> np.ndarray:
-    """Inverse of :func:`encode_vectors`; always returns float32 of the stored shape."""
-    shape = tuple(payload["shape"])
-    if payload["encoding"] == "float":
-        return np.asarray(payload["data"], dtype=np.float32).reshape(shape)
-    data = payload["data"]
-    raw = data if isinstance(data, (bytes, bytearray)) else base64.b64decode(data)
-    return np.frombuffer(raw, dtype=_DTYPES[payload["dtype"]]).reshape(shape).astype(np.float32)
+decode_vectors = decode_array
 
 
 class Fingerprint(BaseModel):
@@ -167,6 +227,7 @@ class Fingerprint(BaseModel):
 
     model_config = ConfigDict(frozen=True, protected_namespaces=())
 
+    kind: str = "embed"  # the job kind whose outputs these are: an indexer never mixes kinds
     model: str
     weights_sha256: str
     pooling: str
@@ -180,7 +241,7 @@ class Fingerprint(BaseModel):
         """What decides the vector space: the weights (their hash also covers config and vocabulary),
         pooling, normalisation, dimensions, compute dtype and prompt. Not the name the model was
         loaded by, nor the embedq version."""
-        return (self.weights_sha256, self.pooling, self.normalize, self.dimensions, self.dtype, self.prompt)
+        return (self.kind, self.weights_sha256, self.pooling, self.normalize, self.dimensions, self.dtype, self.prompt)
 
     def same_space(self, other: Fingerprint) -> bool:
         return self.space() == other.space()
@@ -188,22 +249,145 @@ class Fingerprint(BaseModel):
     def describe(self) -> str:
         prompt = f", prompt {self.prompt!r}" if self.prompt else ""
         norm = "normalized" if self.normalize else "not normalized"
-        return (f"{self.model} ({self.weights_sha256[:12]}), {self.pooling} pooling, {self.dimensions} dims, "
+        kind = "" if self.kind == "embed" else f"{self.kind}: "
+        return (f"{kind}{self.model} ({self.weights_sha256[:12]}), {self.pooling} pooling, {self.dimensions} dims, "
                 f"{norm}, {self.dtype}{prompt}")
 
 
-def encode_result(vectors: np.ndarray, options: EmbedOptions, fingerprint: Fingerprint,
-                  tokens: int) -> dict[str, Any]:
-    return {
-        "v": PROTOCOL_VERSION,
-        "vectors": encode_vectors(vectors, options.encoding),
-        "fingerprint": fingerprint.model_dump(),
-        "usage": {"texts": int(vectors.shape[0]), "tokens": int(tokens)},
-    }
+def encode_result(kind: str, arrays: dict[str, Any], fingerprint: Fingerprint, *, items: int, tokens: int,
+                  encoding: Encoding = "float32", extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A job's result: ``{"v", "kind", <named arrays>, <extra>, "fingerprint", "usage"}``.
+
+    ``arrays`` are numpy arrays (encoded with :func:`encode_array`); ``extra`` holds plain JSON values
+    (labels, token strings). ``usage.texts`` counts items (a rerank or predict pair is one)."""
+    out: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": kind}
+    for name, values in arrays.items():
+        out[name] = encode_array(values, encoding)
+    if extra:
+        out.update(extra)
+    out["fingerprint"] = fingerprint.model_dump()
+    out["usage"] = {"texts": int(items), "tokens": int(tokens)}
+    return out
+
+
+def result_size(payload: Any) -> int:
+    """About how many bytes ``payload`` takes once serialised (JSON), without serialising it."""
+    if isinstance(payload, str):
+        return len(payload) + 2
+    if isinstance(payload, dict):
+        return sum(len(str(k)) + 4 + result_size(v) for k, v in payload.items()) + 2
+    if isinstance(payload, (list, tuple)):
+        return sum(result_size(v) + 1 for v in payload) + 2
+    return 12
 
 
 def decode_result(payload: dict[str, Any]) -> tuple[np.ndarray, Fingerprint]:
+    """An embedding result: (vectors, fingerprint)."""
     return decode_vectors(payload["vectors"]), Fingerprint.model_validate(payload["fingerprint"])
+
+
+def decode_arrays(payload: dict[str, Any]) -> dict[str, Any]:
+    """Every encoded array of a result, decoded, with its other fields as they are."""
+    return {k: decode_array(v) if isinstance(v, dict) and "encoding" in v and "shape" in v else v
+            for k, v in payload.items()}
+
+
+# -- the table of job kinds --------------------------------------------------------------------
+#: One item of a job: a text, or a text pair (rerank's (query, text), predict's pairs).
+Item = str | tuple[str, str]
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One kind of job: its Celery task, its options, how its arguments become items, its result."""
+
+    kind: str
+    name: str  # Celery task name
+    options: type[JobOptions]
+    #: (args, max_texts, max_chars) -> the job's validated items; raises a typed error for that job
+    items: Callable[[Any, int, int], list[Item]]
+    #: items a message holds, read before validation (the prefetch window counts them)
+    size: Callable[[Any], int]
+    #: the named arrays of its result (plus, for some kinds, plain fields: see decode)
+    arrays: tuple[str, ...]
+    #: what the worker's task takes, for error messages
+    signature: str
+
+    def parse_options(self, kwargs: Any) -> JobOptions:
+        return self.options.parse(kwargs)
+
+
+def _one_arg(args: Any, spec: str) -> Any:
+    if not isinstance(args, (list, tuple)) or len(args) != 1:
+        raise errors.InvalidType(f"this task takes exactly one positional argument ({spec})")
+    return args[0]
+
+
+def _text_items(args: Any, max_texts: int, max_chars: int) -> list[Item]:
+    return list(validate_texts(_one_arg(args, "the list of texts"), max_texts=max_texts, max_chars=max_chars))
+
+
+def _rerank_items(args: Any, max_texts: int, max_chars: int) -> list[Item]:
+    if not isinstance(args, (list, tuple)) or len(args) != 2:
+        raise errors.InvalidType("embedq.rerank takes exactly two positional arguments (query, texts)")
+    query, texts = args
+    if not isinstance(query, str):
+        raise errors.InvalidType(f"query is {type(query).__name__}, not a string")
+    [query] = validate_texts([query], max_texts=1, max_chars=max_chars, what="query")
+    texts = validate_texts(texts, max_texts=max_texts, max_chars=max_chars)
+    return [(query, text) for text in texts]
+
+
+def _predict_items(args: Any, max_texts: int, max_chars: int) -> list[Item]:
+    inputs = _one_arg(args, "the list of inputs: texts or [text, text] pairs")
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    if not isinstance(inputs, (list, tuple)):
+        raise errors.InvalidType(f"inputs must be a list of texts or text pairs, got {type(inputs).__name__}")
+    if not inputs:
+        raise errors.EmptyInput("inputs is empty: send at least one text or pair")
+    if len(inputs) > max_texts:
+        raise errors.TooManyTexts(f"{len(inputs)} inputs in one job; the limit is {max_texts}")
+    items: list[Item] = []
+    for i, entry in enumerate(inputs):
+        if isinstance(entry, str):
+            items.extend(validate_texts([entry], max_texts=1, max_chars=max_chars, what=f"inputs[{i}]"))
+        elif isinstance(entry, (list, tuple)) and len(entry) == 2:
+            a, b = (validate_texts([t], max_texts=1, max_chars=max_chars, what=f"inputs[{i}][{j}]")[0]
+                    if isinstance(t, str) else _not_text(f"inputs[{i}][{j}]", t) for j, t in enumerate(entry))
+            items.append((a, b))
+        else:
+            raise errors.InvalidType(f"inputs[{i}] must be a text or a pair of texts, got "
+                                     f"{type(entry).__name__}{f' of {len(entry)}' if isinstance(entry, list) else ''}")
+    return items
+
+
+def _not_text(where: str, value: Any) -> str:
+    raise errors.InvalidType(f"{where} is {type(value).__name__}, not a string")
+
+
+def _first_len(index: int) -> Callable[[Any], int]:
+    def size(args: Any) -> int:
+        try:
+            value = args[index]
+        except (TypeError, IndexError, KeyError):
+            return 1
+        return len(value) if isinstance(value, (list, tuple)) else 1
+    return size
+
+
+EMBED = TaskSpec("embed", TASK_NAME, EmbedOptions, _text_items, _first_len(0), ("vectors",), "(texts)")
+RERANK = TaskSpec("rerank", "embedq.rerank", RerankOptions, _rerank_items, _first_len(1), ("scores",),
+                  "(query, texts)")
+PREDICT = TaskSpec("predict", "embedq.predict", PredictOptions, _predict_items, _first_len(0),
+                   ("scores",), "(inputs)")
+TOKENIZE = TaskSpec("tokenize", "embedq.tokenize", TokenizeOptions, _text_items, _first_len(0),
+                    ("ids", "offsets", "spans", "special"), "(texts)")
+
+#: Every kind of job by Celery task name (the worker registers one task per entry).
+TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (EMBED, RERANK, PREDICT, TOKENIZE)}
+#: The same specs by kind.
+KINDS: dict[str, TaskSpec] = {spec.kind: spec for spec in TASKS.values()}
 
 
 def texts_list(texts: str | Sequence[str]) -> list[str]:

@@ -99,6 +99,10 @@ class Settings(BaseSettings):
         default=16 * 1024 * 1024, ge=1024, description="Size of one serialized job message, checked by "
         "producers and again by workers.",
     )
+    max_result_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1024, description="Size of one job's stored result at most (vectors, "
+        "scores, tokens); a larger one fails that job with `result_too_large` instead of filling Redis.",
+    )
     shutdown_timeout: float = Field(
         default=30.0, gt=0, description="Seconds a worker stopping on SIGTERM waits for the micro-batch in "
         "progress and the results being written before it returns what it holds to the queue.",

@@ -10,6 +10,7 @@ pytest.importorskip("transformers")
 
 from embedq import errors  # noqa: E402
 from embedq.backends import load_backend  # noqa: E402
+from embedq.backends.cpu import cpu_flags  # noqa: E402
 from embedq.backends.kernels import OneDNNLinear, onednn_available, pack_linears  # noqa: E402
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN linear ops")
@@ -45,13 +46,41 @@ def test_pack_linears_swaps_plain_linears_and_keeps_the_maths():
     assert (got - want).abs().max().item() <= 1e-5
 
 
+def _cpu_runs_onednn_bf16() -> bool:
+    """Whether oneDNN can run bfloat16 products on this CPU, asked of the CPU rather than assumed.
+
+    PyTorch's own check (``_is_mkldnn_bf16_supported``: oneDNN's ISA, on x86 AVX-512 core with bw/vl/dq or
+    AVX-NE-CONVERT) is the rule ``_reorder_linear_weight`` enforces for bf16; /proc/cpuinfo is the fallback
+    where this PyTorch lacks the query. Either way it cannot say yes on a CPU whose flags lack those ISAs.
+    """
+    flags = cpu_flags()
+    capable_flags = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+    query = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if query is None:
+        return capable_flags
+    supported = bool(query())
+    if flags and not capable_flags:  # an x86 CPU (only x86 lists "flags") without those ISAs
+        assert not supported, f"PyTorch claims bf16 oneDNN on a CPU with only {sorted(flags)}"
+    return supported
+
+
 @needs_onednn
 def test_bfloat16_is_packed_too():
+    """bf16 is packed where the CPU runs oneDNN's bf16 kernels; elsewhere auto keeps PyTorch's (untouched)."""
     model = _toy().bfloat16()
     x = torch.randn(4, 16).bfloat16()
     with torch.inference_mode():
         want = model(x).float()
+    if not _cpu_runs_onednn_bf16():  # e.g. AVX2-only CPUs: the documented fallback, and insisting is an error
+        assert pack_linears(model) == "torch"
+        assert all(type(m) is not OneDNNLinear for m in model)
+        with torch.inference_mode():
+            assert torch.equal(model(x).float(), want)
+        with pytest.raises(errors.InvalidOption):
+            pack_linears(model, "onednn")
+        return
     assert pack_linears(model) == "onednn"
+    assert type(model[0]) is OneDNNLinear and type(model[2]) is OneDNNLinear
     with torch.inference_mode():
         got = model(x).float()
     assert (got - want).abs().max().item() <= 2e-2 * max(1.0, want.abs().max().item())

@@ -24,6 +24,7 @@ from kombu import Connection
 from prometheus_client.parser import text_string_to_metric_families
 
 from embedq import monitor
+from embedq.broker import redis_client
 from embedq.producers.embedded import RedisServer, free_port
 from embedq.settings import Settings
 from embedq.workers.metrics import exported_names
@@ -255,7 +256,7 @@ def test_b_metrics_move_by_exactly_what_the_jobs_did(stack):
 def test_queue_depth_counts_waiting_and_unacknowledged_messages(stack):
     """Against kombu's own records: messages received and not acknowledged count, per queue."""
     settings: Settings = stack["settings"]
-    client = monitor.redis_client(settings)
+    client = redis_client(settings)
     qa, qb = f"embedq.test.depth-a-{uuid.uuid4().hex[:6]}", f"embedq.test.depth-b-{uuid.uuid4().hex[:6]}"
     with Connection(settings.broker_url) as conn:
         a, b = conn.SimpleQueue(qa), conn.SimpleQueue(qb)

@@ -114,10 +114,11 @@ def test_producer_imports_without_torch_transformers_tokenizers():
         import embedq
         from embedq import Client, JobHandle
         from embedq.producers import cli, client, embedded, index
-        from embedq.workers import app
+        from embedq import broker, cancellation, monitor
         from embedq import batching, protocol, errors, settings
         c = Client(broker_url='redis://127.0.0.1:1/0')
         assert not any(m.split('.')[0] in {'torch', 'transformers', 'tokenizers'} for m in sys.modules)
+        assert not any(m.startswith('embedq.workers') for m in sys.modules), 'a producer imported embedq.workers'
         print('ok')
         """
     )

@@ -6,12 +6,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from embedq import errors
-from embedq.backends.base import Backend, ModelInfo, Tokenized, postprocess
+from embedq.backends.base import Backend, Encoded, ModelInfo, Prepared, Tokenized, postprocess
 
 if TYPE_CHECKING:  # pragma: no cover
     from embedq.backends.dense import DenseBackend
 
-__all__ = ["Backend", "DenseBackend", "ModelInfo", "Tokenized", "load_backend", "postprocess", "resolve_model_path"]
+__all__ = ["Backend", "DenseBackend", "Encoded", "ModelInfo", "Prepared", "Tokenized", "load_backend", "postprocess",
+           "resolve_model_path"]
 
 #: Model ids shipped with embedq's dependencies (lower case), mapped to the package holding them.
 _BUNDLED = {
@@ -55,16 +56,17 @@ def load_backend(
     torch_threads: int | None = None,
     linear_kernel: str = "auto",
 ) -> Backend:
-    """Load ``model`` (an id or a local folder) as a :class:`~embedq.backends.dense.DenseBackend`."""
+    """Load ``model`` (an id or a local folder) with the heads its folder calls for (embed, rerank/predict;
+    every model tokenizes): see :mod:`embedq.backends.model`."""
     path = resolve_model_path(model)
     if device == "cpu":
         from embedq.backends.cpu import guard_amx
 
         guard_amx()  # before anything runs oneDNN in this process
-    from embedq.backends.dense import DenseBackend
+    from embedq.backends.model import load_model
 
-    return DenseBackend(path, model_id=model, device=device, dtype=dtype, torch_threads=torch_threads,
-                        linear_kernel=linear_kernel)
+    return load_model(path, model_id=model, device=device, dtype=dtype, torch_threads=torch_threads,
+                      linear_kernel=linear_kernel)
 
 
 def __getattr__(name: str):

@@ -1,9 +1,17 @@
-"""The narrow backend contract the worker knows about.
+"""The narrow contract between the worker and a backend: three calls and the items between them.
 
-A backend tokenizes (once per text, no padding) and embeds micro-batches of token ids. The
-scheduler only asks it for ``is_padded`` and the token counts; the worker applies the per-job
-post-processing (``dimensions``, ``normalize``) with :func:`postprocess`. Only this subpackage
-imports torch.
+A backend is an *encoder* (``encoder.py``: reads the model folder, tokenizes texts or pairs, pads and
+runs the transformer) plus *heads*, one per kind of job it serves (``dense.py``: embed; ``classify.py``:
+rerank and predict; ``tokens.py``: tokenize). The worker knows only:
+
+* ``prepare(kind, items, options)`` on the consumer thread: check the options, tokenize. Returns a
+  :class:`Prepared` whose ``items`` the scheduler packs by token cost (none: nothing to run);
+* ``forward(batch)`` on the inference thread: one micro-batch of :class:`Encoded` items from any jobs
+  and kinds, one forward pass, one row (a numpy array) per item;
+* ``finish(kind, rows, prepared, options)`` on the results thread: post-process, check and encode the
+  job's result payload.
+
+Only this subpackage imports torch.
 """
 
 from __future__ import annotations
@@ -15,14 +23,16 @@ from typing import Any
 
 import numpy as np
 
+from embedq import errors
+
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What a loaded model is; feeds the embedding-space fingerprint."""
+    """What a loaded model is; feeds the fingerprints and the worker's identity."""
 
     model_id: str
     path: str
-    dimension: int
+    dimension: int  # embed: the vector size; classifiers: the number of labels
     max_seq_length: int
     pooling: str
     normalizes: bool
@@ -32,9 +42,22 @@ class ModelInfo:
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
     linear_kernel: str = "torch"  # what runs the Linear layers: "torch" or "onednn" (CPU)
+    kinds: tuple[str, ...] = ("embed", "tokenize")  # the job kinds this model serves
+    labels: tuple[str, ...] = ()  # classifiers: the label of each logit (``id2label``)
 
 
-@dataclass(frozen=True)
+@dataclass
+class Encoded:
+    """One item as the model takes it: token ids (special tokens included, no padding), segment ids for
+    pairs (None: all zeros) and the length of a prompt at its start (pooling may leave it out)."""
+
+    ids: list[int]
+    type_ids: list[int] | None = None
+    prompt_length: int = 0
+    head: str = ""  # which head turns this item's output into its row (set by prepare)
+
+
+@dataclass
 class Tokenized:
     """Token ids of a job's texts (special tokens included, no padding)."""
 
@@ -42,37 +65,61 @@ class Tokenized:
     prompt_length: int = 0
 
 
+@dataclass
+class Prepared:
+    """A job after ``prepare``: its items for the scheduler and what its head needs to finish it."""
+
+    items: list[Encoded]
+    tokens: int  # real tokens of the job (its usage)
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+class Head(ABC):
+    """Turns the encoder's output for some items into rows, and a job's rows into its result."""
+
+    name: str = ""
+    kinds: tuple[str, ...] = ()
+
+    @abstractmethod
+    def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared: ...
+
+    def rows(self, output: Any, mask: Any, index: Any, batch: Sequence[Encoded]) -> list[np.ndarray]:
+        """Inference thread: rows of the items at ``index`` (a LongTensor of batch positions)."""
+        raise errors.BackendError(f"the {self.name} head runs no model")
+
+    @abstractmethod
+    def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]: ...
+
+
 class Backend(ABC):
     info: ModelInfo
     #: padded backends cost ``longest × count`` per batch, unpadded ones ``sum`` of lengths.
     is_padded: bool = True
 
-    @abstractmethod
-    def tokenize(
-        self,
-        texts: Sequence[str],
-        *,
-        prompt: str | None = None,
-        truncate: bool = True,
-        truncation_side: str = "right",
-    ) -> Tokenized:
-        """Tokenize texts exactly as sentence-transformers would (prompt prepended).
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self.info.kinds
 
-        Raises :class:`embedq.errors.TooLong` when ``truncate`` is False and a text is over the
-        model's ``max_seq_length``.
-        """
+    def check_kind(self, kind: str) -> None:
+        """:class:`~embedq.errors.UnsupportedTask` unless this model serves ``kind``."""
+        if kind not in self.info.kinds:
+            raise errors.UnsupportedTask(
+                f"this worker's model ({self.info.model_id}) does not serve {kind!r} jobs; it serves "
+                f"{', '.join(self.info.kinds)}"
+            )
 
     @abstractmethod
-    def embed(self, batch: Sequence[Sequence[int]], prompt_lengths: Sequence[int] | None = None) -> np.ndarray:
-        """Embed one micro-batch: ``(len(batch), info.dimension)`` float32.
+    def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared: ...
 
-        The output is the model's pipeline *without* a trailing Normalize module;
-        :func:`postprocess` applies normalization per job.
-        """
+    @abstractmethod
+    def forward(self, batch: Sequence[Encoded]) -> list[np.ndarray]: ...
+
+    @abstractmethod
+    def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]: ...
 
     def health(self) -> dict[str, Any]:
         return {"model": self.info.model_id, "device": self.info.device, "dtype": self.info.dtype,
-                "linear_kernel": self.info.linear_kernel}
+                "linear_kernel": self.info.linear_kernel, "kinds": list(self.info.kinds)}
 
 
 def postprocess(vectors: np.ndarray, *, normalize: bool, dimensions: int | None) -> np.ndarray:

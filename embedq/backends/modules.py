@@ -154,7 +154,7 @@ def pool(
 
 
 # -- Dense ---------------------------------------------------------------------------------------------
-def _activation(name: str | None, where: str) -> nn.Module:
+def activation(name: str | None, where: str) -> nn.Module:
     if name is None:
         return nn.Identity()
     if not isinstance(name, str) or not name.startswith("torch."):
@@ -202,7 +202,7 @@ class DenseModule(nn.Module):
         bias = bool(config.get("bias", True))
         self.use_residual = bool(config.get("use_residual", False))
         # ST's default activation (key absent) is Tanh.
-        self.activation = _activation(config.get("activation_function", "torch.nn.modules.activation.Tanh"), where)
+        self.activation = activation(config.get("activation_function", "torch.nn.modules.activation.Tanh"), where)
         self.linear = nn.Linear(self.in_features, self.out_features, bias=bias)
         if self.use_residual and self.in_features != self.out_features:
             self.residual = nn.Linear(self.in_features, self.out_features, bias=False)

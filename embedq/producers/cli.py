@@ -137,7 +137,7 @@ def cmd_flower(ns: argparse.Namespace, settings: Settings, extra: list[str]) -> 
     except ImportError:
         print("embedq flower: Flower is not installed: pip install 'embedq[flower]'", file=sys.stderr)
         return 2
-    from embedq.workers.app import make_app
+    from embedq.broker import make_app
 
     auth = ns.basic_auth or (settings.flower_basic_auth.get_secret_value() if settings.flower_basic_auth else None)
     if auth:  # through Flower's environment, not argv: a password on a command line is visible to every user

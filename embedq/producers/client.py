@@ -1,8 +1,10 @@
-"""The producer API: ``Client.embed`` (blocking) and ``Client.submit`` (a :class:`JobHandle`).
+"""The producer API: ``Client.embed``/``rerank``/``predict``/``tokenize`` (blocking) and ``Client.submit``/
+``submit_rerank``/``submit_predict``/``submit_tokenize`` (a :class:`JobHandle`).
 
 A job is an ordinary Celery task message, so ``app.send_task("embedq.embed", args=[texts],
-kwargs=options)`` from any Celery client works too; this class adds validation at the edge and
-decoding of the compact result.
+kwargs=options)`` (or ``embedq.rerank`` with ``args=[query, texts]``, ``embedq.predict`` with
+``args=[inputs]``, ``embedq.tokenize`` with ``args=[texts]``) from any Celery client works too; this
+class adds validation at the edge and decoding of the compact result.
 """
 
 from __future__ import annotations
@@ -24,22 +26,28 @@ from kombu.utils.url import maybe_sanitize_url
 
 from embedq import cancellation, errors, monitor
 from embedq.batching.traffic import BULK, ONLINE, TRAFFIC_CLASSES
+from embedq.broker import BROKER_ERRORS, make_app, redis_client
 from embedq.protocol import (
+    EMBED,
+    PREDICT,
+    RERANK,
     RESENT_HEADER,
     SENT_HEADER,
-    TASK_NAME,
-    EmbedOptions,
+    TOKENIZE,
     Fingerprint,
+    TaskSpec,
     check_message_size,
+    decode_array,
     decode_result,
     task_reprs,
-    validate_texts,
 )
+from embedq.results import ResultStore
 from embedq.settings import Settings
-from embedq.workers.app import BROKER_ERRORS, DEFAULT_RESULT_TIMEOUT, make_app, tls_options
 
 log = logging.getLogger(__name__)
 
+#: Seconds a result may take before a producer's blocking call gives up (``Client.embed``).
+DEFAULT_RESULT_TIMEOUT = 600.0
 #: Seconds between checks, while a producer waits, that the broker is there and still holds its jobs.
 WAIT_SLICE = 2.0
 #: Seconds between reads of the stored result once notifications are lost.
@@ -62,12 +70,16 @@ class JobHandle:
     the same id (workers treat a repeated id as the same job).
     """
 
-    def __init__(self, result: AsyncResult, client: Client | None = None, *, texts: list[str] | None = None,
+    def __init__(self, result: AsyncResult, client: Client | None = None, *, texts: list[Any] | None = None,
                  options: dict[str, Any] | None = None, queue: str | None = None, epoch: str | None = None,
-                 traffic_class: str = ONLINE, deadline: dt.datetime | None = None) -> None:
+                 traffic_class: str = ONLINE, deadline: dt.datetime | None = None, spec: TaskSpec = EMBED,
+                 return_text: bool = False) -> None:
         self._result = result
         self._client = client
-        self._resend_args = (texts, options, queue)
+        #: the kind of job (embed, rerank, predict, tokenize)
+        self.spec = spec
+        self._return_text = return_text
+        self._resend_args = (texts, options, queue)  # texts: the task's positional arguments
         self._epoch = epoch
         self.traffic_class = traffic_class
         #: When the job expires (an aware UTC datetime; None: never). A worker that meets it later drops it.
@@ -121,6 +133,7 @@ class JobHandle:
                 deadline = expiry
         broker_timeout = self._client.settings.broker_timeout if self._client else 30.0
         down_since: float | None = None
+        outage = False  # the broker did not answer: compare its epoch as soon as it answers again
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -134,6 +147,11 @@ class JobHandle:
                 raise errors.JobTimeout(f"job {self.id} has no result after {timeout}s")
             step = WAIT_SLICE if left is None else max(min(WAIT_SLICE, left), 0.01)
             try:
+                if outage and self._client is not None:
+                    # Before taking any result: a restart may have lost jobs of this client that a result
+                    # arriving now would hide until the next slice lapses (which may never happen).
+                    self._check_broker(refresh=True)
+                    outage = False
                 if self._pubsub_ok:
                     try:
                         return self._result.get(timeout=step, propagate=True, disable_sync_subtasks=False)
@@ -158,6 +176,7 @@ class JobHandle:
             except BROKER_ERRORS as exc:
                 now = time.monotonic()
                 down_since = down_since or now
+                outage = True
                 if now - down_since >= broker_timeout:
                     raise errors.BrokerUnavailable(
                         f"the broker has not answered for {now - down_since:.0f}s while waiting for job "
@@ -177,11 +196,12 @@ class JobHandle:
             raise exc
         return None
 
-    def _check_broker(self) -> None:
+    def _check_broker(self, *, refresh: bool = False) -> None:
         """Between two waits: has Redis lost its data since this job was sent? Then the client sends
         this job, and every other job of its own still waiting, again."""
         assert self._client is not None
-        epoch = self._client.epoch()  # at most 1 s old: one read per client per second, however many wait
+        # At most 1 s old (one read per client per second, however many wait); fresh after an outage.
+        epoch = self._client.epoch(refresh=refresh)
         if self._epoch is not None and epoch != self._epoch:
             self._client.resend_lost(epoch)
 
@@ -196,20 +216,26 @@ class JobHandle:
             self._resend(self._client.epoch())
 
     def _resend(self, epoch: str) -> None:
-        texts, options, queue = self._resend_args
-        if texts is None:
+        args, options, queue = self._resend_args
+        if args is None:
             raise errors.JobLost(f"job {self.id} may be lost: the broker restarted and the job cannot be resent")
         assert self._client is not None
-        self._client.app.send_task(TASK_NAME, args=[texts], kwargs=options, queue=queue, task_id=self.id,
+        self._client.app.send_task(self.spec.name, args=args, kwargs=options, queue=queue, task_id=self.id,
                                    expires=self.deadline,
                                    headers={RESENT_HEADER: self.resent + 1, SENT_HEADER: time.time()},
-                                   **task_reprs(texts, options))
+                                   **task_reprs(args[-1], options, self.spec.kind))
         self._epoch = epoch
         self._sent_at = time.monotonic()
         self.resent += 1
 
-    def result(self, timeout: float | None = DEFAULT_RESULT_TIMEOUT, *, forget: bool = True) -> np.ndarray:
-        """Block for the vectors (float32, one row per input, input order).
+    def result(self, timeout: float | None = DEFAULT_RESULT_TIMEOUT, *, forget: bool = True) -> Any:
+        """Block for the job's output, decoded for its kind:
+
+        * ``embed``: the vectors (float32 numpy array, one row per input, input order);
+        * ``rerank``: ``[{"index", "score"(, "text")}]`` sorted by score, highest first;
+        * ``predict``: per input, ``[{"label", "score"}]`` sorted by score, highest first;
+        * ``tokenize``: per text, ``[{"id", "text", "special", "start", "stop"}]`` (offsets are
+          characters of the string the model saw: the prompt, if any, then the text).
 
         With ``forget`` (the default) the stored result is deleted from Redis once read.
         """
@@ -218,9 +244,13 @@ class JobHandle:
         finally:
             if forget and self._collected:
                 self._result.forget()
-        vectors, self.fingerprint = decode_result(payload)
         self.usage = payload.get("usage")
-        return vectors
+        if self.spec.kind == "embed":
+            vectors, self.fingerprint = decode_result(payload)
+            return vectors
+        self.fingerprint = Fingerprint.model_validate(payload["fingerprint"])
+        texts = self._resend_args[0][-1] if self._return_text and self._resend_args[0] else None
+        return decode_output(self.spec.kind, payload, texts)
 
     def forget(self) -> None:
         self._result.forget()
@@ -293,36 +323,67 @@ class Client:
 
     def submit(self, texts: str | Sequence[str], *, queue: str | None = None, traffic_class: str = ONLINE,
                deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
-        """Validate and enqueue one job; returns a :class:`JobHandle` at once.
+        """Validate and enqueue one embedding job; returns a :class:`JobHandle` at once.
 
         ``traffic_class``: ``"online"`` (someone waits: served first) or ``"bulk"`` (indexing: fills the
         rest of each micro-batch); each has its own queue per model. ``deadline``: seconds from now, or
         an aware datetime; a job still queued or buffered then is dropped before it costs compute and
         ends with :class:`~embedq.errors.Expired`. When the online queue holds ``online_queue_limit`` jobs
         an online job is refused at once with :class:`~embedq.errors.Overloaded`; a bulk job waits for
-        room under ``bulk_queue_limit`` instead (up to ``bulk_wait_timeout``).
+        room under ``bulk_queue_limit`` instead (up to ``bulk_wait_timeout``). The same holds for every
+        kind of job (``submit_rerank``, ``submit_predict``, ``submit_tokenize``).
         """
+        return self._send(EMBED, [_as_list(texts)], options, queue=queue, traffic_class=traffic_class,
+                          deadline=deadline)
+
+    def submit_rerank(self, query: str, texts: Sequence[str], *, raw_scores: bool = False, return_text: bool = False,
+                      queue: str | None = None, traffic_class: str = ONLINE,
+                      deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
+        """Enqueue a rerank of ``texts`` against ``query`` (a cross-encoder model's queue). Each (query, text)
+        pair is one item that packs with other jobs' items. Options: ``truncate`` (False: a pair over the
+        model's limit fails with ``too_many_tokens``), ``truncation_side``, ``raw_scores`` (logits instead
+        of the model's activation). ``return_text`` puts each text in its result (from this handle, not
+        through Redis)."""
+        return self._send(RERANK, [query, _as_list(texts)], {**options, "raw_scores": raw_scores}, queue=queue,
+                          traffic_class=traffic_class, deadline=deadline, return_text=return_text)
+
+    def submit_predict(self, inputs: str | Sequence[str | Sequence[str]], *, raw_scores: bool = False,
+                       queue: str | None = None, traffic_class: str = ONLINE,
+                       deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
+        """Enqueue a classification of ``inputs``: texts, or (text, text) pairs (a classifier's queue)."""
+        items = [inputs] if isinstance(inputs, str) else [t if isinstance(t, str) else list(t) for t in inputs]
+        return self._send(PREDICT, [items], {**options, "raw_scores": raw_scores}, queue=queue,
+                          traffic_class=traffic_class, deadline=deadline)
+
+    def submit_tokenize(self, texts: str | Sequence[str], *, queue: str | None = None, traffic_class: str = ONLINE,
+                        deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
+        """Enqueue a tokenization: the tokens the worker's model would be fed (options ``prompt``,
+        ``prompt_name``, ``add_special_tokens``, ``truncate``, ``truncation_side``)."""
+        return self._send(TOKENIZE, [_as_list(texts)], options, queue=queue, traffic_class=traffic_class,
+                          deadline=deadline)
+
+    def _send(self, spec: TaskSpec, args: list[Any], options: dict[str, Any], *, queue: str | None,
+              traffic_class: str, deadline: float | dt.datetime | None, return_text: bool = False) -> JobHandle:
         if traffic_class not in TRAFFIC_CLASSES:
             raise errors.InvalidOption(f"traffic_class must be one of {', '.join(TRAFFIC_CLASSES)}, "
                                        f"got {traffic_class!r}")
         expires = _expires(deadline)
-        texts = validate_texts(
-            texts, max_texts=self.settings.max_texts_per_job, max_chars=self.settings.max_chars
-        )
-        wire = EmbedOptions.parse(options).wire()
-        check_message_size(texts, wire, serializer=self.settings.serializer, limit=self.settings.max_message_bytes)
+        spec.items(args, self.settings.max_texts_per_job, self.settings.max_chars)  # validation at the edge
+        wire = spec.parse_options(options).wire()
+        check_message_size(args, wire, serializer=self.settings.serializer, limit=self.settings.max_message_bytes)
         queue = queue or self.settings.queue_for(traffic_class)
         try:
             self._admit(queue, traffic_class)
             epoch = self.epoch()
-            result = self.app.send_task(TASK_NAME, args=[texts], kwargs=wire, queue=queue,
+            result = self.app.send_task(spec.name, args=args, kwargs=wire, queue=queue,
                                         task_id=str(uuid.uuid4()),  # random: job ids cannot be guessed
                                         expires=expires,
-                                        headers={SENT_HEADER: time.time()}, **task_reprs(texts, wire))
+                                        headers={SENT_HEADER: time.time()},
+                                        **task_reprs(args[-1], wire, spec.kind))
         except BROKER_ERRORS as exc:
             raise self._unreachable(exc) from None
-        handle = JobHandle(result, self, texts=texts, options=wire, queue=queue, epoch=epoch,
-                           traffic_class=traffic_class, deadline=expires)
+        handle = JobHandle(result, self, texts=args, options=wire, queue=queue, epoch=epoch,
+                           traffic_class=traffic_class, deadline=expires, spec=spec, return_text=return_text)
         with self._resend_lock:
             self.pending.add(handle)
         return handle
@@ -356,24 +417,23 @@ class Client:
         self.bulk_waited_seconds += time.monotonic() - started
 
     def cancel(self, job_id: str) -> bool:
-        """Cancel a job by id (see :meth:`JobHandle.cancel`): True if it had no outcome yet."""
-        backend = self.app.backend
+        """Cancel a job by id (see :meth:`JobHandle.cancel`): True if it had no outcome yet.
+
+        The ``cancelled`` record is written only if the job has none (:class:`~embedq.results.ResultStore`),
+        atomically: a job that finishes at the same moment ends either cancelled or done, the same for every
+        reader."""
         try:
-            if backend.get_task_meta(job_id, cache=False).get("status") in states.READY_STATES:
+            if ResultStore(self.app).outcome(job_id).get("status") in states.READY_STATES:
                 return False
             cancellation.announce(self.redis(), job_id)  # workers drop it before it runs
-            backend.mark_as_failure(job_id, errors.Cancelled(f"job {job_id} was cancelled"))  # waiters see it now
+            return ResultStore(self.app).store(job_id, errors.Cancelled(f"job {job_id} was cancelled"))
         except BROKER_ERRORS as exc:
             raise self._unreachable(exc) from None
-        return True
 
     def redis(self) -> Any:
         """This client's redis-py connection to the broker (epoch, queue depths, cancellations)."""
         if self._redis is None:
-            import redis
-
-            self._redis = redis.Redis.from_url(self.settings.broker_url, socket_timeout=5,
-                                               socket_connect_timeout=5, **(tls_options(self.settings) or {}))
+            self._redis = redis_client(self.settings, timeout=5.0)
         return self._redis
 
     def resend_lost(self, epoch: str) -> None:
@@ -416,6 +476,21 @@ class Client:
         """Embed texts and wait: a ``(len(texts), dim)`` float32 array in input order."""
         return self.submit(texts, **options).result(timeout)
 
+    def rerank(self, query: str, texts: Sequence[str], *, timeout: float | None = DEFAULT_RESULT_TIMEOUT,
+               **options: Any) -> list[dict[str, Any]]:
+        """Rerank and wait: ``[{"index", "score"(, "text")}]``, highest score first (TEI's ``/rerank``)."""
+        return self.submit_rerank(query, texts, **options).result(timeout)
+
+    def predict(self, inputs: str | Sequence[str | Sequence[str]], *,
+                timeout: float | None = DEFAULT_RESULT_TIMEOUT, **options: Any) -> list[list[dict[str, Any]]]:
+        """Classify and wait: per input, every label with its score, highest first (TEI's ``/predict``)."""
+        return self.submit_predict(inputs, **options).result(timeout)
+
+    def tokenize(self, texts: str | Sequence[str], *, timeout: float | None = DEFAULT_RESULT_TIMEOUT,
+                 **options: Any) -> list[list[dict[str, Any]]]:
+        """Tokenize and wait: per text, its tokens as the model is fed them (TEI's ``/tokenize``)."""
+        return self.submit_tokenize(texts, **options).result(timeout)
+
     def workers(self, timeout: float = 1.0) -> dict[str, dict[str, Any]]:
         """Live workers and their counters, by Celery node name."""
         return worker_stats(self.app, timeout)
@@ -430,3 +505,33 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _as_list(texts: Any) -> Any:
+    """A single string is a job of one text; anything else is passed on as sent (validated by the spec)."""
+    if isinstance(texts, str):
+        return [texts]
+    return list(texts) if isinstance(texts, (list, tuple)) else texts
+
+
+def decode_output(kind: str, payload: dict[str, Any], texts: Sequence[str] | None = None) -> Any:
+    """A rerank, predict or tokenize result in the shapes TEI's API returns."""
+    if kind == "rerank":
+        scores = decode_array(payload["scores"])
+        order = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))
+        out = [{"index": i, "score": float(scores[i])} for i in order]
+        if texts is not None:
+            for entry in out:
+                entry["text"] = texts[entry["index"]]
+        return out
+    if kind == "predict":
+        scores, labels = decode_array(payload["scores"]), payload["labels"]
+        return [sorted(({"label": labels[j], "score": float(row[j])} for j in range(len(labels))),
+                       key=lambda e: -e["score"]) for row in scores]
+    if kind == "tokenize":
+        ids, offsets = decode_array(payload["ids"]), decode_array(payload["offsets"])
+        spans, special, tokens = decode_array(payload["spans"]), decode_array(payload["special"]), payload["tokens"]
+        return [[{"id": int(ids[t]), "text": tokens[t], "special": bool(special[t]), "start": int(spans[t][0]),
+                  "stop": int(spans[t][1])} for t in range(int(offsets[i]), int(offsets[i + 1]))]
+                for i in range(len(offsets) - 1)]
+    raise errors.InvalidOption(f"unknown job kind {kind!r}")

@@ -178,7 +178,7 @@ def embedded_stack(settings: Settings, *, log_path: str | Path | None = None) ->
     Returns once the worker has loaded its model; a worker that cannot start raises
     :class:`~embedq.errors.Unavailable` with the end of its log instead of leaving jobs waiting.
     """
-    from embedq.workers.app import make_app
+    from embedq.broker import make_app
 
     with RedisServer() as redis_server:
         live = settings.model_copy(update={"broker_url": redis_server.url, "result_backend": None})

@@ -75,9 +75,9 @@ def render(snap: monitor.Snapshot, broker: str) -> Group:
 
 
 def take(settings: Settings, queues: list[str]) -> monitor.Snapshot:
-    from embedq.workers.app import BROKER_ERRORS
+    from embedq.broker import BROKER_ERRORS, redis_client
 
-    client = monitor.redis_client(settings, timeout=min(settings.broker_timeout, 10.0))
+    client = redis_client(settings, timeout=min(settings.broker_timeout, 10.0))
     try:
         return monitor.snapshot(client, queues)
     except BROKER_ERRORS as exc:

@@ -1,7 +1,8 @@
-"""Celery integration: a task whose messages bypass the pool and go to the coalescing service.
+"""Celery integration: tasks whose messages bypass the pool and go to the coalescing service.
 
-Celery hands each message of ``embedq.embed`` to the task's *strategy*. Ours builds the Celery
-request, lets the :class:`~embedq.workers.service.EmbeddingService` validate, tokenize and buffer
+There is one Celery task per job kind (``protocol.TASKS``: ``embedq.embed``, ``embedq.rerank``,
+``embedq.predict``, ``embedq.tokenize``), all with the same *strategy*: Celery hands each message to it.
+It builds the Celery request, lets the :class:`~embedq.workers.service.EmbeddingService` validate, tokenize and buffer
 it, and returns at once: the consumer keeps pulling messages up to the prefetch window (the
 unacknowledged limit), so the scheduler sees the texts of *all* waiting jobs. When a job is done,
 the inference thread stores its result (or typed error) in the result backend; only then is the
@@ -28,14 +29,15 @@ from celery.worker.consumer import Consumer
 from kombu.exceptions import ContentDisallowed
 from kombu.utils.imports import symbol_by_name
 
-from embedq import errors, monitor
+from embedq import errors
 from embedq.batching import PrefetchWindow
 from embedq.batching.traffic import BULK, ONLINE, TrafficClass
+from embedq.broker import BROKER_ERRORS, lease_interval, redis_client
 from embedq.cancellation import CancelFeed
-from embedq.protocol import RESENT_HEADER, SENT_HEADER, TASK_NAME
+from embedq.protocol import RESENT_HEADER, SENT_HEADER, TASK_NAME, TASKS, TaskSpec
+from embedq.results import ResultStore
 from embedq.settings import Settings
 from embedq.workers import transport
-from embedq.workers.app import BROKER_ERRORS, lease_interval
 from embedq.workers.delivery import Ledger, Verdict, renew_leases
 from embedq.workers.metrics import Reporter, WorkerMetrics
 from embedq.workers.observe import WorkerInfo, event_kwargs, job_started, short_args, window_stats, worker_record
@@ -113,7 +115,7 @@ def load_service() -> EmbeddingService:
         RUNTIME.service = EmbeddingService(backend, settings, on_done=_store_outcome, on_isolated_run=_count_run,
                                            on_started=job_started, metrics=metrics).start()
         metrics.bind(RUNTIME.service, window_state=window_stats, queues=settings.queues,
-                     redis=monitor.redis_client(settings) if settings.broker_url else None)
+                     redis=redis_client(settings) if settings.broker_url else None)
     return RUNTIME.service
 
 
@@ -133,16 +135,15 @@ def _store_outcome(job: Job, outcome: dict[str, Any] | errors.EmbedqError) -> No
     handed back (or redelivered) and the job runs again.
     """
     req = job.context.primary
-    backend = req.task.backend  # thread-local backend instance
     if not isinstance(outcome, errors.EmbedqError):
         outcome["worker"] = req.hostname  # the indexer's summary counts texts per worker
     delay = 0.2
     while True:
         try:
-            if isinstance(outcome, errors.EmbedqError):
-                backend.mark_as_failure(req.id, outcome, request=req._context, call_errbacks=True)
-            else:
-                backend.mark_as_done(req.id, outcome, request=req._context)
+            if not ResultStore(req.task.app).store(req.id, outcome):
+                # Another outcome came first (the job was cancelled while it ran): that one stands.
+                log.info("job %s already has an outcome; its %s is not stored", job.id,
+                         "error" if isinstance(outcome, errors.EmbedqError) else "result")
             break
         except BROKER_ERRORS as exc:
             if RUNTIME.service is not None and RUNTIME.service.stopping:
@@ -263,7 +264,7 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
     if RUNTIME.ledger is None:
         RUNTIME.ledger = Ledger(task.backend, max_attempts=settings.max_attempts)
     if RUNTIME.cancels is None and settings.broker_url:
-        RUNTIME.cancels = CancelFeed(monitor.redis_client(settings, timeout=2.0))
+        RUNTIME.cancels = CancelFeed(redis_client(settings, timeout=2.0))
     RUNTIME.consumer = consumer
     if RUNTIME.reporter is None and RUNTIME.metrics is not None and RUNTIME.metrics.redis is not None:
         RUNTIME.hostname, RUNTIME.started_at = hostname, time.time()
@@ -305,11 +306,8 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
         if not isinstance(req.id, str) or not req.id:
             refuse(task, message, errors.InvalidMessage("the message has no job id"))
             return
-        if not isinstance(args, (list, tuple)) or len(args) != 1:
-            texts: Any = _BadArgs(args)
-        else:
-            texts = args[0]
-        size = len(texts) if isinstance(texts, (list, tuple)) else 1
+        spec = TASKS.get(req.name) or TASKS[TASK_NAME]
+        size = spec.size(args)
         routing_key = _routing_key(req) or settings.queue_name
         klass = traffic_class(routing_key)
         worker_state.task_reserved(req)
@@ -321,8 +319,8 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
             service.stats.duplicates += 1
             return
         req.send_event("task-received", name=req.name, args=short_args(req),
-                       kwargs=event_kwargs(kwargs, service, routing_key, klass), expires=_iso(req.expires))
-        job = Job(id=req.id, texts=texts, options=kwargs, context=Delivery([(req, size)]), size=size,
+                       kwargs=event_kwargs(kwargs, service, routing_key, klass, spec.kind), expires=_iso(req.expires))
+        job = Job(id=req.id, texts=args, options=kwargs, context=Delivery([(req, size)]), size=size, spec=spec,
                   traffic_class=klass, deadline=_deadline(req.expires))
         RUNTIME.held[job.id] = job
         verdict = Verdict()
@@ -339,18 +337,14 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
                 log.warning("could not read the history of job %s: %s", job.id, type(exc).__name__)
                 verdict = Verdict(suspect=redelivered, crashes=int(redelivered))
         if verdict.stored:
-            service.count_received(job.size, klass)
+            service.count_received(job.size, klass, spec.kind)
             service.stats.already_stored += 1
             RUNTIME.finished.put((job, ALREADY_STORED, time.monotonic()))
         elif verdict.crashes >= settings.max_attempts:
             _dead_letter(service, job, verdict.crashes, hostname, message)
         elif _is_cancelled(req.id):
-            service.count_received(job.size, klass)
+            service.count_received(job.size, klass, spec.kind)
             service.cancel(job)
-        elif isinstance(texts, _BadArgs):
-            service.count_received(job.size, klass)
-            service.fail(job, errors.InvalidType(
-                f"{TASK_NAME} takes exactly one positional argument (the list of texts)"))
         else:
             job.suspect = verdict.suspect
             service.submit(job)
@@ -425,11 +419,6 @@ def _too_large(message: Any, limit: int) -> errors.EmbedqError | None:
     return None
 
 
-class _BadArgs:
-    def __init__(self, args: Any) -> None:
-        self.args = args
-
-
 def refuse(task: Task, message: Any, error: errors.EmbedqError) -> None:
     """A message that is never run: record its typed error when it names a job, acknowledge it, and log
     its id and the reason only (never its body: it may hold users' texts)."""
@@ -438,7 +427,7 @@ def refuse(task: Task, message: Any, error: errors.EmbedqError) -> None:
     log.warning("refused message %s: %s", task_id if isinstance(task_id, str) else "(no id)", error.message)
     if isinstance(task_id, str) and task_id:
         try:
-            task.backend.mark_as_failure(task_id, error)
+            ResultStore(task.app).store(task_id, error)
         except BROKER_ERRORS:
             log.warning("could not store the refusal of %s", task_id)
     if RUNTIME.service is not None:  # texts unknown: the message could not be read as a job
@@ -447,23 +436,27 @@ def refuse(task: Task, message: Any, error: errors.EmbedqError) -> None:
     message.ack()
 
 
-class EmbedTask(Task):
-    """``embedq.embed``: its messages never reach the pool (see :func:`coalescing_strategy`)."""
+class JobTask(Task):
+    """A job kind's task: its messages never reach the pool (see :func:`coalescing_strategy`)."""
 
-    name = TASK_NAME
     acks_late = True
     typing = False
     Strategy = "embedq.workers.consumer:coalescing_strategy"
     Request = "embedq.workers.observe:EmbedRequest"
 
     def run(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - only reached by .apply()
-        raise errors.Unavailable("embedq.embed runs only inside an embedq worker")
+        raise errors.Unavailable(f"{self.name} runs only inside an embedq worker")
 
 
-def register(app: Celery) -> Task:
+def task_class(spec: TaskSpec) -> type[JobTask]:
+    return type(f"{spec.kind.capitalize()}Task", (JobTask,), {"name": spec.name, "__module__": __name__})
+
+
+def register(app: Celery) -> list[Task]:
+    """Register every job kind's task (the worker refuses, per job, the kinds its model does not serve)."""
     app.steps["consumer"].add(GracefulStop)
     app.steps["consumer"].add(WorkerInfo)
-    return app.register_task(EmbedTask())
+    return [app.register_task(task_class(spec)()) for spec in TASKS.values()]
 
 
 class GracefulStop(bootsteps.StartStopStep):
@@ -538,7 +531,8 @@ class EmbedqConsumer(Consumer):
     def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
         headers = message.headers if isinstance(message.headers, dict) else {}
         name = str(headers.get("task"))[:100]
-        refuse(self._task(), message, errors.InvalidMessage(f"unknown task {name!r}; this queue runs {TASK_NAME}"))
+        refuse(self._task(), message, errors.InvalidMessage(
+            f"unknown task {name!r}; this queue runs {', '.join(TASKS)}"))
 
     def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
         refuse(self._task(), message, errors.InvalidMessage(f"invalid task message ({type(exc).__name__})"))

@@ -7,9 +7,9 @@ import os
 import socket
 import sys
 
+from embedq.broker import make_app
 from embedq.settings import Settings
 from embedq.workers import consumer, observe, transport
-from embedq.workers.app import make_app
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 

@@ -27,6 +27,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from embedq import __version__, monitor
+from embedq.workers.stats import COUNTERS, LABELLED
 
 log = logging.getLogger(__name__)
 
@@ -34,26 +35,11 @@ PREFIX = "embedq_"
 RATE_WINDOW = 60.0  # seconds of history behind the "recent" rates
 QUEUE_CACHE_SECONDS = 2.0
 
-#: name (without ``embedq_``) -> (type, help). Counters are exposed with a ``_total`` suffix.
+#: name (without ``embedq_``) -> (type, help). Counters are exposed with a ``_total`` suffix; they are the
+#: service's (declared once in workers/stats.py).
 CATALOG: dict[str, tuple[str, str]] = {
-    "jobs_received": ("counter", "Jobs (messages) this worker received, bad ones included."),
-    "jobs_succeeded": ("counter", "Jobs whose vectors were stored."),
-    "jobs_failed": ("counter", "Jobs that got a typed error, by error code."),
-    "items_received": ("counter", "Texts in the jobs this worker received."),
-    "items_succeeded": ("counter", "Texts embedded and stored."),
-    "items_failed": ("counter", "Texts in jobs that failed, by error code."),
-    "jobs_cancelled": ("counter", "Jobs cancelled before they ran (JobHandle.cancel, Celery revoke)."),
-    "items_cancelled": ("counter", "Texts in jobs cancelled before they ran."),
-    "class_jobs_received": ("counter", "Jobs received, by traffic class (online, bulk)."),
-    "class_items_embedded": ("counter", "Texts run through the model, by traffic class."),
-    "batches": ("counter", "Micro-batches run through the model."),
-    "real_tokens": ("counter", "Tokens of the texts run through the model (no padding)."),
-    "padded_tokens": ("counter", "Tokens the model computed, padding included."),
-    "redelivered": ("counter", "Messages that came back after their worker died or stopped."),
-    "duplicates": ("counter", "Deliveries of a job this worker already held (run once)."),
-    "already_stored": ("counter", "Redelivered jobs whose result was already stored (not run again)."),
-    "isolated_runs": ("counter", "Crash suspects run alone."),
-    "dead_letters": ("counter", "Jobs dead-lettered after killing workers max_attempts times."),
+    **{name: ("counter", help) for name, help in COUNTERS.items()},
+    **{metric: ("counter", help) for metric, _label, help in LABELLED.values()},
     "queue_depth": ("gauge", "Messages in a queue: waiting in Redis plus received and not yet acknowledged."),
     "queue_waiting": ("gauge", "Messages waiting in a queue's Redis list."),
     "queue_unacked": ("gauge", "Messages of a queue received by workers and not yet acknowledged (any worker)."),
@@ -195,21 +181,15 @@ class _Collector:
         m = self.m
         service = m.service
         if service is not None:
-            st = service.stats
-            for name in ("jobs_received", "jobs_succeeded", "items_received", "items_succeeded", "batches",
-                         "real_tokens", "padded_tokens", "redelivered", "duplicates", "already_stored",
-                         "isolated_runs", "dead_letters", "jobs_cancelled", "items_cancelled"):
-                yield _counter(name, getattr(st, name))
-            for name, per_class in (("class_jobs_received", st.jobs_by_class),
-                                    ("class_items_embedded", st.items_by_class)):
-                family = CounterMetricFamily(PREFIX + name, CATALOG[name][1], labels=["traffic_class"])
-                for klass, n in sorted(dict(per_class).items()):
-                    family.add_metric([klass], n)
-                yield family
-            for name, per_code in (("jobs_failed", st.errors_by_code), ("items_failed", st.items_failed_by_code)):
-                family = CounterMetricFamily(PREFIX + name, CATALOG[name][1], labels=["code"])
-                for code, n in sorted(dict(per_code).items()):
-                    family.add_metric([code], n)
+            st = service.stats.snapshot()
+            labelled = {metric for metric, _label, _help in LABELLED.values()}
+            for name in COUNTERS:
+                if name not in labelled:  # jobs_failed/items_failed are exported by code
+                    yield _counter(name, st[name])
+            for attr, (name, label, _help) in LABELLED.items():
+                family = CounterMetricFamily(PREFIX + name, CATALOG[name][1], labels=[label])
+                for value, n in sorted(st[attr].items()):
+                    family.add_metric([value], n)
                 yield family
             window = m.window_state()
             yield _gauge("jobs_in_flight", window.get("held_messages", 0))
@@ -222,9 +202,10 @@ class _Collector:
             yield _gauge("items_per_second", rates["items_per_s"])
             info = service.info
             family = GaugeMetricFamily(PREFIX + "worker_info", CATALOG["worker_info"][1],
-                                       labels=["model", "device", "dtype", "linear_kernel", "queue", "version"])
+                                       labels=["model", "device", "dtype", "linear_kernel", "queue", "kinds",
+                                               "version"])
             family.add_metric([info.model_id, info.device, info.dtype, info.linear_kernel,
-                               ",".join(m.queues), __version__], 1)
+                               ",".join(m.queues), ",".join(info.kinds), __version__], 1)
             yield family
         yield _gauge("model_load_seconds", m.model_load_seconds)
         depths = m.depths()

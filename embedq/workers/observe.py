@@ -16,9 +16,10 @@ from celery.worker.control import inspect_command
 from celery.worker.request import Request
 
 from embedq import __version__
-from embedq.protocol import short_options
+from embedq.protocol import TASKS, short_options
 from embedq.settings import Settings
 from embedq.workers.runtime import RUNTIME
+from embedq.workers.stats import COUNTERS
 
 if TYPE_CHECKING:
     from embedq.workers.service import Job
@@ -49,17 +50,22 @@ def job_started(job: Job) -> None:
 
 
 def short_args(req: Any) -> str:
+    """A job's arguments as Flower shows them: counts, never texts."""
+    spec = TASKS.get(getattr(req, "name", None) or "")
     try:
-        texts = req.args[0]
-        return f"[{len(texts)} texts]"
+        if spec is not None and spec.kind == "rerank":
+            return f"[query, {len(req.args[1])} texts]"
+        items = req.args[0]
+        return f"[{len(items)} {'inputs' if spec is not None and spec.kind == 'predict' else 'texts'}]"
     except Exception:
         return "[?]"
 
 
-def event_kwargs(kwargs: Any, service: Any, queue_name: str, traffic_class: str = "online") -> str:
-    """What Flower shows as a task's keyword arguments: the model, the queue, the traffic class and the
-    job's options."""
-    info = f"model={service.info.model_id!r}, queue={queue_name!r}, class={traffic_class!r}"
+def event_kwargs(kwargs: Any, service: Any, queue_name: str, traffic_class: str = "online",
+                 kind: str = "embed") -> str:
+    """What Flower shows as a task's keyword arguments: the kind, the model, the queue, the traffic class
+    and the job's options."""
+    info = f"kind={kind!r}, model={service.info.model_id!r}, queue={queue_name!r}, class={traffic_class!r}"
     options = short_options(kwargs)
     return info + (f", options={options}" if options and options != "{}" else "")
 
@@ -83,7 +89,8 @@ def identity() -> dict[str, Any]:
                            "queues": settings.queues, "metrics_port": settings.metrics_port or None}
     if service is not None:
         info = service.info
-        out.update(model=info.model_id, device=info.device, dtype=info.dtype, linear_kernel=info.linear_kernel)
+        out.update(model=info.model_id, device=info.device, dtype=info.dtype, linear_kernel=info.linear_kernel,
+                   kinds=list(info.kinds))
     return out
 
 
@@ -93,14 +100,12 @@ def worker_record() -> dict[str, Any]:
     record: dict[str, Any] = {"hostname": RUNTIME.hostname, "pid": os.getpid(), "started_at": RUNTIME.started_at,
                               "reported_at": time.time(), **identity()}
     if service is not None:
-        st = service.stats
+        st = service.stats.snapshot()
         record.update(buffered=len(service.scheduler), **window_stats())
-        record["counters"] = {k: getattr(st, k) for k in (
-            "jobs_received", "jobs_succeeded", "jobs_failed", "items_received", "items_succeeded",
-            "items_failed", "batches", "real_tokens", "padded_tokens", "redelivered", "dead_letters",
-            "jobs_cancelled")}
-        record["errors_by_code"] = dict(st.errors_by_code)
-        record["jobs_by_class"] = dict(st.jobs_by_class)
+        record["counters"] = {k: st[k] for k in COUNTERS}
+        record["errors_by_code"] = st["errors_by_code"]
+        record["jobs_by_class"] = st["jobs_by_class"]
+        record["jobs_by_kind"] = st["jobs_by_kind"]
     if RUNTIME.metrics is not None:
         record["rates"] = RUNTIME.metrics.rates.current()
     return record
@@ -120,7 +125,7 @@ def embedq_stats(state: Any) -> dict[str, Any]:
     service = RUNTIME.service
     if service is None:
         return {"ready": False}
-    return {**identity(), "buffered": len(service.scheduler), **window_stats(), **service.stats.as_dict()}
+    return {**identity(), "buffered": len(service.scheduler), **window_stats(), **service.stats.snapshot()}
 
 
 def window_stats() -> dict[str, int]:

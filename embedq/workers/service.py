@@ -1,11 +1,14 @@
-"""The coalescing embedding service: a plain object, testable without Celery.
+"""The coalescing service: a plain object, testable without Celery, that knows no kind of job.
 
-``submit`` validates and tokenizes a job on the caller's thread (the Celery consumer), and puts
-its texts into the :class:`~embedq.batching.Scheduler`. One inference thread takes micro-batches
-from the scheduler and runs the backend; when every text of a job is done it hands the job to a
-results thread, which post-processes and encodes the vectors and calls ``on_done`` (the worker
-stores the result in Redis there). So neither tokenizing new jobs nor writing results stands between
-two forward passes, and the consumer thread stays free to send heartbeats during long batches.
+``submit`` validates a job on the caller's thread (the Celery consumer) with its kind's spec
+(``protocol.TASKS``), lets the backend prepare it (check options, tokenize texts or pairs) and puts its
+items into the :class:`~embedq.batching.Scheduler`, where items of every job and kind pack together by
+token cost. One inference thread takes micro-batches from the scheduler and runs ``backend.forward``
+(one row per item); when every item of a job is done it hands the job to a results thread, which calls
+``backend.finish`` (post-process, check, encode) and ``on_done`` (the worker stores the outcome there).
+So neither tokenizing new jobs nor writing results stands between two forward passes, and the consumer
+thread stays free to send heartbeats during long batches. A job with no items to run (``tokenize``) goes
+straight to the results thread.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from embedq import __version__, errors
-from embedq.backends.base import Backend, postprocess
+from embedq import errors
+from embedq.backends.base import Backend, Prepared
 from embedq.batching import Scheduler, batch_cost
 from embedq.batching.traffic import ONLINE, Deadlines, TrafficClass, TrafficScheduler
-from embedq.protocol import EmbedOptions, Fingerprint, encode_result, validate_texts
+from embedq.protocol import EMBED, TaskSpec, result_size
 from embedq.settings import Settings
+from embedq.workers.stats import Stats
 
 log = logging.getLogger(__name__)
 
@@ -36,18 +40,17 @@ DoneCallback = Callable[["Job", "dict[str, Any] | errors.EmbedqError"], None]
 
 @dataclass(eq=False)
 class Job:
-    """One embedding request as the worker tracks it."""
+    """One job as the worker tracks it, whatever its kind."""
 
     id: str
-    texts: Any
-    options: Any = None  # raw kwargs or EmbedOptions
+    texts: Any  # the message's arguments as received; after prepare, the job's items (texts or pairs)
+    options: Any = None  # raw kwargs, then the kind's options model
     context: Any = None  # whatever the transport needs to finish the job (a Celery request)
     received: float = field(default_factory=time.monotonic)
-    size: int = 1  # texts as received, for the prefetch window
-    ids: list[list[int]] = field(default_factory=list)
-    prompt: str | None = None
-    prompt_length: int = 0
-    raw: np.ndarray | None = None
+    size: int = 1  # items as received, for the prefetch window
+    spec: TaskSpec = EMBED
+    prepared: Prepared | None = None
+    rows: list[Any] | None = None  # one model output row per item, filled by micro-batches
     remaining: int = 0
     done: bool = False
     suspect: bool = False  # redelivered after its worker died: runs alone (see workers/delivery.py)
@@ -55,47 +58,17 @@ class Job:
     traffic_class: TrafficClass = ONLINE  # from the queue it came from
     deadline: float | None = None  # monotonic time after which it is dropped unless it has started
 
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
 
-@dataclass
-class Stats:
-    """The worker's own counters (read by tests, the CLI and later by metrics)."""
+    @property
+    def n_items(self) -> int:
+        return len(self.prepared.items) if self.prepared is not None else 0
 
-    jobs_received: int = 0
-    jobs_succeeded: int = 0
-    jobs_failed: int = 0
-    items_received: int = 0  # texts, as received (a malformed job counts one)
-    items_succeeded: int = 0
-    items_failed: int = 0
-    batches: int = 0
-    items: int = 0
-    real_tokens: int = 0
-    padded_tokens: int = 0
-    max_batch_cost: int = 0
-    max_batch_items: int = 0
-    inference_seconds: float = 0.0
-    results_seconds: float = 0.0  # results thread: post-processing, encoding and storing finished jobs
-    errors_by_code: dict[str, int] = field(default_factory=dict)  # failed jobs by error code
-    items_failed_by_code: dict[str, int] = field(default_factory=dict)
-    # delivery (see workers/delivery.py)
-    redelivered: int = 0  # messages that came back to the queue (a worker died or stopped)
-    duplicates: int = 0  # deliveries of a job this worker already held (counted once)
-    already_stored: int = 0  # redelivered jobs whose record was already stored: acknowledged, not run
-    isolated_runs: int = 0  # suspect jobs run alone
-    dead_letters: int = 0
-    # traffic classes (see batching/traffic.py)
-    jobs_by_class: dict[str, int] = field(default_factory=dict)  # jobs received, by traffic class
-    items_by_class: dict[str, int] = field(default_factory=dict)  # texts run through the model, by class
-    jobs_cancelled: int = 0  # cancelled before they ran (their texts never reached the model)
-    items_cancelled: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        out = dict(self.__dict__)
-        out["errors_by_code"] = dict(self.errors_by_code)
-        out["items_failed_by_code"] = dict(self.items_failed_by_code)
-        out["jobs_by_class"] = dict(self.jobs_by_class)
-        out["items_by_class"] = dict(self.items_by_class)
-        out["padding_ratio"] = (1 - self.real_tokens / self.padded_tokens) if self.padded_tokens else 0.0
-        return out
+    def cost(self, i: int) -> int:
+        assert self.prepared is not None
+        return len(self.prepared.items[i].ids)
 
 
 class EmbeddingService:
@@ -156,7 +129,7 @@ class EmbeddingService:
     def submit(self, job: Job) -> None:
         """Validate and tokenize ``job``; a bad job is finished with its typed error at once, and one
         whose deadline has passed with ``expired``, before it is tokenized."""
-        self.count_received(job.size, job.traffic_class)
+        self.count_received(job.size, job.traffic_class, job.kind)
         if job.deadline is not None and job.deadline <= time.monotonic():
             self.fail(job, _expired(job))
             return
@@ -175,19 +148,23 @@ class EmbeddingService:
         with self._cond:
             if job.done:  # cancelled while it was tokenized
                 return
+            if not job.n_items:  # nothing to run (tokenize): the results thread finishes it
+                self._finish(job)
+                return
             if job.suspect:
                 self._suspects.append(job)
             else:
-                self.scheduler.add_many([((job, i), len(ids)) for i, ids in enumerate(job.ids)], job.traffic_class)
+                self.scheduler.add_many([((job, i), job.cost(i)) for i in range(job.n_items)], job.traffic_class)
             if job.deadline is not None:
                 self.deadlines.add(job.deadline, job)
             self._cond.notify()
 
-    def count_received(self, items: int, traffic_class: str | None = None) -> None:
-        self.stats.jobs_received += 1
-        self.stats.items_received += items
+    def count_received(self, items: int, traffic_class: str | None = None, kind: str | None = None) -> None:
+        self.stats.add(jobs_received=1, items_received=items)
         if traffic_class is not None:
-            self.stats.jobs_by_class[traffic_class] = self.stats.jobs_by_class.get(traffic_class, 0) + 1
+            self.stats.add_labelled("jobs_by_class", traffic_class)
+        if kind is not None:
+            self.stats.add_labelled("jobs_by_kind", kind)
 
     def cancel(self, job: Job, error: errors.EmbedqError | None = None) -> bool:
         """Consumer thread: drop a job that has not started; it finishes with ``cancelled``. A job whose
@@ -195,56 +172,31 @@ class EmbeddingService:
         with self._cond:
             if job.done or job.started is not None:
                 return False
-            job.done, job.raw = True, None
-            self.scheduler.discard((job, i) for i in range(len(job.ids)))
+            job.done, job.rows = True, None
+            self.scheduler.discard((job, i) for i in range(job.n_items))
             if job in self._suspects:
                 self._suspects.remove(job)
-        self.stats.jobs_cancelled += 1
-        self.stats.items_cancelled += job.size
+        self.stats.add(jobs_cancelled=1, items_cancelled=job.size)
         self._outbox.put((job, error or errors.Cancelled(f"job {job.id} was cancelled before it ran")))
         return True
 
     def count_failure(self, code: str, items: int) -> None:
-        """One failed job of ``items`` texts (also for messages refused before they became jobs)."""
-        st = self.stats
-        st.jobs_failed += 1
-        st.items_failed += items
-        st.errors_by_code[code] = st.errors_by_code.get(code, 0) + 1
-        st.items_failed_by_code[code] = st.items_failed_by_code.get(code, 0) + items
+        """One failed job of ``items`` items (also for messages refused before they became jobs)."""
+        self.stats.failure(code, items)
 
     def _prepare(self, job: Job) -> None:
-        opts = job.options if isinstance(job.options, EmbedOptions) else EmbedOptions.parse(job.options)
+        spec = job.spec
+        self.backend.check_kind(spec.kind)  # first: a job of another kind learns what this worker serves
+        opts = spec.parse_options(job.options)
         job.options = opts
-        texts = validate_texts(
-            job.texts, max_texts=self.settings.max_texts_per_job, max_chars=self.settings.max_chars
-        )
-        job.texts = texts
+        job.texts = spec.items(job.texts, self.settings.max_texts_per_job, self.settings.max_chars)
         if opts.model is not None and opts.model.strip().lower() not in self._aliases:
             raise errors.UnknownModel(
                 f"model {opts.model!r} is not served on this queue (this worker serves {self.info.model_id!r})"
             )
-        if opts.dimensions is not None and opts.dimensions > self.info.dimension:
-            raise errors.InvalidDimensions(
-                f"dimensions={opts.dimensions} but the model's vectors have {self.info.dimension}"
-            )
-        job.prompt = self._resolve_prompt(opts)
-        tok = self.backend.tokenize(
-            texts, prompt=job.prompt, truncate=opts.truncate, truncation_side=opts.truncation_side
-        )
-        job.ids, job.prompt_length = tok.ids, tok.prompt_length
-        job.raw = np.empty((len(texts), self.info.dimension), dtype=np.float32)
-        job.remaining = len(texts)
-
-    def _resolve_prompt(self, opts: EmbedOptions) -> str | None:
-        if opts.prompt is not None:
-            return opts.prompt
-        name = opts.prompt_name or self.info.default_prompt_name
-        if name is None:
-            return None
-        if name not in self.info.prompts:
-            known = ", ".join(sorted(self.info.prompts)) or "none"
-            raise errors.UnknownPromptName(f"prompt_name {name!r} is not defined by the model (known: {known})")
-        return self.info.prompts[name] or None
+        job.prepared = self.backend.prepare(spec.kind, job.texts, opts)
+        job.rows = [None] * job.n_items
+        job.remaining = job.n_items
 
     # -- inference thread --------------------------------------------------------------------
     def _loop(self) -> None:
@@ -296,12 +248,12 @@ class EmbeddingService:
         another suspect took the worker down is not blamed for it."""
         if job.done:
             return
-        self.stats.isolated_runs += 1
+        self.stats.add(isolated_runs=1)
         if self.on_isolated_run is not None:
             self.on_isolated_run(job, True)
         own = Scheduler(max_tokens=self.settings.batch_tokens, max_items=self.settings.max_batch_requests,
                         padded=self.backend.is_padded)
-        own.add_many(((job, i), len(ids)) for i, ids in enumerate(job.ids))
+        own.add_many(((job, i), job.cost(i)) for i in range(job.n_items))
         while len(own) and not job.done:
             self._run([item.key for item in own.next_batch()])
         if self.on_isolated_run is not None:
@@ -311,42 +263,36 @@ class EmbeddingService:
         keys = [(job, i) for job, i in keys if not job.done]
         if not keys:
             return
-        seqs = [job.ids[i] for job, i in keys]
-        lengths = [len(s) for s in seqs]
+        batch = [job.prepared.items[i] for job, i in keys]
+        lengths = [len(item.ids) for item in batch]
         cost = batch_cost(lengths, padded=self.backend.is_padded)
         t0 = time.perf_counter()
         try:
-            vectors = self.backend.embed(seqs, [job.prompt_length for job, _ in keys])
-            bad = ~np.isfinite(vectors).all(axis=1)
+            rows = self.backend.forward(batch)
+            bad = [not np.isfinite(row).all() for row in rows]
         except Exception as exc:
-            vectors, bad = None, None
+            rows, bad = None, None
             failure: Exception = exc
         elapsed = time.perf_counter() - t0
-        st = self.stats
         real = sum(lengths)
-        st.batches += 1
-        st.items += len(keys)
-        st.real_tokens += real
-        st.padded_tokens += cost
-        st.max_batch_cost = max(st.max_batch_cost, cost)
-        st.max_batch_items = max(st.max_batch_items, len(keys))
-        st.inference_seconds += elapsed
+        by_class: dict[str, int] = {}
+        by_kind: dict[str, int] = {}
         for job, _ in keys:
-            st.items_by_class[job.traffic_class] = st.items_by_class.get(job.traffic_class, 0) + 1
-        log.info("micro-batch: %d items, %d real / %d padded tokens, %.1f ms",
-                 len(keys), real, cost, elapsed * 1e3)
+            by_class[job.traffic_class] = by_class.get(job.traffic_class, 0) + 1
+            by_kind[job.kind] = by_kind.get(job.kind, 0) + 1
+        self.stats.batch(items=len(keys), real=real, padded=cost, seconds=elapsed, by_class=by_class, by_kind=by_kind)
+        log.info("micro-batch: %d items (%s), %d real / %d padded tokens, %.1f ms", len(keys),
+                 ", ".join(f"{n} {k}" for k, n in by_kind.items()), real, cost, elapsed * 1e3)
         if self.metrics is not None:
             self.metrics.observe_batch(len(keys), real, cost, elapsed)
-        if vectors is None:
+        if rows is None:
             self._isolate(keys, failure)
             return
-        if bad.any():
-            good = [k for k, b in zip(keys, bad) if not b]
-            self._store_rows(good, vectors[~bad])
-            for job, i in (k for k, b in zip(keys, bad) if b):
-                self.fail(job, errors.BackendError(f"inputs[{i}] produced a non-finite vector"))
-            return
-        self._store_rows(keys, vectors)
+        good = [(key, row) for key, row, b in zip(keys, rows, bad) if not b]
+        self._store_rows([k for k, _ in good], [r for _, r in good])
+        for (job, i), b in zip(keys, bad):
+            if b:
+                self.fail(job, errors.BackendError(f"inputs[{i}] produced a non-finite output"))
 
     def _isolate(self, keys: list[tuple[Job, int]], exc: Exception) -> None:
         """A failing micro-batch: split it and retry the halves so only the culprit fails."""
@@ -359,29 +305,27 @@ class EmbeddingService:
         self._run(keys[:mid])
         self._run(keys[mid:])
 
-    def _store_rows(self, keys: list[tuple[Job, int]], vectors: np.ndarray) -> None:
-        for (job, i), vec in zip(keys, vectors):
-            if job.done:
+    def _store_rows(self, keys: list[tuple[Job, int]], rows: list[Any]) -> None:
+        for (job, i), row in zip(keys, rows):
+            if job.done or job.rows is None:
                 continue
-            job.raw[i] = vec
+            job.rows[i] = row
             job.remaining -= 1
             if job.remaining == 0:
                 self._finish(job)
 
     # -- completion --------------------------------------------------------------------------
     def _finish(self, job: Job) -> None:
-        """Inference thread: every text of ``job`` is embedded; the results thread does the rest."""
+        """Every item of ``job`` has its row; the results thread does the rest."""
         job.done = True
-        self.stats.jobs_succeeded += 1
-        self.stats.items_succeeded += len(job.ids)
         self._outbox.put((job, None))
 
     def fail(self, job: Job, exc: errors.EmbedqError) -> None:
         if job.done:
             return
-        job.done, job.raw = True, None
+        job.done, job.rows = True, None
         with self._cond:
-            self.scheduler.discard((job, i) for i in range(len(job.ids)))
+            self.scheduler.discard((job, i) for i in range(job.n_items))
         self.count_failure(exc.code, job.size)
         self._outbox.put((job, exc))
 
@@ -399,29 +343,27 @@ class EmbeddingService:
                     log.exception("encoding the result of job %s failed", job.id)
                     outcome = errors.BackendError(f"could not encode the result: {type(exc).__name__}")
                 if isinstance(outcome, errors.EmbedqError):
-                    self.stats.jobs_succeeded -= 1
-                    self.stats.items_succeeded -= len(job.ids)
                     self.count_failure(outcome.code, job.size)
+                else:
+                    self.stats.add(jobs_succeeded=1, items_succeeded=job.size)
             try:
                 self.on_done(job, outcome)
             except Exception:
                 log.exception("storing the outcome of job %s failed", job.id)
-            self.stats.results_seconds += time.perf_counter() - t0
+            self.stats.time("results_seconds", time.perf_counter() - t0)
 
     def _payload(self, job: Job) -> dict[str, Any]:
-        opts: EmbedOptions = job.options
-        normalize = self.info.normalizes if opts.normalize is None else opts.normalize
-        dims = opts.dimensions or self.info.dimension
-        vectors = postprocess(job.raw, normalize=normalize, dimensions=opts.dimensions)
-        job.raw = None
-        if not np.isfinite(vectors).all():  # never a success
-            raise errors.BackendError("a vector is not finite after post-processing")
-        fingerprint = Fingerprint(
-            model=self.info.model_id, weights_sha256=self.info.weights_sha256, pooling=self.info.pooling,
-            normalize=normalize, dimensions=dims, dtype=self.info.dtype, prompt=job.prompt,
-            embedq_version=__version__,
-        )
-        return encode_result(vectors, opts, fingerprint, tokens=sum(len(s) for s in job.ids))
+        """Results thread: the backend's head post-processes, checks and encodes; the size is capped."""
+        rows, prepared = job.rows or [], job.prepared
+        job.rows, job.prepared = None, None  # the job's memory goes with its result
+        assert prepared is not None
+        payload = self.backend.finish(job.kind, rows, prepared, job.options)
+        size = result_size(payload)
+        if size > self.settings.max_result_bytes:
+            raise errors.ResultTooLarge(
+                f"the result would take about {size} bytes; the limit is {self.settings.max_result_bytes} "
+                "(EMBEDQ_MAX_RESULT_BYTES): send fewer inputs per job or a compact encoding")
+        return payload
 
 
 def _expired(job: Job) -> errors.Expired:

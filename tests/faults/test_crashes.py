@@ -21,11 +21,11 @@ import redis
 from conftest import WorkerHandle
 
 from embedq import errors
+from embedq.broker import make_app
 from embedq.producers.client import Client
 from embedq.producers.embedded import RedisServer, start_worker, stop_worker
 from embedq.protocol import decode_result
 from embedq.settings import Settings
-from embedq.workers.app import make_app
 from embedq.workers.delivery import Ledger, Verdict, dead_letters
 
 pytestmark = pytest.mark.timeout(420)
@@ -76,23 +76,51 @@ def own_redis():
         yield server
 
 
+#: Jobs queued before each worker starts, then kept queued or held by it while the test waits to kill it;
+#: doubled whenever the worker ran dry between two looks (a faster machine), so every kill lands mid-run.
+BACKLOG = 100
+
+
 def test_a_worker_sigkilled_three_times_loses_nothing_and_no_job_has_two_results(own_redis, tmp_path, corpus):
+    """Three SIGKILLs, each after the live worker made progress and while it holds jobs.
+
+    Work goes in in waves (not a fixed amount up front, which a fast machine drains before the third kill): one
+    queued before each worker starts, more whenever the backlog in front of the live worker runs low, so the
+    test paces itself to the worker's throughput on fast and slow machines alike.
+    """
     redis_server = own_redis
     settings = _settings(redis_server, max_attempts=10)
     log = tmp_path / "worker.log"
-    texts = _short_texts(corpus, 2000)
+    texts = _short_texts(corpus, 20_000)  # a pool: only what the pacing needs is submitted
     recorder = Recorder(redis_server.url)
     r = redis.Redis.from_url(redis_server.url)
-    worker = WorkerHandle(settings, log)
+    # unacked_index scores are the time.time() of each delivery or lease renewal: the entries scored after a
+    # worker's start are the messages that worker holds, not its killed predecessor's (back after 5 s)
+    alive_since = time.time()
     client = Client(settings)
+    handles: list = []
+    wave = BACKLOG
+
+    def submit_wave() -> None:
+        handles.extend(client.submit([t]) for t in texts[len(handles):len(handles) + wave])
+
+    submit_wave()
+    worker = WorkerHandle(settings, log)
+    submitting = threading.Event()  # cleared once no more waves come (or the test failed): the collector ends
+    submitting.set()
     try:
-        handles = [client.submit([t]) for t in texts]
         vectors: dict[str, np.ndarray] = {}
         failures: list[BaseException] = []
 
-        def collect() -> None:
+        def collect() -> None:  # in submission order, following `handles` as waves are added
             try:
-                vectors.update((h.id, h.result(timeout=180)) for h in handles)
+                i = 0
+                while i < len(handles) or submitting.is_set():
+                    if i == len(handles):
+                        time.sleep(0.05)
+                        continue
+                    vectors[handles[i].id] = handles[i].result(timeout=180)
+                    i += 1
             except BaseException as exc:
                 failures.append(exc)
 
@@ -100,27 +128,40 @@ def test_a_worker_sigkilled_three_times_loses_nothing_and_no_job_has_two_results
         collector.start()
         held_at_kill = []
         for _ in range(3):  # kill it while it holds jobs, each time after it made some progress
-            since = len(vectors)
+            since = len(recorder.records)  # jobs with a stored result
             deadline = time.monotonic() + 120
-            while not (len(vectors) >= since + 30 and r.zcard("unacked_index") >= 20):
+            while True:
                 assert not failures, failures
+                held = r.zcount("unacked_index", f"({alive_since}", "+inf")
+                if len(recorder.records) >= since + 30 and held >= 20:
+                    break
+                ahead = r.llen(settings.queue_name) + held
+                if ahead == 0 and len(recorder.records) > since:  # it drained everything between two looks
+                    wave *= 2
+                if ahead < wave // 2:
+                    submit_wave()
                 assert time.monotonic() < deadline and collector.is_alive(), "no progress to kill into"
                 time.sleep(0.05)
-            held_at_kill.append(r.zcard("unacked_index"))
+            held_at_kill.append(held)
             os.kill(worker.proc.pid, signal.SIGKILL)
             worker.proc.wait()
+            alive_since = time.time()
             worker.client.close()
+            submit_wave()  # queued while no worker runs: the next one starts with a backlog
             worker = WorkerHandle(settings, log)
+        submitting.clear()
         collector.join(300)
         assert not failures, failures
         assert len(vectors) == len(handles)
         assert len(held_at_kill) == 3 and min(held_at_kill) > 0, held_at_kill
         # every job ended with a correct result: the same as the text embedded again now, in other batches
+        texts = texts[:len(handles)]
         reference = np.concatenate([client.embed(texts[k:k + 64]) for k in range(0, len(texts), 64)])
         got = np.concatenate([vectors[h.id] for h in handles])
         assert np.abs(got - reference).max() <= 1e-6
         assert not dead_letters(redis.Redis.from_url(redis_server.url))
     finally:
+        submitting.clear()
         recorder.close()
         worker.stop()
         client.close()

@@ -1,10 +1,13 @@
-"""The Celery application, shared by producers (to send) and workers (to consume).
+"""What producers and workers share about the broker: the Celery app, the one Redis client builder,
+the errors a broker call raises, and the Redis keys both sides read.
 
-Importing this module imports Celery but never torch: the embedding task is registered by name
-and only a worker process loads a model.
+Producers import this module, never ``embedq.workers``. Importing it imports Celery and redis-py but
+never torch: the job tasks are registered by name and only a worker process loads a model.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from celery import Celery
 from kombu.exceptions import OperationalError
@@ -12,14 +15,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeout
 
 from embedq import errors
-from embedq.protocol import TASK_NAME
+from embedq.protocol import TASKS
 from embedq.settings import Settings
 
 #: What a call to the broker raises while Redis is down or restarting (kombu, redis-py or the socket).
 BROKER_ERRORS = (OperationalError, RedisConnectionError, RedisTimeout, OSError, errors.BrokerUnavailable)
 
-#: Seconds a result may take before a producer's blocking call gives up (``Client.embed``).
-DEFAULT_RESULT_TIMEOUT = 600.0
+#: List of JSON records of dead-lettered jobs, newest first (written by workers, read by ``embedq status``).
+DEAD_LETTERS = "embedq.dead-letters"
 
 
 def lease_interval(settings: Settings) -> float:
@@ -40,6 +43,18 @@ def tls_options(settings: Settings) -> dict[str, object] | None:
         if value:
             out[key] = value
     return out
+
+
+def redis_client(settings: Settings, *, timeout: float = 5.0) -> Any:
+    """A redis-py client for the broker (TLS options from the settings), with bounded socket waits: the
+    one builder for every direct Redis use (producers' epoch, queue depths and cancellations; workers'
+    metrics, registry and cancellation feed; ``embedq status``)."""
+    import redis
+
+    if not settings.broker_url:
+        raise ValueError("no broker configured: set EMBEDQ_BROKER_URL")
+    return redis.Redis.from_url(settings.broker_url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                **(tls_options(settings) or {}))
 
 
 def celery_config(settings: Settings) -> dict[str, object]:
@@ -78,7 +93,7 @@ def celery_config(settings: Settings) -> dict[str, object]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "task_default_queue": settings.queue_name,
-        "task_routes": {TASK_NAME: {"queue": settings.queue_name}},
+        "task_routes": {name: {"queue": settings.queue_name} for name in TASKS},
         "worker_prefetch_multiplier": settings.prefetch_window,
         "worker_send_task_events": True,
         "task_send_sent_event": False,

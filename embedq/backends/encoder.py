@@ -1,0 +1,352 @@
+"""The encoder: the part of every backend that reads a model folder, tokenizes texts or text pairs, pads
+a micro-batch and runs the transformer. Heads (``dense.py``, ``classify.py``, ``tokens.py``) turn its
+output into one kind's rows.
+
+Tokenization follows sentence-transformers 6.x exactly: ``max_seq_length`` → ``model_max_length``, else
+the tokenizer's limit capped at ``max_position_embeddings``; pairs are tokenized as one sequence
+(``[CLS] a [SEP] b [SEP]``) with ``longest_first`` truncation and segment ids where the model takes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import inspect
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from embedq import errors
+from embedq.backends.base import Encoded
+from embedq.backends.kernels import LinearKernel, pack_linears
+from embedq.backends.modules import read_json
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+# Files that define the embedding space (weights, configs, tokenizer vocabularies).
+_HASHED_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".txt", ".model")
+_CHUNK = 1 << 20
+SENTENCE_BERT_CONFIGS = (
+    "sentence_bert_config.json",
+    "sentence_roberta_config.json",
+    "sentence_distilbert_config.json",
+    "sentence_camembert_config.json",
+    "sentence_albert_config.json",
+    "sentence_xlm-roberta_config.json",
+    "sentence_xlnet_config.json",
+)
+_TRUST_KEYS = ("trust_remote_code",)
+
+#: What the encoder runs: the bare transformer (hidden states) or a sequence classifier (logits).
+FEATURES = "feature-extraction"
+CLASSIFY = "sequence-classification"
+
+
+def weights_sha256(folder: Path) -> str:
+    """sha256 over (relative path, bytes) of every weight/config/vocabulary file, in sorted order."""
+    digest = hashlib.sha256()
+    files = sorted(
+        p.relative_to(folder).as_posix()
+        for p in folder.rglob("*")
+        if p.is_file()
+        and p.suffix in _HASHED_SUFFIXES
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
+    for rel in files:
+        digest.update(rel.encode("utf8") + b"\0")
+        with open(folder / rel, "rb") as fh:
+            while chunk := fh.read(_CHUNK):
+                digest.update(chunk)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def clean_kwargs(kwargs: Any) -> dict[str, Any]:
+    if not isinstance(kwargs, dict):
+        return {}
+    return {k: v for k, v in kwargs.items() if k not in _TRUST_KEYS}
+
+
+def sentence_bert_config(folder: Path) -> dict[str, Any]:
+    for name in SENTENCE_BERT_CONFIGS:
+        config = read_json(folder / name)
+        if config:
+            return config
+    return {}
+
+
+def attention_kernels(device: torch.device) -> Any:
+    """The attention kernels a forward pass may use: on CUDA, every kernel but cuDNN's fused attention.
+
+    PyTorch picks cuDNN attention for fp16/bf16 on Hopper GPUs, and cuDNN builds a graph for each new input
+    shape: measured on an H100 (torch 2.11), 45-130 ms the first time a shape is seen against 3 ms after,
+    and a coalescing worker meets a new (batch, width) shape in almost every micro-batch. Flash and
+    memory-efficient attention need no per-shape step (4.5 ms for a new shape). Returns a context factory;
+    a no-op on CPU and on PyTorch without ``torch.nn.attention``.
+    """
+    if device.type != "cuda":
+        return contextlib.nullcontext
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # PyTorch < 2.3
+        return contextlib.nullcontext
+    kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return lambda: sdpa_kernel(kernels)
+
+
+@dataclass
+class Details:
+    """Everything about one tokenized input (``embedq.tokenize``): ids, token strings, special flags and
+    character offsets into the string the model saw (the prompt, if any, then the text)."""
+
+    ids: list[int]
+    tokens: list[str] = field(default_factory=list)
+    special: list[int] = field(default_factory=list)
+    offsets: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _cut(row: list[Any], limit: int, keep_head: int) -> list[Any]:
+    """Left truncation that keeps a prompt: the first ``keep_head`` entries and the end of the row."""
+    return row if len(row) <= limit else row[:keep_head] + row[len(row) - (limit - keep_head):]
+
+
+class Encoder:
+    """A transformer folder loaded for inference: tokenizer, model, padding and the forward pass."""
+
+    def __init__(self, folder: Path, st_config: dict[str, Any], *, task: str = FEATURES, device: str = "cpu",
+                 dtype: str = "float32", torch_threads: int | None = None,
+                 linear_kernel: LinearKernel = "auto", allow_chat_template: bool = False) -> None:
+        from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+
+        if dtype not in DTYPES:
+            raise errors.InvalidOption(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+        try:
+            torch_device = torch.device(device)
+        except RuntimeError as exc:
+            raise errors.InvalidOption(f"invalid device {device!r}: {exc}") from exc
+        if torch_device.type not in ("cpu", "cuda"):
+            raise errors.InvalidOption(f"device must be 'cpu' or 'cuda[:N]', not {device!r}")
+        if torch_threads is not None:
+            torch.set_num_threads(int(torch_threads))
+        self.folder = folder
+        self.task = task
+        self.device = torch_device
+        self.dtype_name = dtype
+        self.dtype = DTYPES[dtype]
+        self._attention = attention_kernels(torch_device)
+
+        # -- tokenizer (as ST: max_seq_length → model_max_length; else capped at max positions) --------
+        config_kwargs = clean_kwargs(st_config.get("config_kwargs", st_config.get("config_args")))
+        model_kwargs = clean_kwargs(st_config.get("model_kwargs", st_config.get("model_args")))
+        tok_kwargs = clean_kwargs(st_config.get("processor_kwargs", st_config.get("tokenizer_args")))
+        max_seq_length = st_config.get("max_seq_length")
+        if max_seq_length is not None and "model_max_length" not in tok_kwargs:
+            tok_kwargs["model_max_length"] = int(max_seq_length)
+        try:
+            config = AutoConfig.from_pretrained(str(folder), **config_kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), **tok_kwargs)
+        except (OSError, ValueError, KeyError) as exc:
+            raise errors.UnsupportedModel(f"cannot load the transformer in {folder}: {exc}") from exc
+        if not getattr(tokenizer, "is_fast", False):
+            raise errors.UnsupportedModel(f"{folder}: embedq needs a fast tokenizer")
+        if getattr(config, "is_encoder_decoder", False):
+            raise errors.UnsupportedModel(f"{folder}: encoder-decoder models are not supported")
+        if "model_max_length" not in tok_kwargs:
+            max_pos = getattr(config, "max_position_embeddings", None)
+            if isinstance(max_pos, int) and max_pos != -1:
+                tokenizer.model_max_length = min(tokenizer.model_max_length, max_pos)
+        if not allow_chat_template and getattr(tokenizer, "chat_template", None):
+            raise errors.UnsupportedModel(
+                f"{folder} has no modules.json and its tokenizer has a chat template: sentence-transformers "
+                "would render texts as chat messages, which embedq does not implement"
+            )
+        if st_config.get("do_lower_case", False):
+            _lowercase(tokenizer)
+        self.config = config
+        self.max_seq_length = int(tokenizer.model_max_length)
+        self.tokenizer = tokenizer
+        self._tokenizer_left = copy.deepcopy(tokenizer)
+        self._tokenizer_left.truncation_side = "left"
+        self._lock = threading.Lock()
+        self._prompt_lengths: dict[str, int] = {}
+        pad_id = tokenizer.pad_token_id
+        if pad_id is None:
+            pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        self._pad_id = int(pad_id)
+        self.left_padding = tokenizer.padding_side == "left"
+
+        # -- model -----------------------------------------------------------------------------------
+        for key in ("dtype", "torch_dtype", "device_map"):
+            model_kwargs.pop(key, None)
+        if hasattr(config, "use_cache"):
+            config.use_cache = False
+        auto = AutoModelForSequenceClassification if task == CLASSIFY else AutoModel
+        try:
+            model = auto.from_pretrained(str(folder), config=config, dtype=self.dtype, **model_kwargs)
+        except (OSError, ValueError, KeyError) as exc:
+            raise errors.UnsupportedModel(f"cannot load the transformer in {folder}: {exc}") from exc
+        self.model = model.to(self.device).eval()
+        # On CPU, oneDNN with prepacked weights runs the Linear layers ~2x faster than MKL (kernels.py).
+        self.linear_kernel = pack_linears(self.model, linear_kernel)
+        params = inspect.signature(self.model.forward).parameters
+        self.takes_token_type_ids = "token_type_ids" in params and "token_type_ids" in tokenizer.model_input_names
+        self._position_ids = "position_ids" in params
+
+    # -- tokenization -------------------------------------------------------------------------------------
+    def _call(self, tokenizer: Any, first: list[str], second: list[str] | None, *, truncate: bool,
+              details: bool = False, add_special_tokens: bool = True) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "padding": False,
+            "return_attention_mask": False,
+            "return_token_type_ids": second is not None and self.takes_token_type_ids,
+            "add_special_tokens": add_special_tokens,
+        }
+        if details:
+            kwargs.update(return_offsets_mapping=True, return_special_tokens_mask=True)
+        if truncate:
+            kwargs.update(truncation="longest_first" if second is not None else True, max_length=self.max_seq_length)
+        else:
+            kwargs.update(truncation=False)
+        out = tokenizer(first, second, **kwargs) if second is not None else tokenizer(first, **kwargs)
+        if details:
+            return {"ids": out["input_ids"], "tokens": [enc.tokens for enc in out.encodings],
+                    "special": out["special_tokens_mask"], "offsets": out["offset_mapping"]}
+        return {"ids": out["input_ids"], "type_ids": out.get("token_type_ids")}
+
+    def prompt_length(self, prompt: str) -> int:
+        """ST's ``_get_prompt_length``: tokens of the prompt alone, less a trailing special token."""
+        cached = self._prompt_lengths.get(prompt)
+        if cached is not None:
+            return cached
+        ids = list(self._call(self.tokenizer, [prompt], None, truncate=True)["ids"][0])
+        length = len(ids)
+        if ids and ids[-1] in self.tokenizer.all_special_ids:
+            length -= 1
+        self._prompt_lengths[prompt] = length
+        return length
+
+    def _check_side(self, truncation_side: str) -> None:
+        if truncation_side not in ("right", "left"):
+            raise errors.InvalidOption(f"truncation_side must be 'right' or 'left', not {truncation_side!r}")
+
+    def _too_long(self, rows: list[list[int]], what: str) -> None:
+        for index, row in enumerate(rows):
+            if len(row) > self.max_seq_length:
+                raise errors.TooLong(
+                    f"{what} {index} has {len(row)} tokens, over the model's max_seq_length of {self.max_seq_length}"
+                )
+
+    def encode_texts(self, texts: Sequence[str], *, prompt: str | None = None, truncate: bool = True,
+                     truncation_side: str = "right") -> tuple[list[Encoded], int]:
+        """Texts exactly as sentence-transformers tokenizes them (prompt prepended): (items, prompt length).
+
+        Raises :class:`embedq.errors.TooLong` when ``truncate`` is False and a text is over the limit."""
+        details = self.details(texts, prompt=prompt, truncate=truncate, truncation_side=truncation_side,
+                               with_strings=False)
+        plen = self.prompt_length(prompt) if prompt else 0
+        return [Encoded(d.ids, None, plen) for d in details], plen
+
+    def details(self, texts: Sequence[str], *, prompt: str | None = None, truncate: bool = True,
+                truncation_side: str = "right", add_special_tokens: bool = True,
+                with_strings: bool = True) -> list[Details]:
+        """Texts tokenized as the model sees them; with ``with_strings`` also token strings, special
+        flags and character offsets into ``prompt + text``."""
+        self._check_side(truncation_side)
+        full = [prompt + text for text in texts] if prompt else list(texts)
+        limit = self.max_seq_length
+        with self._lock:
+            plen = self.prompt_length(prompt) if prompt else 0
+            if not truncate or (truncation_side == "left" and prompt):
+                out = self._call(self.tokenizer, full, None, truncate=False, details=with_strings,
+                                 add_special_tokens=add_special_tokens)
+            else:
+                tokenizer = self._tokenizer_left if truncation_side == "left" else self.tokenizer
+                out = self._call(tokenizer, full, None, truncate=True, details=with_strings,
+                                 add_special_tokens=add_special_tokens)
+        rows = [list(r) for r in out["ids"]]
+        if not truncate:
+            self._too_long(rows, "text")
+        result = [Details(r) for r in rows]
+        if with_strings:
+            for d, tokens, special, offsets in zip(result, out["tokens"], out["special"], out["offsets"]):
+                d.tokens, d.special, d.offsets = list(tokens), list(special), [tuple(o) for o in offsets]
+        if truncate and truncation_side == "left" and prompt:
+            # Keep the prompt (and leading special tokens) and the end of the text.
+            keep = min(plen, limit)
+            for d in result:
+                d.ids = _cut(d.ids, limit, keep)
+                if with_strings:
+                    d.tokens, d.special, d.offsets = (_cut(x, limit, keep) for x in (d.tokens, d.special, d.offsets))
+        return result
+
+    def encode_pairs(self, pairs: Sequence[tuple[str, str]], *, truncate: bool = True,
+                     truncation_side: str = "right") -> list[Encoded]:
+        """Text pairs as one sequence each (``[CLS] a [SEP] b [SEP]``), ``longest_first`` truncation, with
+        segment ids when the model takes them (as ``CrossEncoder.predict`` tokenizes them)."""
+        self._check_side(truncation_side)
+        first, second = [a for a, _ in pairs], [b for _, b in pairs]
+        tokenizer = self._tokenizer_left if truncation_side == "left" else self.tokenizer
+        with self._lock:
+            out = self._call(tokenizer, first, second, truncate=truncate)
+        rows = [list(r) for r in out["ids"]]
+        if not truncate:
+            self._too_long(rows, "pair")
+        types = out["type_ids"]
+        return [Encoded(r, list(types[i]) if types is not None else None, 0) for i, r in enumerate(rows)]
+
+    # -- inference ------------------------------------------------------------------------------------------
+    def run(self, batch: Sequence[Encoded]) -> tuple[Any, torch.Tensor]:
+        """One padded forward pass: (the model's output, the attention mask). Call under inference_mode."""
+        n = len(batch)
+        lengths = [len(item.ids) for item in batch]
+        width = max(max(lengths), 1)
+        ids = np.full((n, width), self._pad_id, dtype=np.int64)
+        mask = np.zeros((n, width), dtype=np.int64)
+        types = np.zeros((n, width), dtype=np.int64) if self.takes_token_type_ids else None
+        for i, item in enumerate(batch):
+            length = lengths[i]
+            if not length:
+                continue
+            cols = slice(width - length, width) if self.left_padding else slice(0, length)
+            ids[i, cols] = item.ids
+            mask[i, cols] = 1
+            if types is not None and item.type_ids is not None:
+                types[i, cols] = item.type_ids
+        with self._attention():
+            input_ids = torch.from_numpy(ids).to(self.device)
+            attention_mask = torch.from_numpy(mask).to(self.device)
+            inputs: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": attention_mask}
+            if types is not None:
+                inputs["token_type_ids"] = torch.from_numpy(types).to(self.device)
+            if self.left_padding and self._position_ids and min(lengths) < width:
+                # Positions as the unpadded text would have them (left padding only).
+                inputs["position_ids"] = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+            return self.model(**inputs, return_dict=True), attention_mask
+
+
+def _lowercase(tokenizer: Any) -> None:
+    """ST's ``do_lower_case``: a Lowercase normalizer in front, unless the tokenizer already has one."""
+    from tokenizers.normalizers import Lowercase
+    from tokenizers.normalizers import Sequence as NormalizerSequence
+
+    normalizer = tokenizer.backend_tokenizer.normalizer
+    has_lower = isinstance(normalizer, Lowercase) or (
+        isinstance(normalizer, NormalizerSequence) and any(isinstance(n, Lowercase) for n in normalizer)
+    )
+    if not has_lower:
+        parts: list[Any] = [Lowercase()]
+        if isinstance(normalizer, NormalizerSequence):
+            parts += list(normalizer)
+        elif normalizer is not None:
+            parts.append(normalizer)
+        tokenizer.backend_tokenizer.normalizer = NormalizerSequence(parts)

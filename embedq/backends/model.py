@@ -1,0 +1,154 @@
+"""A model folder → a backend: the encoder plus the heads the folder calls for.
+
+* a sentence-transformers SentenceTransformer folder (Transformer, Pooling, Dense/Normalize), or a bare
+  transformers folder (ST's fallback: mean pooling, last token for ``*ForCausalLM``) → ``embed``;
+* a sentence-transformers CrossEncoder folder (a Transformer with ``transformer_task`` =
+  ``sequence-classification``), or a bare ``*ForSequenceClassification`` folder → ``predict``, and
+  ``rerank`` when the classifier has one label;
+* every model also serves ``tokenize``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from embedq import errors
+from embedq.backends.base import Backend, Encoded, Head, ModelInfo, Prepared
+from embedq.backends.encoder import CLASSIFY, FEATURES, Encoder, sentence_bert_config, weights_sha256
+from embedq.backends.kernels import LinearKernel
+from embedq.backends.modules import module_kind, read_json
+
+
+class ModelBackend(Backend):
+    """An :class:`Encoder` and its heads by kind. One forward pass serves items of every head."""
+
+    is_padded = True
+
+    def __init__(self, encoder: Encoder, heads: dict[str, Head], info: ModelInfo) -> None:
+        self.encoder = encoder
+        self.heads = heads  # kind -> head
+        self._by_name = {head.name: head for head in heads.values()}
+        self.info = info
+        self.max_seq_length = encoder.max_seq_length
+
+    def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
+        self.check_kind(kind)
+        head = self.heads[kind]
+        prepared = head.prepare(kind, items, options)
+        for item in prepared.items:
+            item.head = head.name
+        return prepared
+
+    def forward(self, batch: Sequence[Encoded]) -> list[np.ndarray]:
+        if not batch:
+            return []
+        groups: dict[str, list[int]] = {}
+        for i, item in enumerate(batch):
+            groups.setdefault(item.head, []).append(i)
+        rows: list[Any] = [None] * len(batch)
+        try:
+            with torch.inference_mode():
+                output, mask = self.encoder.run(batch)
+                for name, positions in groups.items():
+                    index = None if len(groups) == 1 else torch.tensor(positions, device=mask.device)
+                    for i, row in zip(positions, self._by_name[name].rows(output, mask, index, batch)):
+                        rows[i] = row
+        except errors.EmbedqError:
+            raise
+        except (RuntimeError, ValueError) as exc:
+            raise errors.BackendError(f"the forward pass failed: {exc}") from exc
+        return rows
+
+    def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]:
+        return self.heads[kind].finish(kind, rows, prepared, options)
+
+    def health(self) -> dict[str, Any]:
+        return {**super().health(), "max_seq_length": self.max_seq_length, "pooling": self.info.pooling}
+
+
+def read_modules(folder: Path) -> list[tuple[str, Path]]:
+    """``modules.json`` as [(Transformer|Pooling|Dense|Normalize, folder)]; [] when there is none."""
+    if not folder.is_dir():
+        raise errors.UnknownModel(f"model folder {folder} does not exist")
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return []
+    try:
+        modules = json.loads(modules_file.read_text(encoding="utf8"))
+    except (OSError, ValueError) as exc:
+        raise errors.UnsupportedModel(f"cannot read {modules_file}: {exc}") from exc
+    if not isinstance(modules, list) or not modules:
+        raise errors.UnsupportedModel(f"{modules_file} is not a non-empty list")
+    modules = sorted(modules, key=lambda m: m.get("idx", 0)) if all("idx" in m for m in modules) else modules
+    out: list[tuple[str, Path]] = []
+    for entry in modules:
+        kind = module_kind(entry.get("type"))
+        rel = entry.get("path", "") or ""
+        sub = (folder / rel).resolve()
+        if sub != folder and folder not in sub.parents:
+            raise errors.UnsupportedModel(f"module path {rel!r} leaves the model folder")
+        out.append((kind, sub))
+    if out[0][0] != "Transformer":
+        raise errors.UnsupportedModel(f"embedq needs a Transformer module first; got {[k for k, _ in out]}")
+    return out
+
+
+def model_task(folder: Path, modules: list[tuple[str, Path]]) -> tuple[Path, dict[str, Any], str]:
+    """(transformer folder, its sentence-transformers config, what the encoder runs)."""
+    if modules:
+        transformer_dir = modules[0][1]
+        st_config = sentence_bert_config(transformer_dir)
+        task = st_config.get("transformer_task", FEATURES)
+        if task not in (FEATURES, CLASSIFY):
+            raise errors.UnsupportedModel(f"Transformer transformer_task={task!r} is not supported")
+        return transformer_dir, st_config, task
+    archs = read_json(folder / "config.json").get("architectures") or []
+    task = CLASSIFY if archs and str(archs[0]).endswith("ForSequenceClassification") else FEATURES
+    return folder, {}, task
+
+
+def check_modality(st_config: dict[str, Any], output_name: str) -> None:
+    """The Transformer module's modality config must be plain text through ``forward``."""
+    modality = st_config.get("modality_config")
+    if modality is not None:
+        text = modality.get("text") if isinstance(modality, dict) else None
+        if (
+            not isinstance(text, dict)
+            or text.get("method") != "forward"
+            or text.get("method_output_name") not in (output_name, [output_name])
+        ):
+            raise errors.UnsupportedModel(f"Transformer modality_config {modality!r} is not supported")
+        if "message" in modality:
+            raise errors.UnsupportedModel(
+                "Transformer modality_config has a 'message' (chat template) modality, which embedq "
+                "does not implement"
+            )
+
+
+def load_model(path: Path, *, model_id: str, device: str = "cpu", dtype: str = "float32",
+               torch_threads: int | None = None, linear_kernel: LinearKernel = "auto") -> ModelBackend:
+    """Load the folder at ``path`` with the heads it calls for."""
+    folder = Path(path).resolve()
+    modules = read_modules(folder)
+    transformer_dir, st_config, task = model_task(folder, modules)
+    if task == CLASSIFY:
+        from embedq.backends.classify import load_classifier
+
+        return load_classifier(folder, transformer_dir, st_config, modules, model_id=model_id, device=device,
+                               dtype=dtype, torch_threads=torch_threads, linear_kernel=linear_kernel)
+    from embedq.backends.dense import DenseBackend
+
+    return DenseBackend(folder, model_id=model_id, device=device, dtype=dtype, torch_threads=torch_threads,
+                        linear_kernel=linear_kernel)
+
+
+def base_info(folder: Path, encoder: Encoder, **fields: Any) -> ModelInfo:
+    return ModelInfo(path=str(folder), max_seq_length=encoder.max_seq_length, weights_sha256=weights_sha256(folder),
+                     dtype=encoder.dtype_name, device=str(encoder.device), linear_kernel=encoder.linear_kernel,
+                     **fields)

@@ -1,0 +1,74 @@
+"""The tokenize head (``embedq.tokenize``, TEI's ``/tokenize``): the tokens a model would be fed, as a job.
+
+Producers never import a tokenizer, so tokenizing is a job like the others; it runs no model (its
+``prepare`` does the work and it puts no items in a micro-batch). Prompts resolve as for ``embed``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from embedq import __version__, errors
+from embedq.backends.base import Head, ModelInfo, Prepared
+from embedq.backends.encoder import Encoder
+from embedq.backends.modules import read_json
+from embedq.protocol import Fingerprint, encode_result
+
+
+def read_prompts(folder: Path) -> tuple[dict[str, str], str | None]:
+    """``prompts`` and ``default_prompt_name`` of ``config_sentence_transformers.json``."""
+    config = read_json(folder / "config_sentence_transformers.json")
+    prompts = config.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()):
+        raise errors.UnsupportedModel(f"invalid prompts in config_sentence_transformers.json: {prompts!r}")
+    default = config.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        raise errors.UnsupportedModel(f"default_prompt_name {default!r} is not among the prompts")
+    return dict(prompts), default
+
+
+def resolve_prompt(info: ModelInfo, prompt: str | None, prompt_name: str | None) -> str | None:
+    """The job's prompt: its own text, else the named one, else the model's default (None: no prompt)."""
+    if prompt is not None:
+        return prompt
+    name = prompt_name or info.default_prompt_name
+    if name is None:
+        return None
+    if name not in info.prompts:
+        known = ", ".join(sorted(info.prompts)) or "none"
+        raise errors.UnknownPromptName(f"prompt_name {name!r} is not defined by the model (known: {known})")
+    return info.prompts[name] or None
+
+
+class TokenizeHead(Head):
+    name = "tokenize"
+    kinds = ("tokenize",)
+
+    def __init__(self, encoder: Encoder, info: ModelInfo) -> None:
+        self.encoder = encoder
+        self.info = info
+
+    def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
+        prompt = resolve_prompt(self.info, options.prompt, options.prompt_name)
+        details = self.encoder.details(items, prompt=prompt, truncate=options.truncate,
+                                       truncation_side=options.truncation_side,
+                                       add_special_tokens=options.add_special_tokens)
+        return Prepared([], sum(len(d.ids) for d in details), {"details": details, "prompt": prompt})
+
+    def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]:
+        details = prepared.state["details"]
+        offsets = np.cumsum([0] + [len(d.ids) for d in details], dtype=np.int64)
+        ids = np.fromiter((i for d in details for i in d.ids), dtype=np.int64, count=int(offsets[-1]))
+        special = np.fromiter((bool(s) for d in details for s in d.special), dtype=bool, count=int(offsets[-1]))
+        spans = np.asarray([span for d in details for span in d.offsets], dtype=np.int64).reshape(-1, 2)
+        info = self.info
+        fingerprint = Fingerprint(kind="tokenize", model=info.model_id, weights_sha256=info.weights_sha256,
+                                  pooling="none", normalize=False, dimensions=0, dtype="int32",
+                                  prompt=prepared.state["prompt"], embedq_version=__version__)
+        return encode_result("tokenize", {"ids": ids, "offsets": offsets, "spans": spans, "special": special},
+                             fingerprint, items=len(details), tokens=prepared.tokens,
+                             extra={"tokens": [t for d in details for t in d.tokens],
+                                    "prompt": prepared.state["prompt"]})

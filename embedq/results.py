@@ -1,0 +1,63 @@
+"""The one writer of a job's terminal record: every reader of a job id sees the same outcome.
+
+A job ends once: with its result, or with a typed error (its own failure, a refusal, ``cancelled``,
+``expired``, ``dead_letter``). Workers store outcomes on their results thread, refuse unreadable
+messages on their consumer thread, and producers store ``cancelled`` when a user cancels; through
+Celery's ``mark_as_done``/``mark_as_failure`` those writers could overwrite each other (a FAILURE is
+overwritten by a later SUCCESS), so a job cancelled while it ran read as cancelled to one reader and as
+a success to the next. :class:`ResultStore` writes the record Celery's Redis backend would write (same
+key, same encoding, the same pub/sub notification, the backend's TTL) but only if the job has no record
+yet, atomically in Redis: the first outcome wins, whoever wrote it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery, states
+
+from embedq import errors
+
+#: SET the record only if absent (with a TTL when one is given) and, if set, notify waiting readers.
+_STORE_ONCE = """
+local done
+if tonumber(ARGV[2]) > 0 then
+  done = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
+else
+  done = redis.call('SET', KEYS[1], ARGV[1], 'NX')
+end
+if done then
+  redis.call('PUBLISH', KEYS[1], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+
+class ResultStore:
+    """Terminal records of jobs, written once. Uses the app's (thread-local) result backend."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+
+    def store(self, job_id: str, outcome: dict[str, Any] | errors.EmbedqError) -> bool:
+        """Store ``outcome`` (a result payload or a typed error) unless the job already has one.
+
+        Returns True if this call wrote the record, False if another outcome was there first. Raises the
+        broker's errors when Redis cannot be reached (the caller decides whether to retry)."""
+        backend = self.app.backend
+        if isinstance(outcome, errors.EmbedqError):
+            state = states.FAILURE
+            result = backend.encode_result(outcome, state)
+            ttl = getattr(backend, "failure_expires", None) or backend.expires
+        else:
+            state, result, ttl = states.SUCCESS, outcome, backend.expires
+        meta = backend._get_result_meta(result=result, state=state, traceback=None, request=None)
+        meta["task_id"] = job_id
+        key = backend.get_key_for_task(job_id)
+        written = backend.client.eval(_STORE_ONCE, 1, key, backend.encode(meta), int(ttl or 0))
+        return bool(written)
+
+    def outcome(self, job_id: str) -> dict[str, Any]:
+        """The stored record's meta (``status`` PENDING when there is none)."""
+        return self.app.backend.get_task_meta(job_id, cache=False)
