@@ -98,7 +98,7 @@ def test_a_scores_equal_cross_encoder_whatever_shares_the_micro_batch(name, mode
 
 def test_a_rerank_and_predict_through_the_worker(ce_worker, models, corpus):
     client = ce_worker.client
-    docs = _docs(corpus, 30) + [LONG]
+    docs = [*_docs(corpus, 30), LONG]
     want = _reference(models["bert-ce"], [(QUERY, d) for d in docs])
     got = client.rerank(QUERY, docs, return_text=True, timeout=120)
     assert [r["index"] for r in got] == sorted(range(len(docs)), key=lambda i: (-want[i], i))

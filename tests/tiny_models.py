@@ -62,7 +62,8 @@ def xlmr_cross_encoder(path: Path, corpus: list[str]) -> Path:
     tok.decoder = decoders.Metaspace()
     tok.train_from_iterator(corpus, trainers.UnigramTrainer(vocab_size=600, special_tokens=specials,
                                                              unk_token="<unk>"))
-    tok.post_processor = processors.RobertaProcessing(("</s>", tok.token_to_id("</s>")), ("<s>", tok.token_to_id("<s>")))
+    sep, cls = ("</s>", tok.token_to_id("</s>")), ("<s>", tok.token_to_id("<s>"))
+    tok.post_processor = processors.RobertaProcessing(sep, cls)
     tokenizer = XLMRobertaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", sep_token="</s>",
                                         cls_token="<s>", unk_token="<unk>", pad_token="<pad>", mask_token="<mask>",
                                         model_max_length=MAX_LENGTH)
