@@ -281,8 +281,8 @@ class EmbeddingService:
             by_class[job.traffic_class] = by_class.get(job.traffic_class, 0) + 1
             by_kind[job.kind] = by_kind.get(job.kind, 0) + 1
         self.stats.batch(items=len(keys), real=real, padded=cost, seconds=elapsed, by_class=by_class, by_kind=by_kind)
-        log.info("micro-batch: %d items (%s), %d real / %d padded tokens, %.1f ms", len(keys),
-                 ", ".join(f"{n} {k}" for k, n in by_kind.items()), real, cost, elapsed * 1e3)
+        log.info("micro-batch: %d items, %d real / %d padded tokens, %.1f ms (%s)", len(keys), real, cost,
+                 elapsed * 1e3, ", ".join(f"{n} {k}" for k, n in by_kind.items()))
         if self.metrics is not None:
             self.metrics.observe_batch(len(keys), real, cost, elapsed)
         if rows is None:
