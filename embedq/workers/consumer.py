@@ -316,7 +316,7 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
         held = RUNTIME.held.get(req.id)
         if held is not None:  # delivered again while held (resent, or restored across a reconnect)
             held.context.reqs.append((req, size))
-            service.stats.duplicates += 1
+            service.stats.add(duplicates=1)
             return
         req.send_event("task-received", name=req.name, args=short_args(req),
                        kwargs=event_kwargs(kwargs, service, routing_key, klass, spec.kind), expires=_iso(req.expires))
@@ -330,7 +330,7 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
             RUNTIME.metrics.observe("queue_seconds", max(time.time() - sent_at, 0.0), klass)
         redelivered = bool(req.delivery_info.get("redelivered") or headers.get("redelivered"))
         if redelivered or headers.get(RESENT_HEADER):
-            service.stats.redelivered += redelivered
+            service.stats.add(redelivered=int(redelivered))
             try:
                 verdict = RUNTIME.ledger.check(job.id, redelivered=redelivered)
             except Exception as exc:  # cannot tell: the safe side is to run it alone
@@ -338,7 +338,7 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
                 verdict = Verdict(suspect=redelivered, crashes=int(redelivered))
         if verdict.stored:
             service.count_received(job.size, klass, spec.kind)
-            service.stats.already_stored += 1
+            service.stats.add(already_stored=1)
             RUNTIME.finished.put((job, ALREADY_STORED, time.monotonic()))
         elif verdict.crashes >= settings.max_attempts:
             _dead_letter(service, job, verdict.crashes, hostname, message)
@@ -406,7 +406,7 @@ def _dead_letter(service: EmbeddingService, job: Job, crashes: int, hostname: st
     except BROKER_ERRORS:
         log.warning("could not record dead letter %s", job.id)
     service.count_received(job.size, job.traffic_class)
-    service.stats.dead_letters += 1
+    service.stats.add(dead_letters=1)
     service.fail(job, errors.DeadLetter(
         f"the worker died while running this job {crashes} times (max_attempts={service.settings.max_attempts}); "
         "it is not delivered again"))
