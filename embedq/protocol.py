@@ -120,31 +120,39 @@ def task_reprs(texts: Sequence[Any], options: dict[str, Any], kind: str = "embed
     return {"argsrepr": "[" + what.format(len(texts)) + "]", "kwargsrepr": short_options(options)}
 
 
-def validate_texts(texts: Any, *, max_texts: int, max_chars: int, what: str | None = None) -> list[str]:
-    """Check a job's inputs at the edge (producer) and again in the worker. ``what`` names a single
-    text in messages (``query``, ``inputs[3][1]``) instead of ``inputs[i]``."""
-    if isinstance(texts, str):
-        texts = [texts]
-    if not isinstance(texts, (list, tuple)):
-        raise errors.InvalidType(f"inputs must be a list of strings, got {type(texts).__name__}")
-    if not texts:
-        raise errors.EmptyInput("inputs is empty: send at least one text")
-    if len(texts) > max_texts:
-        raise errors.TooManyTexts(f"{len(texts)} texts in one job; the limit is {max_texts}")
-    for i, text in enumerate(texts):
-        where = what or f"inputs[{i}]"
-        if not isinstance(text, str):
-            raise errors.InvalidType(f"{where} is {type(text).__name__}, not a string")
-        if len(text) > max_chars:
-            raise errors.TextTooLong(f"{where} has {len(text)} characters; the limit is {max_chars}")
-        if not text.strip():
-            raise errors.EmptyText(f"{where} is empty or whitespace only")
-        if not text.isascii():
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise errors.InvalidText(f"{where} is not valid Unicode (a lone surrogate)") from None
-    return list(texts)
+def _job_list(values: Any, *, max_texts: int, what: str, one: str, many: str) -> list[Any]:
+    """A job's inputs as a non-empty list of at most ``max_texts`` entries (a single string is a list of one)."""
+    if isinstance(values, str):
+        values = [values]
+    if not isinstance(values, (list, tuple)):
+        raise errors.InvalidType(f"inputs must be a list of {what}, got {type(values).__name__}")
+    if not values:
+        raise errors.EmptyInput(f"inputs is empty: send at least one {one}")
+    if len(values) > max_texts:
+        raise errors.TooManyTexts(f"{len(values)} {many} in one job; the limit is {max_texts}")
+    return list(values)
+
+
+def _text(text: Any, where: str, max_chars: int) -> str:
+    """One text of a job, checked where the producer and the worker both check it."""
+    if not isinstance(text, str):
+        raise errors.InvalidType(f"{where} is {type(text).__name__}, not a string")
+    if len(text) > max_chars:
+        raise errors.TextTooLong(f"{where} has {len(text)} characters; the limit is {max_chars}")
+    if not text.strip():
+        raise errors.EmptyText(f"{where} is empty or whitespace only")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise errors.InvalidText(f"{where} is not valid Unicode (a lone surrogate)") from None
+    return text
+
+
+def validate_texts(texts: Any, *, max_texts: int, max_chars: int) -> list[str]:
+    """Check a job's inputs at the edge (producer) and again in the worker."""
+    texts = _job_list(texts, max_texts=max_texts, what="strings", one="text", many="texts")
+    return [_text(text, f"inputs[{i}]", max_chars) for i, text in enumerate(texts)]
 
 
 def check_message_size(args: list[Any], options: dict[str, Any], *, serializer: str, limit: int) -> None:
@@ -331,39 +339,24 @@ def _rerank_items(args: Any, max_texts: int, max_chars: int) -> list[Item]:
     if not isinstance(args, (list, tuple)) or len(args) != 2:
         raise errors.InvalidType("embedq.rerank takes exactly two positional arguments (query, texts)")
     query, texts = args
-    if not isinstance(query, str):
-        raise errors.InvalidType(f"query is {type(query).__name__}, not a string")
-    [query] = validate_texts([query], max_texts=1, max_chars=max_chars, what="query")
+    query = _text(query, "query", max_chars)
     texts = validate_texts(texts, max_texts=max_texts, max_chars=max_chars)
     return [(query, text) for text in texts]
 
 
 def _predict_items(args: Any, max_texts: int, max_chars: int) -> list[Item]:
-    inputs = _one_arg(args, "the list of inputs: texts or [text, text] pairs")
-    if isinstance(inputs, str):
-        inputs = [inputs]
-    if not isinstance(inputs, (list, tuple)):
-        raise errors.InvalidType(f"inputs must be a list of texts or text pairs, got {type(inputs).__name__}")
-    if not inputs:
-        raise errors.EmptyInput("inputs is empty: send at least one text or pair")
-    if len(inputs) > max_texts:
-        raise errors.TooManyTexts(f"{len(inputs)} inputs in one job; the limit is {max_texts}")
+    inputs = _job_list(_one_arg(args, "the list of inputs: texts or [text, text] pairs"), max_texts=max_texts,
+                       what="texts or text pairs", one="text or pair", many="inputs")
     items: list[Item] = []
     for i, entry in enumerate(inputs):
         if isinstance(entry, str):
-            items.extend(validate_texts([entry], max_texts=1, max_chars=max_chars, what=f"inputs[{i}]"))
+            items.append(_text(entry, f"inputs[{i}]", max_chars))
         elif isinstance(entry, (list, tuple)) and len(entry) == 2:
-            a, b = (validate_texts([t], max_texts=1, max_chars=max_chars, what=f"inputs[{i}][{j}]")[0]
-                    if isinstance(t, str) else _not_text(f"inputs[{i}][{j}]", t) for j, t in enumerate(entry))
-            items.append((a, b))
+            items.append((_text(entry[0], f"inputs[{i}][0]", max_chars), _text(entry[1], f"inputs[{i}][1]", max_chars)))
         else:
             raise errors.InvalidType(f"inputs[{i}] must be a text or a pair of texts, got "
                                      f"{type(entry).__name__}{f' of {len(entry)}' if isinstance(entry, list) else ''}")
     return items
-
-
-def _not_text(where: str, value: Any) -> str:
-    raise errors.InvalidType(f"{where} is {type(value).__name__}, not a string")
 
 
 def _first_len(index: int) -> Callable[[Any], int]:
