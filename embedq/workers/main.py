@@ -66,9 +66,9 @@ def run_worker(settings: Settings, *, hostname: str | None = None, loglevel: str
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     steady_memory()
     transport.install()
-    consumer.configure(settings)
-    consumer.load_service()  # fail fast (non-zero exit) on a model that cannot load
-    observe.serve_metrics(settings)  # and on a metrics port that is taken
+    worker = consumer.Worker(settings)
+    worker.load_service()  # fail fast (non-zero exit) on a model that cannot load
+    observe.serve_metrics(worker)  # and on a metrics port that is taken
     app = make_app(settings)
-    consumer.register(app)
+    consumer.register(app, worker)
     app.worker_main(worker_argv(settings, hostname=hostname, loglevel=loglevel))

@@ -18,35 +18,27 @@ from celery.worker.request import Request
 from embedq import __version__
 from embedq.protocol import TASKS, short_options
 from embedq.settings import Settings
-from embedq.workers.runtime import RUNTIME
 from embedq.workers.stats import COUNTERS
 
 if TYPE_CHECKING:
-    from embedq.workers.service import Job
+    from embedq.workers.consumer import Worker
 
 log = logging.getLogger(__name__)
 
 
-def serve_metrics(settings: Settings) -> None:
+def serve_metrics(worker: Worker) -> None:
     """Serve Prometheus metrics on ``metrics_port`` (0: none). A taken port stops the worker with a clear
     message: a worker nobody can see is worse than one that does not start."""
-    if not settings.metrics_port or RUNTIME.metrics is None:
+    settings = worker.settings
+    if not settings.metrics_port or worker.metrics is None:
         return
     try:
-        RUNTIME.metrics.serve(settings.metrics_port, settings.metrics_addr)
+        worker.metrics.serve(settings.metrics_port, settings.metrics_addr)
     except OSError as exc:
         where = f"{settings.metrics_addr}:{settings.metrics_port}"
         raise SystemExit(f"embedq worker: cannot serve metrics on {where} ({exc.strerror or exc}); give each "
                          "worker its own EMBEDQ_METRICS_PORT, or 0 for none") from None
     log.info("metrics on http://%s:%d/metrics", settings.metrics_addr, settings.metrics_port)
-
-
-def job_started(job: Job) -> None:
-    """Inference thread: the job's first micro-batch starts (its task-started event goes out on the
-    consumer thread, which owns the event connection)."""
-    if RUNTIME.metrics is not None and job.started is not None:
-        RUNTIME.metrics.observe("buffer_seconds", max(job.started - job.received, 0.0), job.traffic_class)
-    RUNTIME.started.put(job)
 
 
 def short_args(req: Any) -> str:
@@ -81,11 +73,11 @@ class EmbedRequest(Request):
         return out
 
 
-def identity() -> dict[str, Any]:
+def identity(worker: Worker | None) -> dict[str, Any]:
     """What this worker serves: shown by ``inspect stats`` (Flower), ``embedq_stats`` and the registry."""
-    service = RUNTIME.service
-    settings = RUNTIME.settings or Settings()
-    out: dict[str, Any] = {"ready": service is not None and not RUNTIME.stopped, "version": __version__,
+    service = worker.service if worker is not None else None
+    settings = worker.settings if worker is not None else Settings()
+    out: dict[str, Any] = {"ready": service is not None and not worker.stopped, "version": __version__,
                            "queues": settings.queues, "metrics_port": settings.metrics_port or None}
     if service is not None:
         info = service.info
@@ -94,20 +86,20 @@ def identity() -> dict[str, Any]:
     return out
 
 
-def worker_record() -> dict[str, Any]:
+def worker_record(worker: Worker) -> dict[str, Any]:
     """This worker's entry in the live-worker registry (embedq/monitor.py; ``embedq status``)."""
-    service = RUNTIME.service
-    record: dict[str, Any] = {"hostname": RUNTIME.hostname, "pid": os.getpid(), "started_at": RUNTIME.started_at,
-                              "reported_at": time.time(), **identity()}
+    service = worker.service
+    record: dict[str, Any] = {"hostname": worker.hostname, "pid": os.getpid(), "started_at": worker.started_at,
+                              "reported_at": time.time(), **identity(worker)}
     if service is not None:
         st = service.stats.snapshot()
-        record.update(buffered=len(service.scheduler), **window_stats())
+        record.update(buffered=len(service.scheduler), **window_stats(worker))
         record["counters"] = {k: st[k] for k in COUNTERS}
         record["errors_by_code"] = st["errors_by_code"]
         record["jobs_by_class"] = st["jobs_by_class"]
         record["jobs_by_kind"] = st["jobs_by_kind"]
-    if RUNTIME.metrics is not None:
-        record["rates"] = RUNTIME.metrics.rates.current()
+    if worker.metrics is not None:
+        record["rates"] = worker.metrics.rates.current()
     return record
 
 
@@ -116,20 +108,22 @@ class WorkerInfo(bootsteps.StartStopStep):
     shows for each worker (``/api/workers``). (A start-stop step: only those are asked for their info.)"""
 
     def info(self, c: Any) -> dict[str, Any]:
-        return {"embedq": identity()}
+        return {"embedq": identity(getattr(c.app, "embedq_worker", None))}
 
 
 @inspect_command()
 def embedq_stats(state: Any) -> dict[str, Any]:
     """``celery inspect embedq_stats``: the service's counters and model."""
-    service = RUNTIME.service
+    worker = getattr(state.consumer.app, "embedq_worker", None)
+    service = worker.service if worker is not None else None
     if service is None:
         return {"ready": False}
-    return {**identity(), "buffered": len(service.scheduler), **window_stats(), **service.stats.snapshot()}
+    return {**identity(worker), "buffered": len(service.scheduler), **window_stats(worker),
+            **service.stats.snapshot()}
 
 
-def window_stats() -> dict[str, int]:
-    window = RUNTIME.window
+def window_stats(worker: Worker) -> dict[str, int]:
+    window = worker.window
     if window is None:
         return {}
     return {"held_messages": window.messages, "held_texts": window.texts, "peak_held_messages": window.peak_messages,
