@@ -42,9 +42,13 @@ def test_b_redis_restarts_mid_run_the_worker_recovers_and_no_job_is_lost(persist
     client = Client(settings)
     texts = [f"{t[:300]} #{i}" for i, t in enumerate(corpus[:1200])]
     try:
-        handles = [client.submit([t]) for t in texts]
-        for handle in handles[:150]:
+        handles = [client.submit([t]) for t in texts[:150]]
+        for handle in handles:  # the worker is up and running jobs
             handle.result(timeout=120)
+        # Redis goes right after the other 1,050 are sent: a fast worker cannot have finished them, so
+        # jobs are waiting (queued or held) on every machine. Waiting for results first made the test
+        # flaky: a worker that had drained the queue left nothing to resend.
+        handles += [client.submit([t]) for t in texts[150:]]
         # with persistence Redis saves its AOF on SIGTERM; without, SIGKILL and it comes back empty
         server.proc.send_signal(signal.SIGTERM if persist else signal.SIGKILL)
         server.proc.wait(30)
