@@ -170,7 +170,8 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="build a MiniLM-L6-sized cross-encoder (384 hidden, 6 layers)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, help="torch threads, baseline and worker (default: torch's own count)")
-    p.add_argument("--linear-kernel", default="auto", choices=["auto", "torch", "onednn"], help="EMBEDQ_LINEAR_KERNEL")
+    p.add_argument("--linear-kernel", default="auto", choices=["auto", "torch", "onednn", "onnxruntime"],
+                   help="EMBEDQ_LINEAR_KERNEL")
     p.add_argument("--malloc-default", action="store_true", help="worker keeps glibc's dynamic mmap threshold")
     p.add_argument("--cache-default", action="store_true", help="worker keeps oneDNN/ideep cache capacities (1024)")
     p.add_argument("--timeout", type=float, default=7200, help="seconds to wait for each job's result")

@@ -131,10 +131,12 @@ class Settings(BaseSettings):
     )
     serializer: Literal["json", "msgpack"] = "json"
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (CPU).")
-    linear_kernel: Literal["auto", "onednn", "torch"] = Field(
+    linear_kernel: Literal["auto", "onednn", "torch", "onnxruntime"] = Field(
         default="auto",
         description="What runs the model's Linear layers on CPU: auto (oneDNN with prepacked weights when "
-        "it reproduces PyTorch's, else PyTorch), onednn (insist), torch (PyTorch's own, MKL).",
+        "it reproduces PyTorch's, else PyTorch), onednn (insist), torch (PyTorch's own, MKL), onnxruntime "
+        "(the whole forward pass in ONNX Runtime with its transformer fusions: CPU, float32, encoders; "
+        "exported once and cached in EMBEDQ_ONNX_CACHE; needs the onnx extra).",
     )
 
     @field_validator("broker_url", "result_backend")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,18 @@ def load_corpus(n: int | None = None) -> list[str]:
             if n is not None and len(texts) >= n:
                 break
     return texts
+
+
+@pytest.fixture(scope="session", autouse=True)
+def onnx_cache(tmp_path_factory):
+    """ONNX exports (linear_kernel=onnxruntime) go to a private folder, for this process and its workers."""
+    old = os.environ.get("EMBEDQ_ONNX_CACHE")
+    os.environ["EMBEDQ_ONNX_CACHE"] = str(tmp_path_factory.mktemp("onnx-cache"))
+    yield
+    if old is None:
+        os.environ.pop("EMBEDQ_ONNX_CACHE", None)
+    else:
+        os.environ["EMBEDQ_ONNX_CACHE"] = old
 
 
 @pytest.fixture(scope="session")

@@ -38,15 +38,19 @@ def texts() -> list[str]:
     return out
 
 
-@pytest.fixture(scope="module", params=["auto", "torch"], ids=["fast-kernel", "torch-kernel"])
+@pytest.fixture(scope="module", params=["auto", "torch", "onnxruntime"],
+                ids=["fast-kernel", "torch-kernel", "onnxruntime"])
 def backend(request):
-    """What a worker runs (``auto``: oneDNN Linear layers where available) and PyTorch's own kernels."""
+    """What a worker runs (``auto``: oneDNN Linear layers where available), PyTorch's own kernels, and the
+    forward pass in ONNX Runtime (exported and checked at load)."""
     from embedq.backends.kernels import onednn_available
 
     loaded = load_backend("sentence-transformers/all-MiniLM-L6-v2", device="cpu", dtype="float32",
                           linear_kernel=request.param)
     if request.param == "auto":
         assert loaded.info.linear_kernel == ("onednn" if onednn_available() else "torch")
+    if request.param == "onnxruntime":
+        assert loaded.info.linear_kernel == "onnxruntime"
     return loaded
 
 

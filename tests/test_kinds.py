@@ -63,10 +63,14 @@ def _docs(corpus, n, seed=0) -> list[str]:
 
 
 # -- a: fidelity ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kernel", ["auto", "onnxruntime"])
 @pytest.mark.parametrize("name", ["bert-ce", "xlmr-ce", "bert-cls"])
-def test_a_scores_equal_cross_encoder_whatever_shares_the_micro_batch(name, models, corpus):
+def test_a_scores_equal_cross_encoder_whatever_shares_the_micro_batch(name, kernel, models, corpus):
     folder = models[name]
-    backend = load_backend(str(folder))
+    backend = load_backend(str(folder), linear_kernel=kernel)
+    if kernel == "onnxruntime":  # the forward pass runs in ONNX Runtime, not silently in PyTorch
+        assert backend.info.linear_kernel == "onnxruntime"
+        assert backend.encoder.linear_kernel == "onnxruntime"
     pairs = [(QUERY, d) for d in _docs(corpus, 40)] + [(QUERY, LONG), (LONG, "short"), (LONG, LONG)]
     kind = "rerank" if "rerank" in backend.info.kinds else "predict"
     assert backend.encoder.takes_token_type_ids == (name != "xlmr-ce")
@@ -94,6 +98,13 @@ def test_a_scores_equal_cross_encoder_whatever_shares_the_micro_batch(name, mode
         assert np.abs(scores - want).max() <= 1e-5, name
         if kind == "rerank":
             assert np.argsort(-scores, kind="stable").tolist() == np.argsort(-want, kind="stable").tolist()
+
+
+def test_a_onnxruntime_is_refused_where_it_cannot_be_faithful(models):
+    # float32 on the CPU only: asked for anything else, the worker does not start (never a silent fallback)
+    with pytest.raises(errors.InvalidOption, match="CPU in float32 only"):
+        load_backend(str(models["bert-ce"]), dtype="bfloat16", linear_kernel="onnxruntime")
+    assert Settings(linear_kernel="onnxruntime").linear_kernel == "onnxruntime"
 
 
 def test_a_rerank_and_predict_through_the_worker(ce_worker, models, corpus):

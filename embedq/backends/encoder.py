@@ -196,11 +196,30 @@ class Encoder:
         except (OSError, ValueError, KeyError) as exc:
             raise errors.UnsupportedModel(f"cannot load the transformer in {folder}: {exc}") from exc
         self.model = model.to(self.device).eval()
-        # On CPU, oneDNN with prepacked weights runs the Linear layers ~2x faster than MKL (kernels.py).
-        self.linear_kernel = pack_linears(self.model, linear_kernel)
         params = inspect.signature(self.model.forward).parameters
         self.takes_token_type_ids = "token_type_ids" in params and "token_type_ids" in tokenizer.model_input_names
         self._position_ids = "position_ids" in params
+        self._forward: Any = self.model
+        if linear_kernel == "onnxruntime":
+            self._forward = self._onnx(folder, task)
+            self.linear_kernel = "onnxruntime"
+        else:
+            # On CPU, oneDNN with prepacked weights runs the Linear layers ~2x faster than MKL (kernels.py).
+            self.linear_kernel = pack_linears(self.model, linear_kernel)
+
+    def _onnx(self, folder: Path, task: str) -> Any:
+        """The forward pass in ONNX Runtime (onnx.py), checked against this model before it serves."""
+        from embedq.backends.onnx import load_onnx
+
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise errors.InvalidOption("linear_kernel=onnxruntime runs on the CPU in float32 only")
+        if self.left_padding:
+            raise errors.InvalidOption("linear_kernel=onnxruntime serves right-padded encoders; this tokenizer "
+                                       "pads on the left")
+        names = ["input_ids", "attention_mask"] + (["token_type_ids"] if self.takes_token_type_ids else [])
+        output = "logits" if task == CLASSIFY else "last_hidden_state"
+        return load_onnx(self.model, weights=weights_sha256(folder), task=task, names=names, output=output,
+                         pad_id=self._pad_id, threads=torch.get_num_threads())
 
     # -- tokenization -------------------------------------------------------------------------------------
     def _call(self, tokenizer: Any, first: list[str], second: list[str] | None, *, truncate: bool,
@@ -331,7 +350,7 @@ class Encoder:
             if self.left_padding and self._position_ids and min(lengths) < width:
                 # Positions as the unpadded text would have them (left padding only).
                 inputs["position_ids"] = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-            return self.model(**inputs, return_dict=True), attention_mask
+            return self._forward(**inputs, return_dict=True), attention_mask
 
 
 def _lowercase(tokenizer: Any) -> None:

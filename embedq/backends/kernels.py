@@ -24,7 +24,7 @@ from embedq import errors
 
 log = logging.getLogger(__name__)
 
-LinearKernel = Literal["auto", "onednn", "torch"]
+LinearKernel = Literal["auto", "onednn", "torch", "onnxruntime"]  # onnxruntime: see onnx.py
 
 #: Largest |Δ| allowed between a packed layer and its nn.Linear on the probe, relative to the output's
 #: scale: fp32 rounding noise, or about two bf16 ulps (bf16 outputs are rounded to 8 mantissa bits).
@@ -76,7 +76,7 @@ def pack_linears(model: nn.Module, kernel: LinearKernel = "auto") -> str:
     original on a probe; ``onednn`` insists (:class:`~embedq.errors.InvalidOption` when it cannot);
     ``torch`` leaves the model as it is. Returns the kernel in use: ``"onednn"`` or ``"torch"``.
     """
-    if kernel == "torch":
+    if kernel in ("torch", "onnxruntime"):  # onnxruntime: the encoder runs no PyTorch Linear layers at all
         return "torch"
     params = list(model.parameters())
     on_cpu = bool(params) and all(p.device.type == "cpu" for p in params)
