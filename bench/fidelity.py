@@ -64,6 +64,8 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--max-batch-tokens", type=int, default=None, help="default: the worker's (2048 CPU, 16384 CUDA)")
+    p.add_argument("--linear-kernel", default="auto", choices=["auto", "torch", "onednn", "onnxruntime"],
+                   help="what runs the model (EMBEDQ_LINEAR_KERNEL)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
 
@@ -77,7 +79,8 @@ def main() -> int:
     st_ids = st.preprocess(texts)
     oracle_s = time.perf_counter() - t0
 
-    backend = load_backend("sentence-transformers/all-MiniLM-L6-v2", device=args.device, dtype=args.dtype)
+    backend = load_backend("sentence-transformers/all-MiniLM-L6-v2", device=args.device, dtype=args.dtype,
+                           linear_kernel=args.linear_kernel)
     ids = backend.tokenize(texts).ids
     mismatched = [
         i for i, row in enumerate(ids)
@@ -114,7 +117,8 @@ def main() -> int:
     }
     lengths = [len(r) for r in ids]
     print(f"# embedq fidelity  {time.strftime('%Y-%m-%d')}  {platform.node()}  cpus={os.cpu_count()}  "
-          f"device={args.device}  dtype={args.dtype}  torch={torch.__version__}")
+          f"device={args.device}  dtype={args.dtype}  torch={torch.__version__}  "
+          f"kernel={backend.info.linear_kernel}")
     print(f"# {len(texts)} corpus texts, {sum(lengths)} tokens ({min(lengths)}-{max(lengths)} per text, "
           f"{sum(n == backend.info.max_seq_length for n in lengths)} truncated); oracle: sentence-transformers "
           f"fp32 encode(batch_size=1), {oracle_s:.1f}s")

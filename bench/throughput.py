@@ -58,7 +58,7 @@ def run_st(texts: list[str], device: str, dtype: str, model_path: str, *,
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from embedq.backends.dense import attention_kernels
+    from embedq.backends.encoder import attention_kernels
 
     model = SentenceTransformer(model_path, device=device)
     if dtype == "float16":

@@ -1,9 +1,10 @@
 """ONNX Runtime as the encoder's forward pass on CPU (``EMBEDQ_LINEAR_KERNEL=onnxruntime``).
 
 PyTorch runs an encoder op by op; ONNX Runtime runs the same graph with its transformer fusions
-(bias + GELU, residual + LayerNorm, attention where the pattern is found), which on a 2-core AVX2
-machine measured about 2x PyTorch's eager forward pass on a MiniLM-sized cross-encoder (same packed
-batches, fp32, logits within 3e-7). The numbers stay fp32 with fp32 accumulation; nothing is quantised.
+(embeddings + LayerNorm, attention, bias + GELU, residual + LayerNorm). The numbers stay fp32 with fp32
+accumulation; nothing is quantised (scores within 2e-7 of CrossEncoder's). Measured on the 2-core AVX2
+machine (docs/BENCHMARKS.md, *Rerank*) it ties PyTorch's own kernels in a worker: an option for the
+machines where it wins, not a default.
 
 The transformer is exported once per (weights, task, library versions) with ``torch.onnx.export``,
 optimised with ``onnxruntime.transformers.optimizer`` and cached under ``EMBEDQ_ONNX_CACHE`` (default
@@ -122,8 +123,8 @@ def _export(model: nn.Module, names: list[str], output: str, vocab: int, pad_id:
     dynamic = {name: {0: "batch", 1: "length"} for name in names}
     dynamic[output] = {0: "batch", 1: "length"} if output == "last_hidden_state" else {0: "batch"}
     # Exported with eager attention: its MatMul/Softmax pattern is what ORT fuses into one Attention op
-    # (with SDPA's graph the fusion finds nothing; measured 4,300-5,000 vs 3,500-3,900 real tokens/s on a
-    # MiniLM-sized cross-encoder, 2-core AVX2). The model is put back as it was.
+    # (in SDPA's graph the fusion finds nothing; in a worker, bench/rerank.py --small --jobs 20: 3,923
+    # against 3,686 real tokens/s in the model). The model is put back as it was.
     attention = getattr(model.config, "_attn_implementation", None)
     switch = attention not in (None, "eager") and hasattr(model, "set_attn_implementation")
     with warnings.catch_warnings(), contextlib.ExitStack() as undo:
