@@ -453,7 +453,8 @@ def main() -> int:
     p.add_argument("--corpus", type=Path, default=CORPUS, help="JSONL with a 'text' field per line")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--linear-kernel", choices=["auto", "onednn", "torch"], help="the worker's (default: settings)")
+    p.add_argument("--linear-kernel", choices=["auto", "onednn", "torch", "onnxruntime"],
+                   help="the worker's runtime (default: settings)")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="machine-readable summary: to PATH, or alone on stdout (the table then goes to stderr)")
     args = p.parse_args()

@@ -8,8 +8,8 @@ Runs, in this one process tree and on the same texts:
   1. sentence-transformers ``encode(batch_size=32)`` in-process (the reference),
   2. embedq: a private redis-server, one ``embedq worker`` process, jobs of ``--job-size`` texts
      all enqueued, results collected (enqueue -> worker -> results),
-  3. on CPU, embedq again with PyTorch's own Linear kernels (``EMBEDQ_LINEAR_KERNEL=torch``), so the
-     table separates what token-budget packing gives from what the oneDNN kernels give,
+  3. on CPU, embedq again with PyTorch's own kernels forced (``EMBEDQ_LINEAR_KERNEL=torch``), so the
+     table separates what token-budget packing gives from what the runtime the worker chose gives,
   4. naive Celery: one task per text on a plain solo worker (``--naive-n`` texts).
 The last line is the headline ratio embedq / sentence-transformers (texts/s).
 """
@@ -31,6 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from embedq.backends.cpu import cpu_summary  # noqa: E402
 from embedq.producers.client import Client  # noqa: E402
 from embedq.producers.embedded import RedisServer, start_worker, stop_worker, wait_for_worker  # noqa: E402
 from embedq.settings import Settings  # noqa: E402
@@ -97,7 +98,8 @@ def run_embedq(texts: list[str], settings: Settings, job_size: int, log: Path) -
         client.close()
     delta = {k: after[k] - before[k] for k in ("batches", "items", "real_tokens", "padded_tokens",
                                                 "inference_seconds", "results_seconds", "jobs_succeeded")}
-    delta["linear_kernel"] = after.get("linear_kernel", "torch")
+    for key in ("linear_kernel", "runtime_choice", "memory_policy"):
+        delta[key] = after.get(key, "?")
     return elapsed, vecs, delta
 
 
@@ -179,12 +181,14 @@ def main() -> None:
     ]
     if torch_kernel is not None:
         tk_s, _, tk = torch_kernel
-        rows.append(("embedq, PyTorch's own Linear kernels", len(texts), tk_s, tk["real_tokens"],
+        rows.append(("embedq, runtime torch (forced)", len(texts), tk_s, tk["real_tokens"],
                      1 - tk["real_tokens"] / tk["padded_tokens"]))
     if naive_s is not None:
         rows.append(("naive Celery, 1 task per text", naive_n, naive_s, sum(lengths[:naive_n]), 0.0))
-    print(f"# embedq throughput  {time.strftime('%Y-%m-%d')}  {platform.node()}  {platform.processor() or ''}"
-          f"  cpus={os.cpu_count()}  device={args.device}  dtype={args.dtype}")
+    print(f"# embedq throughput  {time.strftime('%Y-%m-%d')}  {platform.node()}  cpus={os.cpu_count()}  "
+          f"device={args.device}  dtype={args.dtype}")
+    print(f"# CPU: {cpu_summary()}")
+    print(f"# worker runtime: {eq['linear_kernel']} ({eq['runtime_choice']}); memory policy {eq['memory_policy']}")
     print(f"# {len(texts)} corpus texts, {real} real tokens; embedq: {eq['batches']} micro-batches, "
           f"max_batch_tokens={settings.batch_tokens}; vs ST: min cosine {cos.min():.7f}, max |delta| {delta:.1e}")
     print(f"{'run':<44} {'texts':>6} {'seconds':>8} {'texts/s':>9} {'tokens/s':>9} {'padding':>8}")

@@ -133,10 +133,22 @@ class Settings(BaseSettings):
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (CPU).")
     linear_kernel: Literal["auto", "onednn", "torch", "onnxruntime"] = Field(
         default="auto",
-        description="What runs the model's Linear layers on CPU: auto (oneDNN with prepacked weights when "
-        "it reproduces PyTorch's, else PyTorch), onednn (insist), torch (PyTorch's own, MKL), onnxruntime "
-        "(the whole forward pass in ONNX Runtime with its transformer fusions: CPU, float32, encoders; "
-        "exported once and cached in EMBEDQ_ONNX_CACHE; needs the onnx extra).",
+        description="The runtime of the model's forward pass on CPU. auto: the worker times torch, onednn and "
+        "onnxruntime on micro-batches like its own at load and keeps the fastest of those that reproduce "
+        "PyTorch's outputs within 1e-5; the choice is cached per machine and model in EMBEDQ_RUNTIME_CACHE "
+        "(backends/runtime.py). torch: PyTorch's own kernels (MKL); onednn: the Linear layers on oneDNN with "
+        "prepacked weights; onnxruntime: the whole forward pass in ONNX Runtime with its transformer fusions "
+        "(CPU, float32, encoders; exported once into EMBEDQ_ONNX_CACHE; needs the onnx extra). On a GPU: torch.",
+    )
+    memory_policy: Literal["trim", "mmap", "glibc"] = Field(
+        default="mmap",
+        description="How a worker keeps its RSS flat (embedq/workers/memory.py): trim (glibc's malloc as it is, "
+        "free pages handed back with malloc_trim at most every malloc_trim_interval s and when idle), mmap "
+        "(every block over 128 KiB mapped and unmapped per use: flat, but page faults on every batch), glibc "
+        "(nothing done). trim and mmap also cap oneDNN's/ideep's per-shape caches at 64 entries.",
+    )
+    malloc_trim_interval: float = Field(
+        default=5.0, gt=0, description="Seconds of work between two malloc_trim calls (memory_policy=trim).",
     )
 
     @field_validator("broker_url", "result_backend")

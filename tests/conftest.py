@@ -33,15 +33,19 @@ def load_corpus(n: int | None = None) -> list[str]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def onnx_cache(tmp_path_factory):
-    """ONNX exports (linear_kernel=onnxruntime) go to a private folder, for this process and its workers."""
-    old = os.environ.get("EMBEDQ_ONNX_CACHE")
-    os.environ["EMBEDQ_ONNX_CACHE"] = str(tmp_path_factory.mktemp("onnx-cache"))
+def private_caches(tmp_path_factory):
+    """ONNX exports and runtime choices go to private folders, for this process and its workers: no test reads
+    a choice measured outside the suite."""
+    names = {"EMBEDQ_ONNX_CACHE": "onnx-cache", "EMBEDQ_RUNTIME_CACHE": "runtime-cache"}
+    old = {name: os.environ.get(name) for name in names}
+    for name, folder in names.items():
+        os.environ[name] = str(tmp_path_factory.mktemp(folder))
     yield
-    if old is None:
-        os.environ.pop("EMBEDQ_ONNX_CACHE", None)
-    else:
-        os.environ["EMBEDQ_ONNX_CACHE"] = old
+    for name, value in old.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

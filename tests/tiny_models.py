@@ -16,14 +16,14 @@ LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 MAX_LENGTH = 64
 
 
-def _bert(num_labels: int, seed: int, **extra):
+def _bert(num_labels: int, seed: int, layers: int = 2, hidden: int = 32, **extra):
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
     tokenizer = AutoTokenizer.from_pretrained(str(gt.MODEL_DIR), model_max_length=MAX_LENGTH)
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=MAX_LENGTH, num_labels=num_labels,
-                        initializer_range=0.3, **extra)
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+                        num_attention_heads=2, intermediate_size=2 * hidden, max_position_embeddings=MAX_LENGTH,
+                        num_labels=num_labels, initializer_range=0.3, **extra)
     torch.manual_seed(seed)
     return BertForSequenceClassification(config).eval(), tokenizer
 
@@ -40,9 +40,10 @@ def bert_cross_encoder(path: Path) -> Path:
     return path
 
 
-def bert_classifier(path: Path) -> Path:
+def bert_classifier(path: Path, layers: int = 2, hidden: int = 32) -> Path:
     """Three labels with names, saved as a bare transformers folder."""
-    model, tokenizer = _bert(3, seed=3, id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
+    model, tokenizer = _bert(3, seed=3, layers=layers, hidden=hidden, id2label=LABELS,
+                             label2id={v: k for k, v in LABELS.items()})
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

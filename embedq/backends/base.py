@@ -41,7 +41,8 @@ class ModelInfo:
     device: str
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
-    linear_kernel: str = "torch"  # what runs the Linear layers: "torch" or "onednn" (CPU)
+    linear_kernel: str = "torch"  # the runtime of the forward pass: "torch", "onednn" or "onnxruntime" (CPU)
+    runtime_choice: str = ""  # how linear_kernel=auto chose it (candidates, timings); "" when it was forced
     kinds: tuple[str, ...] = ("embed", "tokenize")  # the job kinds this model serves
     labels: tuple[str, ...] = ()  # classifiers: the label of each logit (``id2label``)
 

@@ -1,4 +1,5 @@
-"""CPU features that are advertised but do not work.
+"""What this CPU is (model, instruction sets: named beside every benchmark figure), and CPU features that are
+advertised but do not work.
 
 Some virtual machines advertise Intel AMX (in cpuid, and the kernel grants the tile state) but fault on
 AMX instructions. oneDNN, inside PyTorch, picks its AMX kernels for bfloat16/float16 matrix products
@@ -10,10 +11,14 @@ cap once); ``load_backend`` calls it before it loads anything on CPU. Imports no
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import platform
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -25,14 +30,39 @@ _checked = False
 
 
 def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set(cpu_description()["flags"])
+
+
+def cpu_description() -> dict[str, Any]:
+    """The CPU as /proc/cpuinfo tells it: model name, family/model numbers, flags, cores."""
+    info: dict[str, Any] = {"model_name": platform.processor() or platform.machine(), "family": None,
+                            "model": None, "flags": [], "cores": os.cpu_count()}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name":
+                info["model_name"] = value
+            elif key == "cpu family":
+                info["family"] = value
+            elif key == "model":
+                info["model"] = value
+            elif key == "flags":
+                info["flags"] = sorted(value.split())
+                break
+    return info
+
+
+#: The instruction sets that decide which kernels a runtime can use (what docs and benches print).
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_summary() -> str:
+    """One line for a benchmark's header: ``AMD EPYC (family 25 model 1), 2 cores, avx2 fma``."""
+    cpu = cpu_description()
+    flags = [f for f in ISA_FLAGS if f in set(cpu["flags"])]
+    numbers = f" (family {cpu['family']} model {cpu['model']})" if cpu["family"] else ""
+    return f"{cpu['model_name']}{numbers}, {cpu['cores']} cores, {' '.join(flags) or 'no AVX2'}"
 
 
 def guard_amx() -> str | None:

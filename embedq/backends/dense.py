@@ -107,7 +107,7 @@ class DenseBackend(ModelBackend):
 
     def __init__(self, path: str | Path, *, model_id: str | None = None, device: str = "cpu",
                  dtype: str = "float32", torch_threads: int | None = None,
-                 linear_kernel: LinearKernel = "auto") -> None:
+                 linear_kernel: LinearKernel = "auto", batch_tokens: int = 2048, online_tokens: int = 256) -> None:
         folder = Path(path).resolve()
         transformer_dir, st_config, pooling_config, steps = _dense_modules(folder)
         has_modules = (folder / "modules.json").is_file()
@@ -116,7 +116,8 @@ class DenseBackend(ModelBackend):
             raise errors.UnsupportedModel(
                 f"Transformer module_output_name={st_config['module_output_name']!r} is not supported")
         encoder = Encoder(transformer_dir, st_config, task=FEATURES, device=device, dtype=dtype,
-                          torch_threads=torch_threads, linear_kernel=linear_kernel, allow_chat_template=has_modules)
+                          torch_threads=torch_threads, linear_kernel=linear_kernel, allow_chat_template=has_modules,
+                          batch_tokens=batch_tokens, online_tokens=online_tokens)
         config = encoder.config
         hidden = getattr(config, "hidden_size", None)
         if pooling_config is None:

@@ -125,7 +125,8 @@ class Encoder:
 
     def __init__(self, folder: Path, st_config: dict[str, Any], *, task: str = FEATURES, device: str = "cpu",
                  dtype: str = "float32", torch_threads: int | None = None,
-                 linear_kernel: LinearKernel = "auto", allow_chat_template: bool = False) -> None:
+                 linear_kernel: LinearKernel = "auto", allow_chat_template: bool = False,
+                 batch_tokens: int = 2048, online_tokens: int = 256) -> None:
         from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
         if dtype not in DTYPES:
@@ -200,12 +201,35 @@ class Encoder:
         self.takes_token_type_ids = "token_type_ids" in params and "token_type_ids" in tokenizer.model_input_names
         self._position_ids = "position_ids" in params
         self._forward: Any = self.model
-        if linear_kernel == "onnxruntime":
+        self.runtime_choice: Any = None  # runtime.Choice when linear_kernel=auto chose by measurement
+        if linear_kernel == "auto" and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
+            from embedq.backends.runtime import choose
+
+            self.runtime_choice, candidate = choose(self, weights=weights_sha256(folder), tokens=batch_tokens,
+                                                    online_tokens=online_tokens)
+            self._forward, self.linear_kernel = candidate.forward, self.runtime_choice.runtime
+        elif linear_kernel == "onnxruntime":
             self._forward = self._onnx(folder, task)
             self.linear_kernel = "onnxruntime"
-        else:
-            # On CPU, oneDNN with prepacked weights runs the Linear layers ~2x faster than MKL (kernels.py).
+        else:  # an operator's choice (or a GPU / float16, where PyTorch's own kernels run)
             self.linear_kernel = pack_linears(self.model, linear_kernel)
+
+    def make_runtime(self, name: str) -> Any:
+        """A :class:`~embedq.backends.runtime.Candidate` running this model with runtime ``name``; None where
+        that runtime does not apply (raises with the reason where it should but cannot)."""
+        from embedq.backends.kernels import onednn_swaps
+        from embedq.backends.runtime import Candidate
+
+        if name == "torch":
+            return Candidate("torch", self.model)
+        if name == "onednn":
+            swaps = onednn_swaps(self.model)
+            return None if swaps is None else Candidate("onednn", self.model, swaps.apply, swaps.undo)
+        if name == "onnxruntime":
+            if self.device.type != "cpu" or self.dtype != torch.float32 or self.left_padding:
+                return None
+            return Candidate("onnxruntime", self._onnx(self.folder, self.task))
+        raise errors.InvalidOption(f"unknown runtime {name!r}")
 
     def _onnx(self, folder: Path, task: str) -> Any:
         """The forward pass in ONNX Runtime (onnx.py), checked against this model before it serves."""
@@ -324,8 +348,9 @@ class Encoder:
         return [Encoded(r, list(types[i]) if types is not None else None, 0) for i, r in enumerate(rows)]
 
     # -- inference ------------------------------------------------------------------------------------------
-    def run(self, batch: Sequence[Encoded]) -> tuple[Any, torch.Tensor]:
-        """One padded forward pass: (the model's output, the attention mask). Call under inference_mode."""
+    def run(self, batch: Sequence[Encoded], forward: Any = None) -> tuple[Any, torch.Tensor]:
+        """One padded forward pass: (the model's output, the attention mask). Call under inference_mode.
+        ``forward``: another runtime than the encoder's own (the runtime tuner's candidates)."""
         n = len(batch)
         lengths = [len(item.ids) for item in batch]
         width = max(max(lengths), 1)
@@ -350,7 +375,7 @@ class Encoder:
             if self.left_padding and self._position_ids and min(lengths) < width:
                 # Positions as the unpadded text would have them (left padding only).
                 inputs["position_ids"] = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-            return self._forward(**inputs, return_dict=True), attention_mask
+            return (forward or self._forward)(**inputs, return_dict=True), attention_mask
 
 
 def _lowercase(tokenizer: Any) -> None:

@@ -69,24 +69,37 @@ def _probe(linear: nn.Linear, packed: OneDNNLinear) -> bool:
     return got.shape == want.shape and bool(((got - want).abs().max() / scale) <= tolerance)
 
 
-def pack_linears(model: nn.Module, kernel: LinearKernel = "auto") -> str:
-    """Swap ``model``'s ``nn.Linear`` layers for :class:`OneDNNLinear` where that is safe.
+class Swaps:
+    """The oneDNN layers for a model, prepared and probed, that can be put in and taken out again (the
+    runtime tuner times the model both ways before it keeps one)."""
 
-    ``auto`` packs on CPU in float32 or bfloat16 when oneDNN is there and every packed layer matches its
-    original on a probe; ``onednn`` insists (:class:`~embedq.errors.InvalidOption` when it cannot);
-    ``torch`` leaves the model as it is. Returns the kernel in use: ``"onednn"`` or ``"torch"``.
-    """
-    if kernel in ("torch", "onnxruntime"):  # onnxruntime: the encoder runs no PyTorch Linear layers at all
-        return "torch"
+    def __init__(self, swaps: list[tuple[nn.Module, str, nn.Linear, OneDNNLinear]]) -> None:
+        self.swaps = swaps
+
+    def apply(self) -> None:
+        for parent, name, _, packed in self.swaps:
+            setattr(parent, name, packed)
+
+    def undo(self) -> None:
+        for parent, name, linear, _ in self.swaps:
+            setattr(parent, name, linear)
+
+
+def onednn_swaps(model: nn.Module, *, insist: bool = False) -> Swaps | None:
+    """Every plain ``nn.Linear`` of ``model`` as a probed :class:`OneDNNLinear`, not yet swapped in.
+
+    None when oneDNN cannot serve this model (not on CPU in float32/bfloat16, ops missing, a layer that does
+    not reproduce its ``nn.Linear`` on the probe, or no Linear layers at all); with ``insist`` that is an
+    :class:`~embedq.errors.InvalidOption` instead."""
     params = list(model.parameters())
     on_cpu = bool(params) and all(p.device.type == "cpu" for p in params)
     dtype_ok = bool(params) and all(p.dtype in _PROBE_TOLERANCE for p in params)
     if not (on_cpu and dtype_ok and onednn_available()):
-        if kernel == "onednn":
+        if insist:
             raise errors.InvalidOption("the oneDNN linear kernel needs a CPU model in float32/bfloat16 and a PyTorch "
-                               "build with oneDNN")
-        return "torch"
-    swaps: list[tuple[nn.Module, str, OneDNNLinear]] = []
+                                       "build with oneDNN")
+        return None
+    swaps: list[tuple[nn.Module, str, nn.Linear, OneDNNLinear]] = []
     for parent in model.modules():
         for name, child in parent.named_children():
             if type(child) is not nn.Linear:  # subclasses may do more than x @ W.T + b
@@ -98,12 +111,25 @@ def pack_linears(model: nn.Module, kernel: LinearKernel = "auto") -> str:
                 log.info("oneDNN linear unavailable (%s); keeping PyTorch's kernels", exc)
                 ok = False
             if not ok:
-                if kernel == "onednn":
+                if insist:
                     raise errors.InvalidOption(f"the oneDNN linear kernel does not reproduce {name}; not using it")
-                return "torch"
-            swaps.append((parent, name, packed))
-    if not swaps:
+                return None
+            swaps.append((parent, name, child, packed))
+    return Swaps(swaps) if swaps else None
+
+
+def pack_linears(model: nn.Module, kernel: LinearKernel = "auto") -> str:
+    """Swap ``model``'s ``nn.Linear`` layers for :class:`OneDNNLinear` where that is safe.
+
+    ``auto`` packs on CPU in float32 or bfloat16 when oneDNN is there and every packed layer matches its
+    original on a probe; ``onednn`` insists (:class:`~embedq.errors.InvalidOption` when it cannot);
+    ``torch`` leaves the model as it is. Returns the kernel in use: ``"onednn"`` or ``"torch"``. (A worker's
+    ``auto`` chooses by measurement instead: :mod:`embedq.backends.runtime`.)
+    """
+    if kernel in ("torch", "onnxruntime"):  # onnxruntime: the encoder runs no PyTorch Linear layers at all
         return "torch"
-    for parent, name, packed in swaps:
-        setattr(parent, name, packed)
+    swaps = onednn_swaps(model, insist=kernel == "onednn")
+    if swaps is None:
+        return "torch"
+    swaps.apply()
     return "onednn"

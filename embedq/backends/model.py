@@ -132,7 +132,8 @@ def check_modality(st_config: dict[str, Any], output_name: str) -> None:
 
 
 def load_model(path: Path, *, model_id: str, device: str = "cpu", dtype: str = "float32",
-               torch_threads: int | None = None, linear_kernel: LinearKernel = "auto") -> ModelBackend:
+               torch_threads: int | None = None, linear_kernel: LinearKernel = "auto", batch_tokens: int = 2048,
+               online_tokens: int = 256) -> ModelBackend:
     """Load the folder at ``path`` with the heads it calls for."""
     folder = Path(path).resolve()
     modules = read_modules(folder)
@@ -141,14 +142,15 @@ def load_model(path: Path, *, model_id: str, device: str = "cpu", dtype: str = "
         from embedq.backends.classify import load_classifier
 
         return load_classifier(folder, transformer_dir, st_config, modules, model_id=model_id, device=device,
-                               dtype=dtype, torch_threads=torch_threads, linear_kernel=linear_kernel)
+                               dtype=dtype, torch_threads=torch_threads, linear_kernel=linear_kernel,
+                               batch_tokens=batch_tokens, online_tokens=online_tokens)
     from embedq.backends.dense import DenseBackend
 
     return DenseBackend(folder, model_id=model_id, device=device, dtype=dtype, torch_threads=torch_threads,
-                        linear_kernel=linear_kernel)
+                        linear_kernel=linear_kernel, batch_tokens=batch_tokens, online_tokens=online_tokens)
 
 
 def base_info(folder: Path, encoder: Encoder, **fields: Any) -> ModelInfo:
     return ModelInfo(path=str(folder), max_seq_length=encoder.max_seq_length, weights_sha256=weights_sha256(folder),
                      dtype=encoder.dtype_name, device=str(encoder.device), linear_kernel=encoder.linear_kernel,
-                     **fields)
+                     runtime_choice=encoder.runtime_choice.describe() if encoder.runtime_choice else "", **fields)

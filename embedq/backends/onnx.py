@@ -2,9 +2,8 @@
 
 PyTorch runs an encoder op by op; ONNX Runtime runs the same graph with its transformer fusions
 (embeddings + LayerNorm, attention, bias + GELU, residual + LayerNorm). The numbers stay fp32 with fp32
-accumulation; nothing is quantised (scores within 2e-7 of CrossEncoder's). Measured on the 2-core AVX2
-machine (docs/BENCHMARKS.md, *Rerank*) it ties PyTorch's own kernels in a worker: an option for the
-machines where it wins, not a default.
+accumulation; nothing is quantised (scores within 2e-7 of CrossEncoder's). It is one of the candidates
+``linear_kernel=auto`` times at load (:mod:`embedq.backends.runtime`), and can be forced.
 
 The transformer is exported once per (weights, task, library versions) with ``torch.onnx.export``,
 optimised with ``onnxruntime.transformers.optimizer`` and cached under ``EMBEDQ_ONNX_CACHE`` (default
@@ -225,4 +224,4 @@ def load_onnx(model: nn.Module, *, weights: str, task: str, names: list[str], ou
             return candidate
         failures.append(f"{name}: relative |delta| {delta:.2e} over {PROBE_TOLERANCE:.0e}")
     raise errors.UnsupportedModel("ONNX Runtime does not reproduce this model's PyTorch outputs ("
-                                  + "; ".join(failures) + "); use linear_kernel=auto")
+                                  + "; ".join(failures) + "); use linear_kernel=auto or torch")

@@ -131,10 +131,11 @@ class Worker:
             t0 = time.perf_counter()
             backend = load_backend(
                 settings.model, device=settings.device, dtype=settings.dtype, torch_threads=settings.torch_threads,
-                linear_kernel=settings.linear_kernel,
+                linear_kernel=settings.linear_kernel, batch_tokens=settings.batch_tokens,
+                online_tokens=settings.online_tokens,
             )
             metrics.model_load_seconds = time.perf_counter() - t0
-            log.info("loaded %s on %s (%s, %s linear kernel) in %.1fs", backend.info.model_id, backend.info.device,
+            log.info("loaded %s on %s (%s, runtime %s) in %.1fs", backend.info.model_id, backend.info.device,
                      backend.info.dtype, backend.info.linear_kernel, metrics.model_load_seconds)
             self.service = EmbeddingService(backend, settings, on_done=self.store_outcome,
                                             on_isolated_run=self.count_run, on_started=self.job_started,

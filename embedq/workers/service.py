@@ -30,6 +30,7 @@ from embedq.batching import Scheduler, batch_cost
 from embedq.batching.traffic import ONLINE, Deadlines, TrafficClass, TrafficScheduler
 from embedq.protocol import EMBED, TaskSpec, result_size
 from embedq.settings import Settings
+from embedq.workers import memory
 from embedq.workers.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class EmbeddingService:
         self._suspects: collections.deque[Job] = collections.deque()
         self._aliases = _model_aliases(settings.model, self.info.model_id)
         self._thread = threading.Thread(target=self._loop, name="embedq-inference", daemon=True)
+        self._trimmer = memory.trimmer(settings.memory_policy, settings.malloc_trim_interval)
         # (job, None) to finish a job, (job, error) to fail it; None stops the results thread.
         self._outbox: queue.SimpleQueue[tuple[Job, errors.EmbedqError | None] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="embedq-results", daemon=True)
@@ -232,6 +234,11 @@ class EmbeddingService:
                     self._run([item.key for item in batch])
             except Exception:  # never let the inference thread die
                 log.exception("micro-batch bookkeeping failed")
+            if self._trimmer is not None:  # outside the lock: a trim takes milliseconds
+                if len(self.scheduler) or self._suspects:
+                    self._trimmer.after_batch()
+                else:
+                    self._trimmer.idle()
 
     def _expire(self, now: float) -> None:
         """Under the lock: fail every buffered job whose deadline has passed and that has not started."""
