@@ -140,12 +140,13 @@ class Settings(BaseSettings):
         "prepacked weights; onnxruntime: the whole forward pass in ONNX Runtime with its transformer fusions "
         "(CPU, float32, encoders; exported once into EMBEDQ_ONNX_CACHE; needs the onnx extra). On a GPU: torch.",
     )
-    memory_policy: Literal["trim", "mmap", "glibc"] = Field(
-        default="mmap",
-        description="How a worker keeps its RSS flat (embedq/workers/memory.py): trim (glibc's malloc as it is, "
-        "free pages handed back with malloc_trim at most every malloc_trim_interval s and when idle), mmap "
-        "(every block over 128 KiB mapped and unmapped per use: flat, but page faults on every batch), glibc "
-        "(nothing done). trim and mmap also cap oneDNN's/ideep's per-shape caches at 64 entries.",
+    memory_policy: Literal["auto", "trim", "mmap", "glibc"] = Field(
+        default="auto",
+        description="How a worker keeps its RSS flat (embedq/workers/memory.py). auto: trim when the chosen runtime "
+        "is ONNX Runtime (its arena reuses the activation buffers), else mmap. trim: glibc's heap with "
+        "malloc_trim at most every malloc_trim_interval s and when idle. mmap: every block over 128 KiB mapped "
+        "and unmapped per use (flat, but page faults on every batch). glibc: nothing done. All but glibc cap "
+        "oneDNN's/ideep's per-shape caches at 64 entries.",
     )
     malloc_trim_interval: float = Field(
         default=5.0, gt=0, description="Seconds of work between two malloc_trim calls (memory_policy=trim).",

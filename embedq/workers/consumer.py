@@ -38,7 +38,7 @@ from embedq.cancellation import CancelFeed
 from embedq.protocol import RESENT_HEADER, SENT_HEADER, TASK_NAME, TASKS, TaskSpec
 from embedq.results import ResultStore
 from embedq.settings import Settings
-from embedq.workers import transport
+from embedq.workers import memory, transport
 from embedq.workers.delivery import Ledger, Verdict, renew_leases
 from embedq.workers.metrics import Reporter, WorkerMetrics
 from embedq.workers.observe import WorkerInfo, event_kwargs, short_args, window_stats, worker_record
@@ -137,7 +137,9 @@ class Worker:
             metrics.model_load_seconds = time.perf_counter() - t0
             log.info("loaded %s on %s (%s, runtime %s) in %.1fs", backend.info.model_id, backend.info.device,
                      backend.info.dtype, backend.info.linear_kernel, metrics.model_load_seconds)
-            self.service = EmbeddingService(backend, settings, on_done=self.store_outcome,
+            policy = memory.settle(settings.memory_policy, backend.info.linear_kernel)
+            log.info("memory policy %s (asked %s)", policy, settings.memory_policy)
+            self.service = EmbeddingService(backend, settings, on_done=self.store_outcome, memory_policy=policy,
                                             on_isolated_run=self.count_run, on_started=self.job_started,
                                             metrics=metrics).start()
             metrics.bind(self.service, window_state=partial(window_stats, self), queues=settings.queues,

@@ -5,15 +5,22 @@ activation buffers from its heap once its dynamic mmap threshold has grown. Free
 free space in the middle of the heap that glibc keeps: RSS creeps up by tens of KiB a job
 (``bench/load.py``, issue 4). Three policies (``EMBEDQ_MEMORY_POLICY``):
 
-``trim`` (default)
-    glibc as it is (its buffers are reused, no page faults per batch), and ``malloc_trim(0)`` from the
-    inference thread at most every ``malloc_trim_interval`` seconds between micro-batches and once when
-    the worker falls idle: the free pages go back to the system, so RSS stays flat, and the page-fault
-    cost is paid once an interval instead of once a batch.
+``auto`` (default)
+    ``mmap`` while the model loads (so the runtime tuner times PyTorch's kernels under the settings they
+    would run with), then ``trim`` if the runtime chosen is ONNX Runtime, else ``mmap``. ONNX Runtime
+    keeps its activations in its own arena, which it reuses from batch to batch: RSS stays flat without
+    mapping anything per batch (measured under ``bench/load.py``: +0.0 % drift with glibc's malloc as it
+    is). PyTorch's kernels allocate their activations from malloc, and only ``mmap`` kept them flat.
+``trim``
+    glibc with large fixed thresholds (blocks up to 32 MiB from its heap, reused without page faults) and
+    ``malloc_trim(0)`` from the inference thread at most every ``malloc_trim_interval`` seconds between
+    micro-batches and once when the worker falls idle, which hands free pages back. Flat with ONNX
+    Runtime; with PyTorch's kernels RSS still grew (+9.7 % in a minute under load: the free space is
+    fragmented between live blocks, which no trim can return).
 ``mmap``
     issue 4's fix: a fixed mmap threshold of 128 KiB, so every activation buffer is mapped and unmapped
-    per use. Flat, but every batch pays its page faults (PyTorch's kernels lose up to a third of their
-    speed on some CPUs; ONNX Runtime keeps its own arena and does not care).
+    per use. Flat, but every batch pays its page faults (PyTorch's kernels lose a quarter of their speed
+    on the AVX2 machine).
 ``glibc``
     nothing done: malloc and the oneDNN/ideep caches at their library defaults.
 
@@ -35,9 +42,12 @@ from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
-MemoryPolicy = Literal["trim", "mmap", "glibc"]
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+MemoryPolicy = Literal["auto", "trim", "mmap", "glibc"]
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 MMAP_THRESHOLD = 128 * 1024
+#: ``trim``: blocks up to glibc's own dynamic maximum (32 MiB on 64-bit) from the heap, and no automatic
+#: trimming of its top below twice that (the inference thread trims, on its own schedule).
+HEAP_MMAP_THRESHOLD, HEAP_TRIM_THRESHOLD = 32 * 1024 * 1024, 64 * 1024 * 1024
 CACHE_CAPACITY = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
 
 
@@ -53,16 +63,40 @@ def _libc() -> Any:
     return libc
 
 
+def _operator_set_malloc() -> bool:
+    return any(os.environ.get(name) for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"))
+
+
+def _mallopt(mmap_threshold: int, trim_threshold: int | None = None) -> None:
+    libc = _libc()
+    if libc is None or _operator_set_malloc():
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)
+    if trim_threshold is not None:
+        libc.mallopt(M_TRIM_THRESHOLD, trim_threshold)
+
+
 def configure(policy: MemoryPolicy) -> None:
     """Set the policy's process-wide knobs. Call before torch is imported (oneDNN reads its cache size once)."""
     if policy == "glibc":
         return
     for name, value in CACHE_CAPACITY.items():
         os.environ.setdefault(name, value)
-    if policy == "mmap" and not os.environ.get("MALLOC_MMAP_THRESHOLD_"):
-        libc = _libc()
-        if libc is not None:
-            libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    if policy in ("mmap", "auto"):
+        _mallopt(MMAP_THRESHOLD)
+    elif policy == "trim":
+        _mallopt(HEAP_MMAP_THRESHOLD, HEAP_TRIM_THRESHOLD)
+
+
+def settle(policy: MemoryPolicy, runtime: str) -> MemoryPolicy:
+    """The policy in force once the model is loaded with ``runtime``: ``auto`` becomes ``trim`` for ONNX
+    Runtime and stays ``mmap`` otherwise. Returns the effective policy."""
+    if policy != "auto":
+        return policy
+    if runtime == "onnxruntime":
+        _mallopt(HEAP_MMAP_THRESHOLD, HEAP_TRIM_THRESHOLD)
+        return "trim"
+    return "mmap"
 
 
 class Trimmer:

@@ -82,7 +82,7 @@ def identity(worker: Worker | None) -> dict[str, Any]:
     if service is not None:
         info = service.info
         out.update(model=info.model_id, device=info.device, dtype=info.dtype, linear_kernel=info.linear_kernel,
-                   runtime_choice=info.runtime_choice or "forced", memory_policy=settings.memory_policy,
+                   runtime_choice=info.runtime_choice or "forced", memory_policy=service.memory_policy,
                    kinds=list(info.kinds))
     return out
 

@@ -75,7 +75,8 @@ class Job:
 class EmbeddingService:
     def __init__(self, backend: Backend, settings: Settings, on_done: DoneCallback,
                  on_isolated_run: Callable[[Job, bool], None] | None = None,
-                 on_started: Callable[[Job], None] | None = None, metrics: Any = None) -> None:
+                 on_started: Callable[[Job], None] | None = None, metrics: Any = None,
+                 memory_policy: str | None = None) -> None:
         self.backend = backend
         self.settings = settings
         self.on_done = on_done
@@ -98,7 +99,8 @@ class EmbeddingService:
         self._suspects: collections.deque[Job] = collections.deque()
         self._aliases = _model_aliases(settings.model, self.info.model_id)
         self._thread = threading.Thread(target=self._loop, name="embedq-inference", daemon=True)
-        self._trimmer = memory.trimmer(settings.memory_policy, settings.malloc_trim_interval)
+        self.memory_policy = memory_policy or settings.memory_policy  # in force (auto settles on one)
+        self._trimmer = memory.trimmer(self.memory_policy, settings.malloc_trim_interval)
         # (job, None) to finish a job, (job, error) to fail it; None stops the results thread.
         self._outbox: queue.SimpleQueue[tuple[Job, errors.EmbedqError | None] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="embedq-results", daemon=True)
@@ -156,7 +158,11 @@ class EmbeddingService:
             if job.suspect:
                 self._suspects.append(job)
             else:
-                self.scheduler.add_many([((job, i), job.cost(i)) for i in range(job.n_items)], job.traffic_class)
+                # Longest first within the job: the scheduler anchors each batch on its oldest item, so a job's
+                # items then feed it like a length-sorted sweep (bench/peers.py: 4.0 % padding instead of 5.5 %
+                # on 32-text jobs). Order within a job changes nothing else: its result waits for all of them.
+                order = sorted(range(job.n_items), key=job.cost, reverse=True)
+                self.scheduler.add_many([((job, i), job.cost(i)) for i in order], job.traffic_class)
             if job.deadline is not None:
                 self.deadlines.add(job.deadline, job)
             self._cond.notify()
