@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from embedq.backends import load_backend  # noqa: E402
+from embedq.backends.cpu import cpu_summary  # noqa: E402
 from embedq.batching import Scheduler  # noqa: E402
 
 CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
@@ -90,7 +91,8 @@ def main() -> int:
             result = run(backend, ids, budget, sync)
             if budget not in best or result[0] < best[budget][0]:
                 best[budget] = result
-    print(f"# embedq budget sweep  {time.strftime('%Y-%m-%d')}  {platform.node()}  cpus={os.cpu_count()}  "
+    print(f"# embedq budget sweep  {time.strftime('%Y-%m-%d')}  {platform.node()}  "
+          f"{cpu_summary()}  cpus={os.cpu_count()}  "
           f"device={args.device}  dtype={args.dtype}  kernel={backend.info.linear_kernel}  "
           f"{len(texts)} texts, {real} real tokens")
     print(f"{'budget':>7} {'batches':>8} {'seconds':>8} {'texts/s':>8} {'padded tok/s':>13} {'padding':>8}")

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from embedq.backends import load_backend, postprocess  # noqa: E402
+from embedq.backends.cpu import cpu_summary  # noqa: E402
 from embedq.batching import Scheduler  # noqa: E402
 
 CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
@@ -116,7 +117,8 @@ def main() -> int:
         "batch invariance": (invariance <= 1e-6) if fp32 else True,
     }
     lengths = [len(r) for r in ids]
-    print(f"# embedq fidelity  {time.strftime('%Y-%m-%d')}  {platform.node()}  cpus={os.cpu_count()}  "
+    print(f"# embedq fidelity  {time.strftime('%Y-%m-%d')}  {platform.node()}  "
+          f"{cpu_summary()}  cpus={os.cpu_count()}  "
           f"device={args.device}  dtype={args.dtype}  torch={torch.__version__}  "
           f"kernel={backend.info.linear_kernel}")
     print(f"# {len(texts)} corpus texts, {sum(lengths)} tokens ({min(lengths)}-{max(lengths)} per text, "

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 import redis  # noqa: E402
 
 from bench.throughput import CORPUS, run_embedq  # noqa: E402
+from embedq.backends.cpu import cpu_summary  # noqa: E402
 from embedq.producers.client import Client  # noqa: E402
 from embedq.producers.embedded import RedisServer, start_worker, stop_worker, wait_for_worker  # noqa: E402
 from embedq.settings import Settings  # noqa: E402
@@ -133,7 +134,7 @@ def main() -> None:
 
     core_tps = len(core_texts) / core_s
     index_tps = args.n / index_s
-    print(f"# embedq index  {time.strftime('%Y-%m-%d')}  {platform.node()}  {platform.processor() or ''}"
+    print(f"# embedq index  {time.strftime('%Y-%m-%d')}  {platform.node()}  {cpu_summary()}"
           f"  cpus={os.cpu_count()}  device={args.device}  dtype={args.dtype}")
     print(f"# index: {args.n} texts JSONL -> Parquet ({rows} rows in {shards} shards), "
           f"args: {args.index_args or '(defaults)'}; failed {summary['failed']}, resubmitted {summary['resubmitted']}")

@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from embedq.backends.cpu import cpu_summary
 from embedq.backends.kernels import OneDNNLinear, onednn_available
 
 # (in, out, count per encoder layer) for all-MiniLM-L6-v2: hidden 384, FFN 1536.
@@ -46,7 +47,8 @@ def main() -> int:
         print("this PyTorch build has no oneDNN linear ops")
         return 1
     torch.manual_seed(0)
-    print(f"# embedq kernels  {time.strftime('%Y-%m-%d')}  {platform.node()}  cpus={os.cpu_count()}  "
+    print(f"# embedq kernels  {time.strftime('%Y-%m-%d')}  {platform.node()}  "
+          f"{cpu_summary()}  cpus={os.cpu_count()}  "
           f"threads={torch.get_num_threads()}  torch={torch.__version__}  tokens={args.tokens}")
     print(f"{'shape (in -> out)':<22} {'torch ms':>9} {'GFLOP/s':>8} {'oneDNN ms':>10} {'GFLOP/s':>8} {'ratio':>6}")
     total_torch = total_onednn = 0.0

@@ -38,6 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from embedq.backends.cpu import cpu_summary  # noqa: E402
 from embedq.producers.client import Client  # noqa: E402
 from embedq.producers.embedded import RedisServer, start_worker, stop_worker, wait_for_worker  # noqa: E402
 from embedq.settings import Settings  # noqa: E402
@@ -232,7 +233,8 @@ def main() -> int:
                 "errors": sum(r.get("online_errors", 0) + r.get("bulk_errors", 0) for r in rows)}
 
     summary = {name: pooled(name) for name in args.phases.split(",")}
-    print(f"# embedq mixed  {time.strftime('%Y-%m-%d')}  {platform.node()}  cpus={os.cpu_count()}  "
+    print(f"# embedq mixed  {time.strftime('%Y-%m-%d')}  {platform.node()}  "
+          f"{cpu_summary()}  cpus={os.cpu_count()}  "
           f"device={args.device}  dtype={args.dtype}  interval={args.interval * 1e3:.0f} ms  "
           f"bulk {args.bulk_in_flight} x {args.bulk_chunk} texts  {args.seconds:.0f} s x {args.rounds} rounds")
     print(f"{'phase':8s} {'online n':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'bulk texts/s':>13s} {'errors':>7s}")

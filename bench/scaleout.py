@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.throughput import CORPUS  # noqa: E402
+from embedq.backends.cpu import cpu_summary  # noqa: E402
 from embedq.producers.client import Client  # noqa: E402
 from embedq.producers.embedded import RedisServer, start_worker, stop_worker, wait_for_worker  # noqa: E402
 from embedq.settings import Settings  # noqa: E402
@@ -60,7 +61,8 @@ def main() -> None:
     args = p.parse_args()
     logdir = Path(os.environ.get("TMPDIR", "/tmp")) / "embedq-bench"
     logdir.mkdir(exist_ok=True)
-    print(f"# embedq scale-out  {time.strftime('%Y-%m-%d')}  {platform.node()}  cpus={os.cpu_count()}  "
+    print(f"# embedq scale-out  {time.strftime('%Y-%m-%d')}  {platform.node()}  "
+          f"{cpu_summary()}  cpus={os.cpu_count()}  "
           f"device={args.device}  corpus: {CORPUS.name}")
     with tempfile.TemporaryDirectory(prefix="embedq-scaleout-") as tmp, RedisServer() as redis_server:
         base = Settings(broker_url=redis_server.url, device=args.device)

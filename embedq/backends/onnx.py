@@ -162,8 +162,6 @@ def _session(ort: Any, path: Path, threads: int) -> Any:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     # Shapes change with every micro-batch: the memory pattern planner only helps fixed shapes.
     options.enable_mem_pattern = False
-    if os.environ.get("EMBEDQ_ORT_SPIN") == "0":  # EXPERIMENT
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 

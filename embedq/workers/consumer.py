@@ -137,6 +137,14 @@ class Worker:
             metrics.model_load_seconds = time.perf_counter() - t0
             log.info("loaded %s on %s (%s, runtime %s) in %.1fs", backend.info.model_id, backend.info.device,
                      backend.info.dtype, backend.info.linear_kernel, metrics.model_load_seconds)
+            if backend.info.linear_kernel == "onnxruntime":
+                # ONNX Runtime runs the model on its own thread pool (torch_threads threads); PyTorch is left
+                # with the heads' small ops, and its idle OpenMP workers would compete with ONNX Runtime's for
+                # every core (bench/peers.py on 2 cores: 0.85x the raw ONNX Runtime loop with PyTorch's 2
+                # threads, 1.03x with 1).
+                import torch
+
+                torch.set_num_threads(1)
             policy = memory.settle(settings.memory_policy, backend.info.linear_kernel)
             log.info("memory policy %s (asked %s)", policy, settings.memory_policy)
             self.service = EmbeddingService(backend, settings, on_done=self.store_outcome, memory_policy=policy,
