@@ -41,7 +41,7 @@ COUNTERS = ("batches", "items", "real_tokens", "padded_tokens", "inference_secon
             "jobs_succeeded", "jobs_failed")
 #: --malloc-default: glibc reads MALLOC_MMAP_THRESHOLD_ once, at exec, and *any* value in it (even 128 KiB, or
 #: a non-number, which it takes as 0) fixes the threshold; glibc's default is a dynamic one. So the worker starts
-#: without the variable and sets it only in os.environ afterwards, where steady_memory() sees an operator's value
+#: without the variable and sets it only in os.environ afterwards, where workers/memory.py sees an operator's value
 #: and leaves malloc alone.
 GLIBC_MALLOC_WORKER = ("import os, runpy; os.environ['MALLOC_MMAP_THRESHOLD_'] = '131072'; "
                        "runpy.run_module('embedq', run_name='__main__', alter_sys=True)")
@@ -106,7 +106,7 @@ def worker_setup(args: argparse.Namespace) -> tuple[dict[str, str], list[str] | 
         malloc = "glibc default (dynamic mmap threshold)"
         command = [sys.executable, "-c", GLIBC_MALLOC_WORKER, "worker"]
     else:
-        malloc = "mmap threshold fixed at 128 KiB (embedq steady_memory)"
+        malloc = "mmap threshold fixed at 128 KiB (embedq memory policy mmap)"
     if args.cache_default:
         extra.update({k: os.environ.get(k, v) for k, v in LIBRARY_CACHES.items()})
     caches = ",".join(f"{k}={extra.get(k) or os.environ.get(k) or '64 (embedq)'}" for k in LIBRARY_CACHES)
