@@ -5,7 +5,9 @@ Build it once at an entry point (CLI, worker, client) and pass it down.
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
@@ -14,6 +16,16 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
 Dtype = Literal["float32", "float16", "bfloat16"]
+
+
+def cache_dir(variable: str, name: str) -> Path:
+    """A cache folder of embedq's: ``$<variable>`` if set, else ``$XDG_CACHE_HOME/embedq/<name>`` (default
+    ``~/.cache``). Read at each call, so a test or a worker can point it elsewhere."""
+    configured = os.environ.get(variable)
+    if configured:
+        return Path(configured).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "embedq" / name
 
 
 def model_slug(model: str) -> str:

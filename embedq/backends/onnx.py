@@ -22,7 +22,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -35,6 +34,7 @@ import torch
 from torch import nn
 
 from embedq import errors
+from embedq.settings import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +48,7 @@ ORT_MODEL_TYPES = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "ca
 
 
 def cache_root() -> Path:
-    configured = os.environ.get("EMBEDQ_ONNX_CACHE")
-    if configured:
-        return Path(configured).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "embedq" / "onnx"
+    return cache_dir("EMBEDQ_ONNX_CACHE", "onnx")
 
 
 def _import_ort() -> Any:

@@ -44,6 +44,7 @@ import torch
 from embedq import errors
 from embedq.backends.base import Encoded
 from embedq.backends.cpu import cpu_description, cpu_summary
+from embedq.settings import cache_dir
 
 if TYPE_CHECKING:  # pragma: no cover
     from embedq.backends.encoder import Encoder
@@ -111,11 +112,7 @@ def pick(trials: Sequence[Trial]) -> str:
 
 # -- the machine and the cache ----------------------------------------------------------------------------------
 def cache_root() -> Path:
-    configured = os.environ.get("EMBEDQ_RUNTIME_CACHE")
-    if configured:
-        return Path(configured).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "embedq" / "runtime"
+    return cache_dir("EMBEDQ_RUNTIME_CACHE", "runtime")
 
 
 def cache_key(encoder: Encoder, weights: str, tokens: int) -> str:
