@@ -15,8 +15,10 @@ free space in the middle of the heap that glibc keeps: RSS creeps up by tens of 
     glibc with large fixed thresholds (blocks up to 32 MiB from its heap, reused without page faults) and
     ``malloc_trim(0)`` from the inference thread at most every ``malloc_trim_interval`` seconds between
     micro-batches and once when the worker falls idle, which hands free pages back. Flat with ONNX
-    Runtime; with PyTorch's kernels RSS still grew (+9.7 % in a minute under load: the free space is
-    fragmented between live blocks, which no trim can return).
+    Runtime; with PyTorch's kernels it is not: under ``bench/load.py`` (60 s on the AVX2 machine) oneDNN's
+    prepacked kernels ended at +16.3 % over their starting RSS at the peak (the free space is fragmented
+    between live blocks, which no trim can return), PyTorch's own kernels at +6.5 % (inside issue 4's
+    limit, but on one short soak only), so ``auto`` keeps ``mmap`` for both.
 ``mmap``
     issue 4's fix: a fixed mmap threshold of 128 KiB, so every activation buffer is mapped and unmapped
     per use. Flat, but every batch pays its page faults (PyTorch's kernels lose a quarter of their speed
