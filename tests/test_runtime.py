@@ -71,11 +71,16 @@ def test_auto_measures_logs_caches_and_the_cache_decides(tiny, cache, caplog):
     faithful = {name for name, t in trials.items() if t.faithful}
     assert expected <= faithful, choice.describe()
     assert all(trials[name].seconds > 0 for name in faithful)
-    assert trials[choice.runtime].seconds == min(trials[name].seconds for name in faithful)
+    complete = {name for name in faithful if trials[name].complete}
+    assert choice.runtime in complete
+    assert trials[choice.runtime].seconds == min(trials[name].seconds for name in complete)
+    for name in faithful - complete:  # dropped early: far behind the fastest over the batches it ran
+        assert trials[name].dropped > rt.DROP_BEHIND and trials[name].batches < trials[choice.runtime].batches
     # logged: the choice and every candidate's timing
     (line,) = [m for m in _runtime_lines(caplog) if m.startswith("runtime: ")]
     assert line.startswith(f"runtime: {choice.runtime}, measured")
-    assert all(f"{name}: {trials[name].seconds:.3f} s" in line for name in faithful)
+    assert all(trials[name].describe() in line for name in faithful)
+    assert f"{choice.runtime}: {trials[choice.runtime].seconds:.3f} s" in line
     # cached: one file for this machine and model, naming the choice
     (path,) = cache.glob("*.json")
     assert json.loads(path.read_text())["runtime"] == choice.runtime
@@ -139,6 +144,32 @@ def test_an_unfaithful_candidate_is_never_chosen_however_fast(tmp_path_factory, 
     assert not trials["int8"].faithful and trials["int8"].delta > rt.FIDELITY[torch.float32]
     faithful = [t for t in choice.trials if t.faithful]
     # the unfaithful ones are timed too (the log shows what fidelity costs) and skip-layers is the fastest of all
-    assert trials["skip-layers"].seconds < min(t.seconds for t in faithful), choice.describe()
+    assert trials["skip-layers"].complete, choice.describe()
+    assert trials["skip-layers"].seconds < min(t.seconds for t in faithful if t.complete), choice.describe()
     assert choice.runtime in {t.name for t in faithful} and candidate.name == choice.runtime
     assert not cache.exists()  # a run with experimental candidates is never cached
+
+
+def test_a_candidate_far_behind_is_dropped_early_and_never_chosen(tiny, cache):
+    """The measurement stays short: a faithful candidate already DROP_BEHIND times the fastest after DROP_AFTER
+    batches is timed no further, says so, and is not chosen; the others run every batch."""
+    import time
+
+    backend = load_backend(str(tiny), linear_kernel="torch")
+    encoder = backend.encoder
+
+    def slow(**inputs):  # PyTorch's own numbers (faithful), 40 ms late on every batch
+        time.sleep(0.04)
+        return encoder.model(**inputs)
+
+    choice, candidate = rt.choose(encoder, weights="test", extra=[rt.Candidate("slow-torch", slow)])
+    trials = {t.name: t for t in choice.trials}
+    total = len(rt.timing_batches(encoder, 2048, 256)[0])
+    late = trials["slow-torch"]
+    assert late.faithful and not late.complete and late.batches == rt.DROP_AFTER < total, choice.describe()
+    assert late.dropped > rt.DROP_BEHIND
+    assert f"slow-torch: dropped after {rt.DROP_AFTER} batches" in choice.describe()
+    assert choice.runtime != "slow-torch" and candidate.name == choice.runtime
+    assert trials[choice.runtime].complete and trials[choice.runtime].batches == total
+    for t in choice.trials:  # every other candidate either ran every batch or was itself far behind
+        assert t.batches == total if t.complete else t.dropped > rt.DROP_BEHIND, choice.describe()

@@ -15,6 +15,9 @@ model and on the process' memory settings, by a third of the throughput either w
    batches. Every shape is new to every candidate, as it is in a worker that meets a new shape in nearly every
    batch: a runtime that is fast on a shape it has seen but slow to meet one (oneDNN builds a primitive per
    shape) is timed as a worker would see it. Candidates take turns shape by shape. The fastest total wins.
+   A candidate that is already :data:`DROP_BEHIND` times the fastest faithful one after :data:`DROP_AFTER`
+   batches cannot catch up and is timed no further (the log says after how many batches and how far behind),
+   which keeps the measurement to a few seconds where the runtimes differ by half (the usual case on a CPU).
 3. **Once per machine and model.** The choice and its timings are written to a JSON file under
    ``EMBEDQ_RUNTIME_CACHE`` (default ``~/.cache/embedq/runtime``), keyed by the CPU (model name, flags,
    cores, threads), the library versions, the weights, the task, the dtype and the token budget. A later
@@ -56,10 +59,15 @@ log = logging.getLogger(__name__)
 FIDELITY = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 RUNTIMES = ("torch", "onednn", "onnxruntime")
 #: Bumped when what is timed changes, so older cached choices are measured again.
-TUNER_VERSION = 1
+TUNER_VERSION = 2
 #: Widths of the token-budget batches timed (each capped at the model's max_seq_length) and of the online ones.
 BULK_WIDTHS = (41, 77, 123, 199)
 ONLINE_SHAPES = ((1, 13), (2, 29), (4, 22))
+#: A candidate this many times the fastest faithful candidate's time over the same batches, after DROP_AFTER
+#: of them, is dropped: the shapes left cannot make up such a gap (the runtimes' ratios hold across widths:
+#: docs/BENCHMARKS.md, CPU section).
+DROP_BEHIND = 1.4
+DROP_AFTER = 2
 
 
 @dataclass
@@ -81,12 +89,26 @@ class Trial:
     seconds: float | None = None  # all timed batches
     online_seconds: float | None = None  # of which the small online batches
     error: str | None = None
+    batches: int | None = None  # batches timed
+    dropped: float | None = None  # timed no further: this many times the fastest faithful time by then
+
+    @property
+    def complete(self) -> bool:
+        """Timed on every batch (not dropped early)."""
+        return self.seconds is not None and self.dropped is None
 
     def describe(self) -> str:
         if self.error is not None:
             return f"{self.name}: unavailable ({self.error})"
-        timing = f"{self.seconds:.3f} s" if self.seconds is not None else "not timed"
-        online = f", online batches {self.online_seconds * 1e3:.1f} ms" if self.online_seconds is not None else ""
+        if self.seconds is None:
+            timing = "not timed"
+        elif self.dropped is not None:
+            timing = (f"dropped after {self.batches} batches, {self.dropped:.2f}x the fastest "
+                      f"({self.seconds:.3f} s by then)")
+        else:
+            timing = f"{self.seconds:.3f} s"
+        online = (f", online batches {self.online_seconds * 1e3:.1f} ms"
+                  if self.online_seconds is not None and self.dropped is None else "")
         verdict = "" if self.faithful else ", NOT faithful: never chosen"
         return f"{self.name}: {timing}{online} (relative |delta| {self.delta:.1e}{verdict})"
 
@@ -105,8 +127,8 @@ class Choice:
 
 
 def pick(trials: Sequence[Trial]) -> str:
-    """The fastest faithful candidate; ``torch`` (the reference itself) when none was timed."""
-    timed = [t for t in trials if t.error is None and t.faithful and t.seconds is not None]
+    """The fastest faithful candidate timed on every batch; ``torch`` (the reference itself) when none was."""
+    timed = [t for t in trials if t.error is None and t.faithful and t.complete]
     return min(timed, key=lambda t: t.seconds).name if timed else "torch"  # type: ignore[arg-type,return-value]
 
 
@@ -240,7 +262,9 @@ def check(encoder: Encoder, candidates: Sequence[Candidate], reference: Candidat
 def measure(encoder: Encoder, candidates: Sequence[Candidate], trials: Sequence[Trial], tokens: int,
             online_tokens: int) -> int:
     """Time every candidate that ran on the same fresh shapes, taking turns; fills ``trials``' seconds (an
-    unfaithful one too, so the log tells what fidelity costs). Returns the real tokens in the timed batches."""
+    unfaithful one too, so the log tells what fidelity costs). A candidate :data:`DROP_BEHIND` times the fastest
+    faithful one after :data:`DROP_AFTER` batches is timed no further. Returns the real tokens per candidate
+    in the timed batches."""
     by_name = {t.name: t for t in trials}
     timed = [c for c in candidates if by_name[c.name].error is None]
     if not timed:
@@ -255,8 +279,10 @@ def measure(encoder: Encoder, candidates: Sequence[Candidate], trials: Sequence[
             candidate.leave()
     seconds = {c.name: 0.0 for c in timed}
     online_seconds = {c.name: 0.0 for c in timed}
+    counted = {c.name: 0 for c in timed}
+    active = list(timed)
     for i, batch in enumerate(batches):
-        order = timed[i % len(timed):] + timed[:i % len(timed)]  # nobody always goes first
+        order = active[i % len(active):] + active[:i % len(active)]  # nobody always goes first
         for candidate in order:
             candidate.enter()
             try:
@@ -266,10 +292,18 @@ def measure(encoder: Encoder, candidates: Sequence[Candidate], trials: Sequence[
             finally:
                 candidate.leave()
             seconds[candidate.name] += elapsed
+            counted[candidate.name] += 1
             if i >= len(batches) - online:
                 online_seconds[candidate.name] += elapsed
+        faithful = [seconds[c.name] for c in active if by_name[c.name].faithful]
+        if i + 1 >= DROP_AFTER and i + 1 < len(batches) and faithful:
+            lead = min(faithful)
+            for candidate in [c for c in active if seconds[c.name] > DROP_BEHIND * lead]:
+                by_name[candidate.name].dropped = seconds[candidate.name] / lead
+                active.remove(candidate)
     for name, total in seconds.items():
         by_name[name].seconds = total
+        by_name[name].batches = counted[name]
         by_name[name].online_seconds = online_seconds[name]
     return sum(len(item.ids) for batch in batches for item in batch)
 

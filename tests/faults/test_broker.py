@@ -36,8 +36,11 @@ def test_b_redis_restarts_mid_run_the_worker_recovers_and_no_job_is_lost(persist
     server = RedisServer(persist=persist).start()
     # a small window, so most jobs are still in the queue (not in the worker) when Redis goes
     # online_queue_limit=0: a deliberate flood (backpressure is tested in test_traffic.py)
+    # resend_after=5: a producer still waiting 5 s after sending sends its job again. With persistence nothing is
+    # lost, so only this resends, and the copies must be recognised; left at its default (2 × visibility_timeout
+    # = 20 s) whether any handle waited that long depended on the worker's speed (a faster runtime: none did).
     settings = Settings(broker_url=server.url, queue=_queue(), visibility_timeout=10, prefetch_window=200,
-                        online_queue_limit=0)
+                        online_queue_limit=0, resend_after=5.0)
     worker = WorkerHandle(settings, tmp_path / "worker.log")
     client = Client(settings)
     texts = [f"{t[:300]} #{i}" for i, t in enumerate(corpus[:1200])]
