@@ -21,9 +21,7 @@ def test_index_on_embedded_default_parquet_and_npy(tmp_path, corpus):
     rows = [{"id": f"doc-{i}", "text": t} for i, t in enumerate(texts)]
     rows.insert(7, {"id": "bad", "text": "   "})  # fails alone, goes to the errors file
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    # the operator's EMBEDQ_ settings are not this test's, but the suite's private ONNX and runtime caches
-    # (conftest.py) are: without them a worker would measure into, and read from, the home folder
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_") or k.endswith("_CACHE")}
+    env = _env()
     out = tmp_path / "out.parquet"
     npy = tmp_path / "out.npy"
     script = (
