@@ -86,6 +86,16 @@ class EmbedOptions(JobOptions):
     encoding: Encoding = Field(default="float32", description="float32/float16: base64 little-endian.")
 
 
+class SparseOptions(JobOptions):
+    """``embedq.embed_sparse``: SPLADE weights per vocabulary id (TEI's ``/embed_sparse``)."""
+
+    prompt: str | None = None
+    prompt_name: str | None = None
+    top_k: int | None = Field(default=None, gt=0, description="Keep each text's k largest weights.")
+    return_tokens: bool = Field(default=False, description="Also return each kept id's token string.")
+    encoding: Encoding = Field(default="float32", description="The weights' encoding: float32, float16, float.")
+
+
 class RerankOptions(JobOptions):
     """``embedq.rerank``: one query against many texts (TEI's ``/rerank``)."""
 
@@ -300,6 +310,37 @@ def decode_arrays(payload: dict[str, Any]) -> dict[str, Any]:
             for k, v in payload.items()}
 
 
+@dataclass(frozen=True)
+class SparseVector:
+    """One text's sparse weights: vocabulary ids (ascending) and their values, with the token strings when
+    the job asked for them (``return_tokens``)."""
+
+    indices: np.ndarray  # int32
+    values: np.ndarray  # float32
+    tokens: list[str] | None = None
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def to_dict(self) -> dict[Any, float]:
+        """``{token: value}`` when the tokens are known, else ``{id: value}`` (as search engines take them)."""
+        keys = self.tokens if self.tokens is not None else self.indices.tolist()
+        return dict(zip(keys, self.values.tolist()))
+
+    def to_tei(self) -> list[dict[str, Any]]:
+        """TEI's ``/embed_sparse`` shape: ``[{"index", "value"}]``."""
+        return [{"index": int(i), "value": float(v)} for i, v in zip(self.indices, self.values)]
+
+
+def decode_sparse(payload: dict[str, Any]) -> list[SparseVector]:
+    """An ``embed_sparse`` result: one :class:`SparseVector` per text, in input order."""
+    offsets = decode_array(payload["offsets"])
+    indices, values = decode_array(payload["indices"]), decode_array(payload["values"])
+    tokens = payload.get("tokens")
+    return [SparseVector(indices[a:b], values[a:b], None if tokens is None else list(tokens[a:b]))
+            for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+
+
 # -- the table of job kinds --------------------------------------------------------------------
 #: One item of a job: a text, or a text pair (rerank's (query, text), predict's pairs).
 Item = str | tuple[str, str]
@@ -374,11 +415,13 @@ RERANK = TaskSpec("rerank", "embedq.rerank", RerankOptions, _rerank_items, _firs
                   "(query, texts)")
 PREDICT = TaskSpec("predict", "embedq.predict", PredictOptions, _predict_items, _first_len(0),
                    ("scores",), "(inputs)")
+EMBED_SPARSE = TaskSpec("embed_sparse", "embedq.embed_sparse", SparseOptions, _text_items, _first_len(0),
+                        ("offsets", "indices", "values"), "(texts)")
 TOKENIZE = TaskSpec("tokenize", "embedq.tokenize", TokenizeOptions, _text_items, _first_len(0),
                     ("ids", "offsets", "spans", "special"), "(texts)")
 
 #: Every kind of job by Celery task name (the worker registers one task per entry).
-TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (EMBED, RERANK, PREDICT, TOKENIZE)}
+TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (EMBED, EMBED_SPARSE, RERANK, PREDICT, TOKENIZE)}
 #: The same specs by kind.
 KINDS: dict[str, TaskSpec] = {spec.kind: spec for spec in TASKS.values()}
 

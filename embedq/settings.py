@@ -152,6 +152,12 @@ class Settings(BaseSettings):
         "prepacked weights; onnxruntime: the whole forward pass in ONNX Runtime with its transformer fusions "
         "(CPU, float32, encoders; exported once into EMBEDQ_ONNX_CACHE; needs the onnx extra). On a GPU: torch.",
     )
+    pooling: Literal["splade"] | None = Field(
+        default=None,
+        description="None: the model folder says what it serves. splade: serve a bare *ForMaskedLM folder as a "
+        "SPLADE model (embed_sparse; TEI's --pooling splade) instead of a mean-pooled embedding model. A "
+        "sentence-transformers SparseEncoder folder is SPLADE without it.",
+    )
     memory_policy: Literal["auto", "trim", "mmap", "glibc"] = Field(
         default="auto",
         description="How a worker keeps its RSS flat (embedq/workers/memory.py). auto: trim when the chosen runtime "

@@ -79,3 +79,40 @@ def xlmr_cross_encoder(path: Path, corpus: list[str]) -> Path:
     tokenizer.save_pretrained(hf)
     CrossEncoder(str(hf), device="cpu").save_pretrained(str(path))
     return path
+
+
+def bert_mlm(path: Path, seed: int = 5) -> Path:
+    """A bare ``BertForMaskedLM`` folder with MiniLM's vocabulary. The decoder bias is pushed down so most
+    vocabulary logits are negative: SPLADE weights come out sparse, as a trained model's do."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gt.MODEL_DIR), model_max_length=MAX_LENGTH)
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=MAX_LENGTH, initializer_range=0.3)
+    torch.manual_seed(seed)
+    model = BertForMaskedLM(config).eval()
+    with torch.no_grad():
+        model.cls.predictions.bias.normal_(-9.0, 2.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def splade(path: Path, mlm: Path, strategy: str = "max", activation: str = "relu", legacy: bool = False) -> Path:
+    """``mlm`` saved as a sentence-transformers ``SparseEncoder`` (Transformer fill-mask + SpladePooling); with
+    ``legacy`` its first module is named ``MLMTransformer``, as SparseEncoder folders saved before 5.4 are."""
+    import json
+
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+
+    encoder = SparseEncoder(modules=[Transformer(str(mlm), transformer_task="fill-mask"),
+                                     SpladePooling(strategy, activation_function=activation)], device="cpu")
+    encoder.save(str(path))
+    if legacy:
+        modules = json.loads((path / "modules.json").read_text())
+        modules[0]["type"] = "sentence_transformers.sparse_encoder.models.MLMTransformer"
+        (path / "modules.json").write_text(json.dumps(modules))
+    return path

@@ -57,11 +57,12 @@ def load_backend(
     linear_kernel: str = "auto",
     batch_tokens: int = 2048,
     online_tokens: int = 256,
+    pooling: str | None = None,
 ) -> Backend:
     """Load ``model`` (an id or a local folder) with the heads its folder calls for (embed, rerank/predict;
-    every model tokenizes): see :mod:`embedq.backends.model`. ``linear_kernel="auto"`` on a CPU times the runtimes
-    on micro-batches of ``batch_tokens`` (and ``online_tokens``) and keeps the fastest faithful one
-    (:mod:`embedq.backends.runtime`)."""
+    every model tokenizes; SPLADE: embed_sparse): see :mod:`embedq.backends.model`. ``linear_kernel="auto"`` on a
+    CPU times the runtimes on micro-batches of ``batch_tokens`` (and ``online_tokens``) and keeps the fastest
+    faithful one (:mod:`embedq.backends.runtime`)."""
     path = resolve_model_path(model)
     if device == "cpu":
         from embedq.backends.cpu import guard_amx
@@ -70,7 +71,8 @@ def load_backend(
     from embedq.backends.model import load_model
 
     return load_model(path, model_id=model, device=device, dtype=dtype, torch_threads=torch_threads,
-                      linear_kernel=linear_kernel, batch_tokens=batch_tokens, online_tokens=online_tokens)
+                      linear_kernel=linear_kernel, batch_tokens=batch_tokens, online_tokens=online_tokens,
+                      pooling=pooling)
 
 
 def __getattr__(name: str):

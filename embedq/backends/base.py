@@ -7,7 +7,7 @@ rerank and predict; ``tokens.py``: tokenize). The worker knows only:
 * ``prepare(kind, items, options)`` on the consumer thread: check the options, tokenize. Returns a
   :class:`Prepared` whose ``items`` the scheduler packs by token cost (none: nothing to run);
 * ``forward(batch)`` on the inference thread: one micro-batch of :class:`Encoded` items from any jobs
-  and kinds, one forward pass, one row (a numpy array) per item;
+  and kinds, one forward pass, one row (a numpy array, or a tuple of them) per item;
 * ``finish(kind, rows, prepared, options)`` on the results thread: post-process, check and encode the
   job's result payload.
 
@@ -96,6 +96,8 @@ class Backend(ABC):
     info: ModelInfo
     #: padded backends cost ``longest × count`` per batch, unpadded ones ``sum`` of lengths.
     is_padded: bool = True
+    #: a lower token budget than the worker's, when a head's tensors grow with it (SPLADE's vocabulary logits)
+    max_batch_tokens: int | None = None
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -121,6 +123,12 @@ class Backend(ABC):
     def health(self) -> dict[str, Any]:
         return {"model": self.info.model_id, "device": self.info.device, "dtype": self.info.dtype,
                 "linear_kernel": self.info.linear_kernel, "kinds": list(self.info.kinds)}
+
+
+def row_is_finite(row: Any) -> bool:
+    """A row is an array or a tuple of arrays (a sparse row: ids, values); all its floats must be finite."""
+    parts = row if isinstance(row, tuple) else (row,)
+    return all(np.isfinite(part).all() for part in parts if np.asarray(part).dtype.kind in "fc")
 
 
 def postprocess(vectors: np.ndarray, *, normalize: bool, dimensions: int | None) -> np.ndarray:

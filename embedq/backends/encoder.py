@@ -47,9 +47,13 @@ SENTENCE_BERT_CONFIGS = (
 )
 _TRUST_KEYS = ("trust_remote_code",)
 
-#: What the encoder runs: the bare transformer (hidden states) or a sequence classifier (logits).
+#: What the encoder runs: the bare transformer (hidden states), a sequence classifier (logits per text) or a
+#: masked-language-model head (logits per token over the vocabulary: SPLADE).
 FEATURES = "feature-extraction"
 CLASSIFY = "sequence-classification"
+FILL_MASK = "fill-mask"
+#: The model output each task's heads read.
+TASK_OUTPUTS = {FEATURES: "last_hidden_state", CLASSIFY: "logits", FILL_MASK: "logits"}
 
 
 def weights_sha256(folder: Path) -> str:
@@ -127,7 +131,13 @@ class Encoder:
                  dtype: str = "float32", torch_threads: int | None = None,
                  linear_kernel: LinearKernel = "auto", allow_chat_template: bool = False,
                  batch_tokens: int = 2048, online_tokens: int = 256) -> None:
-        from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import (
+            AutoConfig,
+            AutoModel,
+            AutoModelForMaskedLM,
+            AutoModelForSequenceClassification,
+            AutoTokenizer,
+        )
 
         if dtype not in DTYPES:
             raise errors.InvalidOption(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
@@ -191,7 +201,7 @@ class Encoder:
             model_kwargs.pop(key, None)
         if hasattr(config, "use_cache"):
             config.use_cache = False
-        auto = AutoModelForSequenceClassification if task == CLASSIFY else AutoModel
+        auto = {CLASSIFY: AutoModelForSequenceClassification, FILL_MASK: AutoModelForMaskedLM}.get(task, AutoModel)
         try:
             model = auto.from_pretrained(str(folder), config=config, dtype=self.dtype, **model_kwargs)
         except (OSError, ValueError, KeyError) as exc:
@@ -241,7 +251,7 @@ class Encoder:
             raise errors.InvalidOption("linear_kernel=onnxruntime serves right-padded encoders; this tokenizer "
                                        "pads on the left")
         names = ["input_ids", "attention_mask"] + (["token_type_ids"] if self.takes_token_type_ids else [])
-        output = "logits" if task == CLASSIFY else "last_hidden_state"
+        output = TASK_OUTPUTS[task]
         return load_onnx(self.model, weights=weights_sha256(folder), task=task, names=names, output=output,
                          pad_id=self._pad_id, threads=torch.get_num_threads())
 

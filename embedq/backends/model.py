@@ -20,7 +20,7 @@ import torch
 
 from embedq import errors
 from embedq.backends.base import Backend, Encoded, Head, ModelInfo, Prepared
-from embedq.backends.encoder import CLASSIFY, FEATURES, Encoder, sentence_bert_config, weights_sha256
+from embedq.backends.encoder import CLASSIFY, FEATURES, FILL_MASK, Encoder, sentence_bert_config, weights_sha256
 from embedq.backends.kernels import LinearKernel
 from embedq.backends.modules import module_kind, read_json
 
@@ -89,27 +89,42 @@ def read_modules(folder: Path) -> list[tuple[str, Path]]:
     out: list[tuple[str, Path]] = []
     for entry in modules:
         kind = module_kind(entry.get("type"))
+        if not out and str(entry.get("type", "")).endswith(".MLMTransformer"):
+            kind = "MLMTransformer"  # read as a Transformer whose task defaults to fill-mask
         rel = entry.get("path", "") or ""
         sub = (folder / rel).resolve()
         if sub != folder and folder not in sub.parents:
             raise errors.UnsupportedModel(f"module path {rel!r} leaves the model folder")
         out.append((kind, sub))
-    if out[0][0] != "Transformer":
+    if out[0][0] not in ("Transformer", "MLMTransformer"):
         raise errors.UnsupportedModel(f"embedq needs a Transformer module first; got {[k for k, _ in out]}")
     return out
 
 
-def model_task(folder: Path, modules: list[tuple[str, Path]]) -> tuple[Path, dict[str, Any], str]:
-    """(transformer folder, its sentence-transformers config, what the encoder runs)."""
+def model_task(folder: Path, modules: list[tuple[str, Path]], pooling: str | None = None,
+               ) -> tuple[Path, dict[str, Any], str]:
+    """(transformer folder, its sentence-transformers config, what the encoder runs).
+
+    A bare ``*ForMaskedLM`` folder is read as sentence-transformers' ``SentenceTransformer`` reads it (mean
+    pooling over hidden states) unless ``pooling="splade"`` (TEI's ``--pooling splade``, what
+    ``SparseEncoder`` makes of the same folder)."""
     if modules:
         transformer_dir = modules[0][1]
         st_config = sentence_bert_config(transformer_dir)
-        task = st_config.get("transformer_task", FEATURES)
-        if task not in (FEATURES, CLASSIFY):
+        default = FILL_MASK if modules[0][0] == "MLMTransformer" else FEATURES
+        task = st_config.get("transformer_task", default)
+        if task not in (FEATURES, CLASSIFY, FILL_MASK):
             raise errors.UnsupportedModel(f"Transformer transformer_task={task!r} is not supported")
+        if pooling == "splade" and task != FILL_MASK:
+            raise errors.UnsupportedModel(f"pooling=splade needs a masked-language model; {folder} is a {task} model")
         return transformer_dir, st_config, task
     archs = read_json(folder / "config.json").get("architectures") or []
-    task = CLASSIFY if archs and str(archs[0]).endswith("ForSequenceClassification") else FEATURES
+    arch = str(archs[0]) if archs else ""
+    if pooling == "splade":
+        if not arch.endswith("ForMaskedLM"):
+            raise errors.UnsupportedModel(f"pooling=splade needs a *ForMaskedLM model; {folder} is {arch or 'unknown'}")
+        return folder, {}, FILL_MASK
+    task = CLASSIFY if arch.endswith("ForSequenceClassification") else FEATURES
     return folder, {}, task
 
 
@@ -133,11 +148,18 @@ def check_modality(st_config: dict[str, Any], output_name: str) -> None:
 
 def load_model(path: Path, *, model_id: str, device: str = "cpu", dtype: str = "float32",
                torch_threads: int | None = None, linear_kernel: LinearKernel = "auto", batch_tokens: int = 2048,
-               online_tokens: int = 256) -> ModelBackend:
-    """Load the folder at ``path`` with the heads it calls for."""
+               online_tokens: int = 256, pooling: str | None = None) -> ModelBackend:
+    """Load the folder at ``path`` with the heads it calls for (``pooling="splade"``: a bare masked-LM folder
+    as a SPLADE model)."""
     folder = Path(path).resolve()
     modules = read_modules(folder)
-    transformer_dir, st_config, task = model_task(folder, modules)
+    transformer_dir, st_config, task = model_task(folder, modules, pooling)
+    if task == FILL_MASK:
+        from embedq.backends.sparse import load_sparse
+
+        return load_sparse(folder, transformer_dir, st_config, modules, model_id=model_id, device=device,
+                           dtype=dtype, torch_threads=torch_threads, linear_kernel=linear_kernel,
+                           batch_tokens=batch_tokens, online_tokens=online_tokens)
     if task == CLASSIFY:
         from embedq.backends.classify import load_classifier
 

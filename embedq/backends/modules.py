@@ -233,16 +233,17 @@ def normalize(x: Tensor) -> Tensor:
 
 
 # -- modules.json ----------------------------------------------------------------------------------------
-KNOWN_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+KNOWN_MODULES = ("Transformer", "MLMTransformer", "Pooling", "SpladePooling", "Dense", "Normalize")
 
 
 def module_kind(type_name: str) -> str:
-    """``Transformer`` | ``Pooling`` | ``Dense`` | ``Normalize`` for any sentence-transformers spelling
-    (``sentence_transformers.models.Pooling``, ``...sentence_transformer.modules.pooling.Pooling``, ...)."""
+    """``Transformer`` | ``Pooling`` | ``Dense`` | ``Normalize`` | ``SpladePooling`` for any sentence-transformers
+    spelling (``sentence_transformers.models.Pooling``, ``...sentence_transformer.modules.pooling.Pooling``, ...).
+    The older ``MLMTransformer`` (a SparseEncoder's first module) is a Transformer with task ``fill-mask``."""
     if isinstance(type_name, str) and type_name.startswith("sentence_transformers."):
         kind = type_name.rsplit(".", 1)[-1]
         if kind in KNOWN_MODULES:
-            return kind
+            return "Transformer" if kind == "MLMTransformer" else kind
     raise errors.UnsupportedModel(
         f"module type {type_name!r} is not supported by embedq (supported: sentence-transformers "
         f"{', '.join(KNOWN_MODULES)})"

@@ -47,6 +47,7 @@ import torch
 from embedq import errors
 from embedq.backends.base import Encoded
 from embedq.backends.cpu import cpu_description, cpu_summary
+from embedq.backends.encoder import TASK_OUTPUTS
 from embedq.settings import cache_dir
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -218,7 +219,7 @@ def timing_batches(encoder: Encoder, tokens: int, online_tokens: int) -> tuple[l
 
 # -- choosing --------------------------------------------------------------------------------------------------
 def _output(encoder: Encoder, out: Any) -> np.ndarray:
-    name = "logits" if encoder.task == "sequence-classification" else "last_hidden_state"
+    name = TASK_OUTPUTS[encoder.task]
     return getattr(out, name).float().numpy()
 
 

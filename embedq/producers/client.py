@@ -1,5 +1,5 @@
-"""The producer API: ``Client.embed``/``rerank``/``predict``/``tokenize`` (blocking) and ``Client.submit``/
-``submit_rerank``/``submit_predict``/``submit_tokenize`` (a :class:`JobHandle`).
+"""The producer API: ``Client.embed``/``embed_sparse``/``rerank``/``predict``/``tokenize`` (blocking) and
+``Client.submit``/``submit_sparse``/``submit_rerank``/``submit_predict``/``submit_tokenize`` (a :class:`JobHandle`).
 
 A job is an ordinary Celery task message, so ``app.send_task("embedq.embed", args=[texts],
 kwargs=options)`` (or ``embedq.rerank`` with ``args=[query, texts]``, ``embedq.predict`` with
@@ -29,6 +29,7 @@ from embedq.batching.traffic import BULK, ONLINE, TRAFFIC_CLASSES
 from embedq.broker import BROKER_ERRORS, make_app, redis_client
 from embedq.protocol import (
     EMBED,
+    EMBED_SPARSE,
     PREDICT,
     RERANK,
     RESENT_HEADER,
@@ -39,6 +40,7 @@ from embedq.protocol import (
     check_message_size,
     decode_array,
     decode_result,
+    decode_sparse,
     task_reprs,
 )
 from embedq.results import ResultStore
@@ -232,6 +234,7 @@ class JobHandle:
         """Block for the job's output, decoded for its kind:
 
         * ``embed``: the vectors (float32 numpy array, one row per input, input order);
+        * ``embed_sparse``: one :class:`~embedq.protocol.SparseVector` per input, input order;
         * ``rerank``: ``[{"index", "score"(, "text")}]`` sorted by score, highest first;
         * ``predict``: per input, ``[{"label", "score"}]`` sorted by score, highest first;
         * ``tokenize``: per text, ``[{"id", "text", "special", "start", "stop"}]`` (offsets are
@@ -334,6 +337,19 @@ class Client:
         kind of job (``submit_rerank``, ``submit_predict``, ``submit_tokenize``).
         """
         return self._send(EMBED, [_as_list(texts)], options, queue=queue, traffic_class=traffic_class,
+                          deadline=deadline)
+
+    def submit_sparse(self, texts: str | Sequence[str], *, top_k: int | None = None, return_tokens: bool = False,
+                      queue: str | None = None, traffic_class: str = ONLINE,
+                      deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
+        """Enqueue a sparse (SPLADE) embedding of ``texts`` (a SPLADE model's queue). ``top_k`` keeps each text's
+        k largest weights; ``return_tokens`` adds each id's token string. Other options: ``prompt``,
+        ``prompt_name``, ``truncate``, ``truncation_side``, ``encoding`` (float16 halves the result)."""
+        if top_k is not None:
+            options["top_k"] = top_k
+        if return_tokens:
+            options["return_tokens"] = True
+        return self._send(EMBED_SPARSE, [_as_list(texts)], options, queue=queue, traffic_class=traffic_class,
                           deadline=deadline)
 
     def submit_rerank(self, query: str, texts: Sequence[str], *, raw_scores: bool = False, return_text: bool = False,
@@ -476,6 +492,11 @@ class Client:
         """Embed texts and wait: a ``(len(texts), dim)`` float32 array in input order."""
         return self.submit(texts, **options).result(timeout)
 
+    def embed_sparse(self, texts: str | Sequence[str], *, timeout: float | None = DEFAULT_RESULT_TIMEOUT,
+                     **options: Any) -> list[Any]:
+        """Sparse-embed texts and wait: one :class:`~embedq.protocol.SparseVector` per text, in input order."""
+        return self.submit_sparse(texts, **options).result(timeout)
+
     def rerank(self, query: str, texts: Sequence[str], *, timeout: float | None = DEFAULT_RESULT_TIMEOUT,
                **options: Any) -> list[dict[str, Any]]:
         """Rerank and wait: ``[{"index", "score"(, "text")}]``, highest score first (TEI's ``/rerank``)."""
@@ -515,7 +536,9 @@ def _as_list(texts: Any) -> Any:
 
 
 def decode_output(kind: str, payload: dict[str, Any], texts: Sequence[str] | None = None) -> Any:
-    """A rerank, predict or tokenize result in the shapes TEI's API returns."""
+    """A sparse, rerank, predict or tokenize result, decoded (the last three in the shapes TEI's API returns)."""
+    if kind == "embed_sparse":
+        return decode_sparse(payload)
     if kind == "rerank":
         scores = decode_array(payload["scores"])
         order = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))

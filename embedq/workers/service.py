@@ -22,10 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from embedq import errors
-from embedq.backends.base import Backend, Prepared
+from embedq.backends.base import Backend, Prepared, row_is_finite
 from embedq.batching import Scheduler, batch_cost
 from embedq.batching.traffic import ONLINE, Deadlines, TrafficClass, TrafficScheduler
 from embedq.protocol import EMBED, TaskSpec, result_size
@@ -85,11 +83,13 @@ class EmbeddingService:
         self.metrics = metrics  # a workers.metrics.WorkerMetrics, or None
         self.info = backend.info
         self.stats = Stats()
+        # A backend may lower the budget (SPLADE: its vocabulary logits grow with it).
+        self.batch_tokens = min(settings.batch_tokens, backend.max_batch_tokens or settings.batch_tokens)
         self.scheduler = TrafficScheduler(
-            max_tokens=settings.batch_tokens,
+            max_tokens=self.batch_tokens,
             max_items=settings.max_batch_requests,
             padded=backend.is_padded,
-            online_tokens=settings.online_tokens,
+            online_tokens=min(settings.online_tokens, self.batch_tokens),
             bulk_share=settings.bulk_min_share,
         )
         self.deadlines = Deadlines()
@@ -264,7 +264,7 @@ class EmbeddingService:
         self.stats.add(isolated_runs=1)
         if self.on_isolated_run is not None:
             self.on_isolated_run(job, True)
-        own = Scheduler(max_tokens=self.settings.batch_tokens, max_items=self.settings.max_batch_requests,
+        own = Scheduler(max_tokens=self.batch_tokens, max_items=self.settings.max_batch_requests,
                         padded=self.backend.is_padded)
         own.add_many(((job, i), job.cost(i)) for i in range(job.n_items))
         while len(own) and not job.done:
@@ -282,7 +282,7 @@ class EmbeddingService:
         t0 = time.perf_counter()
         try:
             rows = self.backend.forward(batch)
-            bad = [not np.isfinite(row).all() for row in rows]
+            bad = [not row_is_finite(row) for row in rows]
         except Exception as exc:
             rows, bad = None, None
             failure: Exception = exc

@@ -1,0 +1,159 @@
+"""The SPLADE head (``embed_sparse``, TEI's ``/embed_sparse``): a weight per vocabulary id from a masked-LM.
+
+A sentence-transformers ``SparseEncoder`` folder (a Transformer with ``transformer_task="fill-mask"``, or the
+older ``MLMTransformer``, then ``SpladePooling``), or a bare ``*ForMaskedLM`` folder served with
+``pooling="splade"`` (what ``SparseEncoder`` and TEI's ``--pooling splade`` make of it: max pooling, ReLU).
+Weights are ``SpladePooling``'s, in its order of operations, so they match ``SparseEncoder.encode``:
+
+    w[v] = pool over the text's tokens t of log(1 + act(logit[t, v] * mask[t]))
+
+with ``act`` ReLU (``log1p_relu``: one more log1p) and ``pool`` max or sum. The batch × length × vocabulary
+logits are the largest tensor a micro-batch makes: they are transformed in place, never copied, and the head
+lowers the worker's token budget so that they stay under :data:`LOGITS_BYTES`. A row is the text's non-zero
+weights as (vocabulary ids, values), ids ascending; ``top_k`` and token strings are the job's options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from embedq import __version__, errors
+from embedq.backends.base import Encoded, Head, ModelInfo, Prepared
+from embedq.backends.encoder import DTYPES, FILL_MASK, Encoder
+from embedq.backends.kernels import LinearKernel
+from embedq.backends.model import ModelBackend, base_info, check_modality
+from embedq.backends.modules import read_json
+from embedq.backends.tokens import TokenizeHead, read_prompts, resolve_prompt
+from embedq.protocol import Fingerprint, encode_result
+
+#: Most bytes a micro-batch's vocabulary logits may take; the token budget is lowered to stay under it
+#: (a 30,522-token vocabulary in fp32 stays under it up to 8,796 tokens; XLM-R's 250,002 to 1,073).
+LOGITS_BYTES = 1 << 30
+STRATEGIES = ("max", "sum")
+ACTIVATIONS = ("relu", "log1p_relu")
+
+
+def splade_pool(logits: torch.Tensor, mask: torch.Tensor, strategy: str, activation: str) -> torch.Tensor:
+    """``SpladePooling.forward`` (inference) on ``logits`` (batch × length × vocabulary), in place: returns
+    batch × vocabulary. ``logits`` is overwritten."""
+    x = logits.mul_(mask.unsqueeze(-1).to(logits.dtype))
+    x = x.relu_().log1p_()
+    if activation == "log1p_relu":
+        x = x.log1p_()
+    return torch.amax(x, dim=1) if strategy == "max" else torch.sum(x, dim=1)
+
+
+def sparse_rows(pooled: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each row of ``pooled`` (batch × vocabulary) as (non-zero ids int32 ascending, their values float32).
+    A NaN is not zero: it stays in the row, and the worker fails that item."""
+    dense = pooled.float().cpu().numpy()
+    out = []
+    for row in dense:
+        ids = np.flatnonzero(row).astype(np.int32)
+        out.append((ids, row[ids].astype(np.float32, copy=False)))
+    return out
+
+
+def prune(ids: np.ndarray, values: np.ndarray, top_k: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The ``top_k`` largest weights (ties: the lower id first), ids ascending."""
+    if top_k is None or len(ids) <= top_k:
+        return ids, values
+    keep = np.sort(np.argsort(-values, kind="stable")[:top_k])
+    return ids[keep], values[keep]
+
+
+class SpladeHead(Head):
+    name = "splade"
+    kinds = ("embed_sparse",)
+
+    def __init__(self, encoder: Encoder, strategy: str, activation: str) -> None:
+        self.encoder = encoder
+        self.strategy = strategy
+        self.activation = activation
+        self.info: ModelInfo | None = None
+
+    @property
+    def pooling(self) -> str:
+        return f"splade-{self.strategy}" + ("" if self.activation == "relu" else f"-{self.activation}")
+
+    def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
+        assert self.info is not None
+        prompt = resolve_prompt(self.info, options.prompt, options.prompt_name)
+        encoded, _ = self.encoder.encode_texts(items, prompt=prompt, truncate=options.truncate,
+                                               truncation_side=options.truncation_side)
+        return Prepared(encoded, sum(len(e.ids) for e in encoded), {"prompt": prompt})
+
+    def rows(self, output: Any, mask: torch.Tensor, index: Any, batch: Sequence[Encoded]) -> list[Any]:
+        logits = output.logits
+        if index is not None:  # items of another head in the batch: only this head's rows are transformed
+            logits, mask = logits.index_select(0, index), mask.index_select(0, index)
+        return sparse_rows(splade_pool(logits, mask, self.strategy, self.activation))
+
+    def finish(self, kind: str, rows: list[Any], prepared: Prepared, options: Any) -> dict[str, Any]:
+        info = self.info
+        assert info is not None
+        kept = [prune(ids, values, options.top_k) for ids, values in rows]
+        lengths = np.fromiter((len(ids) for ids, _ in kept), dtype=np.int64, count=len(kept))
+        offsets = np.zeros(len(kept) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=offsets[1:])
+        indices = np.concatenate([ids for ids, _ in kept]) if kept else np.zeros(0, np.int32)
+        values = np.concatenate([v for _, v in kept]) if kept else np.zeros(0, np.float32)
+        extra = None
+        if options.return_tokens:
+            extra = {"tokens": self.encoder.tokenizer.convert_ids_to_tokens(indices.tolist())}
+        fingerprint = Fingerprint(kind=kind, model=info.model_id, weights_sha256=info.weights_sha256,
+                                  pooling=self.pooling, normalize=False, dimensions=info.dimension, dtype=info.dtype,
+                                  prompt=prepared.state.get("prompt"), embedq_version=__version__)
+        return encode_result(kind, {"offsets": offsets, "indices": indices.astype(np.int32, copy=False),
+                                    "values": values.astype(np.float32, copy=False)}, fingerprint,
+                             items=len(rows), tokens=prepared.tokens, encoding=options.encoding, extra=extra)
+
+
+def splade_config(modules: list[tuple[str, Path]]) -> tuple[str, str]:
+    """(pooling strategy, activation) of a SparseEncoder's SpladePooling module; a bare folder: (max, relu)."""
+    if not modules:
+        return "max", "relu"
+    kinds = [k for k, _ in modules]
+    if kinds[1:] != ["SpladePooling"]:
+        raise errors.UnsupportedModel(f"a masked-LM Transformer must be followed by SpladePooling alone; got {kinds}")
+    config = read_json(modules[1][1] / "config.json")
+    strategy = config.get("pooling_strategy", "max")
+    activation = config.get("activation_function", "relu")
+    if strategy not in STRATEGIES or activation not in ACTIVATIONS:
+        raise errors.UnsupportedModel(
+            f"SpladePooling pooling_strategy={strategy!r}, activation_function={activation!r} is not supported "
+            f"(supported: {STRATEGIES}, {ACTIVATIONS})")
+    return strategy, activation
+
+
+def load_sparse(folder: Path, transformer_dir: Path, st_config: dict[str, Any], modules: list[tuple[str, Path]],
+                *, model_id: str, device: str = "cpu", dtype: str = "float32", torch_threads: int | None = None,
+                linear_kernel: LinearKernel = "auto", batch_tokens: int = 2048,
+                online_tokens: int = 256) -> ModelBackend:
+    strategy, activation = splade_config(modules)
+    check_modality(st_config, "logits")
+    if st_config.get("module_output_name", "token_embeddings") != "token_embeddings":
+        raise errors.UnsupportedModel(
+            f"Transformer module_output_name={st_config['module_output_name']!r} is not supported")
+    vocab = int(read_json(transformer_dir / "config.json").get("vocab_size") or 0)
+    if vocab < 1:
+        raise errors.UnsupportedModel(f"{transformer_dir}: a SPLADE model needs config.json's vocab_size")
+    element = torch.finfo(DTYPES.get(dtype, torch.float32)).bits // 8
+    cap = max(1, LOGITS_BYTES // (vocab * element))
+    budget, online = min(batch_tokens, cap), min(online_tokens, cap)
+    encoder = Encoder(transformer_dir, st_config, task=FILL_MASK, device=device, dtype=dtype,
+                      torch_threads=torch_threads, linear_kernel=linear_kernel,
+                      allow_chat_template=bool(modules), batch_tokens=budget, online_tokens=online)
+    head = SpladeHead(encoder, strategy, activation)
+    prompts, default_prompt_name = read_prompts(folder)
+    info = base_info(folder, encoder, model_id=model_id, dimension=vocab, pooling=head.pooling, normalizes=False,
+                     prompts=prompts, default_prompt_name=default_prompt_name, kinds=("embed_sparse", "tokenize"))
+    head.info = info
+    backend = ModelBackend(encoder, {"embed_sparse": head, "tokenize": TokenizeHead(encoder, info)}, info)
+    backend.max_batch_tokens = budget if budget < batch_tokens else None
+    return backend

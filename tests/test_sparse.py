@@ -1,0 +1,198 @@
+"""SPLADE (``embed_sparse``): fidelity against sentence-transformers' ``SparseEncoder`` (fp32) on tiny random
+masked-LM models saved to disk, batch invariance, the token budget the vocabulary logits impose, and jobs through
+a real worker (top_k, token strings, a bad job failing alone, kinds the model does not serve)."""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import numpy as np
+import pytest
+import tiny_models
+from conftest import WorkerHandle
+
+from embedq import errors
+from embedq.backends import load_backend
+from embedq.backends.sparse import LOGITS_BYTES, prune
+from embedq.producers.client import Client
+from embedq.protocol import SparseOptions, SparseVector, decode_sparse
+from embedq.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+LONG = " ".join(["tokens"] * 200)  # over the tiny models' 64-token limit
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("splade")
+    mlm = tiny_models.bert_mlm(root / "mlm")
+    return {
+        "mlm": mlm,
+        "max": tiny_models.splade(root / "splade-max", mlm, "max"),
+        "sum": tiny_models.splade(root / "splade-sum", mlm, "sum"),
+        "max-log1p_relu": tiny_models.splade(root / "splade-log1p", mlm, "max", "log1p_relu"),
+        "legacy": tiny_models.splade(root / "splade-legacy", mlm, "max", legacy=True),
+    }
+
+
+def _reference(folder, texts) -> np.ndarray:
+    from sentence_transformers import SparseEncoder
+
+    encoder = SparseEncoder(str(folder), device="cpu")
+    return encoder.encode(texts, batch_size=32, convert_to_tensor=True).to_dense().float().numpy()
+
+
+def _cut(rng: random.Random, text: str) -> str:
+    """The start of a corpus text, 1 to 50 words: most corpus texts are over the tiny models' 64 tokens, and
+    texts of one length would never be padded."""
+    return " ".join(text.split()[:rng.randint(1, 50)])
+
+
+def _texts(corpus, n=40, seed=0) -> list[str]:
+    rng = random.Random(seed)
+    return [_cut(rng, t) for t in rng.sample(corpus, n)] + ["hi", LONG]
+
+
+def _run(backend, texts, options=None, *, step=7, other=None) -> list[SparseVector]:
+    """``texts`` as the worker runs them: interleaved with another job's items, in batches of changing width."""
+    options = options or SparseOptions()
+    prepared = backend.prepare("embed_sparse", texts, options)
+    items = prepared.items
+    if other:
+        theirs = backend.prepare("embed_sparse", other, options).items
+        items = [x for pair in zip(items, (theirs * len(items))[:len(items)]) for x in pair]
+    rows = []
+    for start in range(0, len(items), step):
+        rows += backend.forward(items[start:start + step])
+    mine = rows[::2] if other else rows
+    return decode_sparse(backend.finish("embed_sparse", mine, prepared, options))
+
+
+def _dense(vectors: list[SparseVector], width: int) -> np.ndarray:
+    out = np.zeros((len(vectors), width), np.float32)
+    for i, v in enumerate(vectors):
+        assert np.all(np.diff(v.indices) > 0), "ids are ascending and unique"
+        out[i, v.indices] = v.values
+    return out
+
+
+# -- a: fidelity -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kernel", ["auto", "torch", "onnxruntime"])
+@pytest.mark.parametrize("name", ["max", "sum", "max-log1p_relu", "legacy"])
+def test_a_weights_equal_sparse_encoder(name, kernel, models, corpus):
+    backend = load_backend(str(models[name]), linear_kernel=kernel)
+    assert backend.info.kinds == ("embed_sparse", "tokenize")
+    if kernel == "onnxruntime":
+        assert backend.info.linear_kernel == "onnxruntime"
+    texts = _texts(corpus)
+    got = _run(backend, texts, other=_texts(corpus, 20, seed=1))
+    want = _reference(models[name], texts)
+    dense = _dense(got, want.shape[1])
+    for i in range(len(texts)):
+        assert set(got[i].indices.tolist()) == set(np.flatnonzero(want[i]).tolist()), f"text {i}: non-zero set"
+    # |Δ| relative to the weight's scale (as the runtime probe measures): sum pooling adds up to 64 tokens'
+    # weights, so ONNX Runtime's reordered fp32 (~3e-7 relative) shows as ~3e-5 on a weight of 50.
+    assert (np.abs(dense - want) / np.maximum(1.0, np.abs(want))).max() <= 1e-5
+    if kernel == "torch":  # PyTorch's kernels: what SparseEncoder itself runs
+        assert np.abs(dense - want).max() <= 1e-5
+    assert 0 < np.mean([len(v) for v in got]) < 1000, "the tiny model's weights are sparse, as trained ones are"
+
+
+def test_a_a_bare_masked_lm_folder_with_pooling_splade_equals_its_sparse_encoder_twin(models, corpus):
+    texts = _texts(corpus, 20)
+    bare = load_backend(str(models["mlm"]), pooling="splade", linear_kernel="torch")
+    assert bare.info.kinds == ("embed_sparse", "tokenize") and bare.info.pooling == "splade-max"
+    twin = load_backend(str(models["max"]), linear_kernel="torch")
+    got, theirs = _run(bare, texts), _run(twin, texts)
+    want = _reference(models["mlm"], texts)  # SparseEncoder on the bare folder: MLM + max SPLADE pooling
+    for a, b in zip(got, theirs):
+        assert a.indices.tolist() == b.indices.tolist() and np.array_equal(a.values, b.values)
+    assert np.abs(_dense(got, want.shape[1]) - want).max() <= 1e-5
+    # Without it the same folder is what SentenceTransformer makes of it: a mean-pooled embedding model.
+    assert load_backend(str(models["mlm"]), linear_kernel="torch").info.kinds == ("embed", "tokenize")
+    with pytest.raises(errors.UnsupportedModel, match="pooling=splade"):
+        load_backend(str(tiny_models.bert_classifier(models["mlm"].parent / "cls")), pooling="splade")
+
+
+# -- c: batch invariance ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["max", "sum"])
+def test_c_a_text_alone_or_in_any_micro_batch_gets_the_same_weights(name, models, corpus):
+    backend = load_backend(str(models[name]))
+    rng = random.Random(3)
+    text = _cut(rng, rng.choice(corpus))
+    alone = _run(backend, [text])[0]
+    for trial in range(3):
+        others = [_cut(rng, t) for t in rng.sample(corpus, rng.randint(3, 30))] + ([LONG] if trial else [])
+        batch = others[:]
+        batch.insert(rng.randint(0, len(batch)), text)
+        got = _run(backend, batch, step=len(batch))[batch.index(text)]
+        assert got.indices.tolist() == alone.indices.tolist()
+        assert np.abs(got.values - alone.values).max() <= 1e-6
+
+
+def test_c_the_vocabulary_logits_lower_the_token_budget(models):
+    vocab = load_backend(str(models["max"]), linear_kernel="torch").info.dimension
+    cap = LOGITS_BYTES // (vocab * 4)
+    assert load_backend(str(models["max"]), linear_kernel="torch", batch_tokens=4 * cap).max_batch_tokens == cap
+    assert load_backend(str(models["max"]), linear_kernel="torch", batch_tokens=cap // 2).max_batch_tokens is None
+
+
+def test_top_k_keeps_the_largest_weights_in_id_order():
+    ids = np.array([3, 8, 11, 20, 42], np.int32)
+    values = np.array([0.5, 2.0, 0.1, 2.0, 1.0], np.float32)
+    kept_ids, kept = prune(ids, values, 3)
+    assert kept_ids.tolist() == [8, 20, 42] and kept.tolist() == [2.0, 2.0, 1.0]
+    assert prune(ids, values, None)[0] is ids
+    vector = SparseVector(kept_ids, kept, ["b", "c", "d"])
+    assert vector.to_dict() == {"b": 2.0, "c": 2.0, "d": 1.0}
+    assert SparseVector(kept_ids, kept).to_tei()[0] == {"index": 8, "value": 2.0}
+
+
+# -- through a worker ---------------------------------------------------------------------------------------
+def test_sparse_jobs_through_a_worker(redis_server, models, corpus, tmp_path):
+    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.splade.{uuid.uuid4().hex[:8]}",
+                        model=str(models["sum"]), linear_kernel="torch")
+    client = Client(settings)
+    rng = random.Random(11)
+    jobs = [[_cut(rng, t) for t in rng.sample(corpus, rng.randint(1, 12))] for _ in range(12)]
+    # Sent before the worker starts, so they share micro-batches with the bad one.
+    handles = [client.submit_sparse(texts) for texts in jobs]
+    pruned = client.submit_sparse(jobs[0], top_k=5, return_tokens=True)
+    half = client.submit_sparse(jobs[1], encoding="float16")
+    too_long = client.submit_sparse(["fine", LONG], truncate=False)
+    wrong_kind = client.submit(["an embed job for a SPLADE model"])
+    worker = WorkerHandle(settings, tmp_path / "worker.log")
+    try:
+        results = [h.result(timeout=300) for h in handles]
+        top = pruned.result(timeout=120)
+        halves = half.result(timeout=120)
+        with pytest.raises(errors.TooLong):
+            too_long.result(timeout=120)
+        with pytest.raises(errors.UnsupportedTask, match="embed_sparse"):
+            wrong_kind.result(timeout=120)
+        assert client.embed_sparse("still up")[0].values.size > 0
+        stats = worker.stats()
+    finally:
+        worker.stop()
+        client.close()
+    assert stats["jobs_by_kind"].get("embed_sparse", 0) == len(jobs) + 4
+    assert stats["batches"] < len(jobs), "jobs coalesced"
+    flat = [t for texts in jobs for t in texts]
+    want = _reference(models["sum"], flat)
+    got = _dense([v for vectors in results for v in vectors], want.shape[1])
+    assert (np.abs(got - want) / np.maximum(1.0, np.abs(want))).max() <= 1e-5
+    assert handles[0].fingerprint.kind == "embed_sparse" and handles[0].fingerprint.pooling == "splade-sum"
+    # top_k: each text's five largest weights, ids ascending, with their token strings
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(models["sum"]))
+    for vector, full in zip(top, results[0]):
+        order = np.argsort(-full.values, kind="stable")[:5]
+        assert vector.indices.tolist() == sorted(full.indices[order].tolist())
+        assert vector.tokens == tokenizer.convert_ids_to_tokens(vector.indices.tolist())
+        assert list(vector.to_dict()) == vector.tokens
+    for h16, h32 in zip(halves, results[1]):
+        assert h16.indices.tolist() == h32.indices.tolist()
+        assert np.abs(h16.values - h32.values).max() <= 1e-3 * max(1.0, float(np.abs(h32.values).max()))
