@@ -96,6 +96,22 @@ class SparseOptions(JobOptions):
     encoding: Encoding = Field(default="float32", description="The weights' encoding: float32, float16, float.")
 
 
+#: What a BGE-M3 job may ask for (FlagEmbedding's dense_vecs, lexical_weights, colbert_vecs).
+HYBRID_OUTPUTS = ("dense", "lexical", "colbert")
+
+
+class HybridOptions(JobOptions):
+    """``embedq.embed_hybrid``: any of BGE-M3's three outputs from one forward pass."""
+
+    outputs: list[Literal["dense", "lexical", "colbert"]] = Field(
+        default_factory=lambda: list(HYBRID_OUTPUTS), min_length=1, description="Which outputs to return.")
+    prompt: str | None = None
+    prompt_name: str | None = None
+    top_k: int | None = Field(default=None, gt=0, description="Lexical: keep each text's k largest weights.")
+    return_tokens: bool = Field(default=False, description="Lexical: also return each kept id's token string.")
+    encoding: Encoding = Field(default="float32", description="float16 halves dense and ColBERT vectors.")
+
+
 class RerankOptions(JobOptions):
     """``embedq.rerank``: one query against many texts (TEI's ``/rerank``)."""
 
@@ -341,6 +357,29 @@ def decode_sparse(payload: dict[str, Any]) -> list[SparseVector]:
             for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
 
 
+@dataclass(frozen=True)
+class HybridEmbedding:
+    """A BGE-M3 job's outputs, each None when the job did not ask for it: ``dense`` (texts × dim),
+    ``lexical`` (a :class:`SparseVector` per text), ``colbert`` (per text, tokens × dim, CLS left out)."""
+
+    dense: np.ndarray | None
+    lexical: list[SparseVector] | None
+    colbert: list[np.ndarray] | None
+
+
+def decode_hybrid(payload: dict[str, Any]) -> HybridEmbedding:
+    dense = decode_array(payload["dense"]) if "dense" in payload else None
+    lexical = None
+    if "lexical_offsets" in payload:
+        lexical = decode_sparse({"offsets": payload["lexical_offsets"], "indices": payload["lexical_indices"],
+                                 "values": payload["lexical_values"], "tokens": payload.get("lexical_tokens")})
+    colbert = None
+    if "colbert" in payload:
+        offsets, vectors = decode_array(payload["colbert_offsets"]), decode_array(payload["colbert"])
+        colbert = [vectors[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+    return HybridEmbedding(dense, lexical, colbert)
+
+
 # -- the table of job kinds --------------------------------------------------------------------
 #: One item of a job: a text, or a text pair (rerank's (query, text), predict's pairs).
 Item = str | tuple[str, str]
@@ -417,11 +456,15 @@ PREDICT = TaskSpec("predict", "embedq.predict", PredictOptions, _predict_items, 
                    ("scores",), "(inputs)")
 EMBED_SPARSE = TaskSpec("embed_sparse", "embedq.embed_sparse", SparseOptions, _text_items, _first_len(0),
                         ("offsets", "indices", "values"), "(texts)")
+EMBED_HYBRID = TaskSpec("embed_hybrid", "embedq.embed_hybrid", HybridOptions, _text_items, _first_len(0),
+                        ("dense", "lexical_offsets", "lexical_indices", "lexical_values", "colbert_offsets", "colbert"),
+                        "(texts)")
 TOKENIZE = TaskSpec("tokenize", "embedq.tokenize", TokenizeOptions, _text_items, _first_len(0),
                     ("ids", "offsets", "spans", "special"), "(texts)")
 
 #: Every kind of job by Celery task name (the worker registers one task per entry).
-TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (EMBED, EMBED_SPARSE, RERANK, PREDICT, TOKENIZE)}
+TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (EMBED, EMBED_SPARSE, EMBED_HYBRID, RERANK, PREDICT,
+                                                             TOKENIZE)}
 #: The same specs by kind.
 KINDS: dict[str, TaskSpec] = {spec.kind: spec for spec in TASKS.values()}
 

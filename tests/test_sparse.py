@@ -57,17 +57,8 @@ def _texts(corpus, n=40, seed=0) -> list[str]:
 
 def _run(backend, texts, options=None, *, step=7, other=None) -> list[SparseVector]:
     """``texts`` as the worker runs them: interleaved with another job's items, in batches of changing width."""
-    options = options or SparseOptions()
-    prepared = backend.prepare("embed_sparse", texts, options)
-    items = prepared.items
-    if other:
-        theirs = backend.prepare("embed_sparse", other, options).items
-        items = [x for pair in zip(items, (theirs * len(items))[:len(items)]) for x in pair]
-    rows = []
-    for start in range(0, len(items), step):
-        rows += backend.forward(items[start:start + step])
-    mine = rows[::2] if other else rows
-    return decode_sparse(backend.finish("embed_sparse", mine, prepared, options))
+    return decode_sparse(tiny_models.run_as_the_worker(backend, "embed_sparse", texts, options or SparseOptions(),
+                                                       step=step, other=other))
 
 
 def _dense(vectors: list[SparseVector], width: int) -> np.ndarray:

@@ -49,12 +49,10 @@ def bert_classifier(path: Path, layers: int = 2, hidden: int = 32) -> Path:
     return path
 
 
-def xlmr_cross_encoder(path: Path, corpus: list[str]) -> Path:
-    """One label, no token_type_ids (XLM-R takes none); a 600-piece unigram tokenizer trained on ``corpus``."""
-    import torch
-    from sentence_transformers import CrossEncoder
+def _xlmr_tokenizer(corpus: list[str]):
+    """A 600-piece unigram tokenizer trained on ``corpus``, with XLM-R's special tokens and post-processor."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import XLMRobertaConfig, XLMRobertaForSequenceClassification, XLMRobertaTokenizerFast
+    from transformers import XLMRobertaTokenizerFast
 
     specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
     tok = Tokenizer(models.Unigram())
@@ -68,10 +66,26 @@ def xlmr_cross_encoder(path: Path, corpus: list[str]) -> Path:
     tokenizer = XLMRobertaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", sep_token="</s>",
                                         cls_token="<s>", unk_token="<unk>", pad_token="<pad>", mask_token="<mask>",
                                         model_max_length=MAX_LENGTH)
-    config = XLMRobertaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
-                              num_attention_heads=2, intermediate_size=64, max_position_embeddings=MAX_LENGTH + 2,
-                              pad_token_id=tok.token_to_id("<pad>"), bos_token_id=0, eos_token_id=2, num_labels=1,
-                              type_vocab_size=1, initializer_range=0.3)
+    return tok, tokenizer
+
+
+def _xlmr_config(tok, **extra):
+    from transformers import XLMRobertaConfig
+
+    return XLMRobertaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
+                            num_attention_heads=2, intermediate_size=64, max_position_embeddings=MAX_LENGTH + 2,
+                            pad_token_id=tok.token_to_id("<pad>"), bos_token_id=0, eos_token_id=2,
+                            type_vocab_size=1, initializer_range=0.3, **extra)
+
+
+def xlmr_cross_encoder(path: Path, corpus: list[str]) -> Path:
+    """One label, no token_type_ids (XLM-R takes none); a 600-piece unigram tokenizer trained on ``corpus``."""
+    import torch
+    from sentence_transformers import CrossEncoder
+    from transformers import XLMRobertaForSequenceClassification
+
+    tok, tokenizer = _xlmr_tokenizer(corpus)
+    config = _xlmr_config(tok, num_labels=1)
     torch.manual_seed(2)
     model = XLMRobertaForSequenceClassification(config).eval()
     hf = path.with_name(path.name + "-hf")
@@ -116,3 +130,45 @@ def splade(path: Path, mlm: Path, strategy: str = "max", activation: str = "relu
         modules[0]["type"] = "sentence_transformers.sparse_encoder.models.MLMTransformer"
         (path / "modules.json").write_text(json.dumps(modules))
     return path
+
+
+def bge_m3(path: Path, corpus: list[str], colbert_dim: int = 24) -> Path:
+    """A tiny XLM-RoBERTa in BGE-M3's layout: sentence-transformers modules (CLS pooling, Normalize) and
+    FlagEmbedding's ``sparse_linear.pt`` (hidden → 1) and ``colbert_linear.pt`` (hidden → ``colbert_dim``)."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from transformers import XLMRobertaModel
+
+    tok, tokenizer = _xlmr_tokenizer(corpus)
+    torch.manual_seed(4)
+    model = XLMRobertaModel(_xlmr_config(tok), add_pooling_layer=False).eval()
+    hf = path.with_name(path.name + "-hf")
+    model.save_pretrained(hf)
+    tokenizer.save_pretrained(hf)
+    transformer = Transformer(str(hf), max_seq_length=MAX_LENGTH)
+    SentenceTransformer(modules=[transformer, Pooling(32, "cls"), Normalize()], device="cpu").save(str(path))
+    torch.manual_seed(6)
+    sparse, colbert = torch.nn.Linear(32, 1), torch.nn.Linear(32, colbert_dim)
+    with torch.no_grad():  # centre the lexical weights: about half the tokens weigh nothing, as in the real model
+        batch = tokenizer(corpus[:20], truncation=True, max_length=MAX_LENGTH, padding=True, return_tensors="pt")
+        hidden = model(**batch).last_hidden_state[batch["attention_mask"].bool()]
+        sparse.bias.fill_(-float((hidden @ sparse.weight.T).median()))
+    torch.save(sparse.state_dict(), path / "sparse_linear.pt")
+    torch.save(colbert.state_dict(), path / "colbert_linear.pt")
+    return path
+
+
+def run_as_the_worker(backend, kind: str, texts: list, options, *, step: int = 7, other: list | None = None,
+                      other_options=None) -> dict:
+    """A job of ``texts`` run as the worker runs it: its items interleaved with another job's (``other``, with
+    ``other_options``), in micro-batches of ``step`` items and changing width; returns its result payload."""
+    prepared = backend.prepare(kind, texts, options)
+    items = prepared.items
+    if other:
+        theirs = backend.prepare(kind, other, other_options or options).items
+        items = [x for pair in zip(items, (theirs * len(items))[:len(items)]) for x in pair]
+    rows = []
+    for start in range(0, len(items), step):
+        rows += backend.forward(items[start:start + step])
+    return backend.finish(kind, rows[::2] if other else rows, prepared, options)

@@ -19,6 +19,7 @@ import torch
 from embedq import __version__, errors
 from embedq.backends.base import Encoded, Head, ModelInfo, Prepared, Tokenized, postprocess
 from embedq.backends.encoder import FEATURES, Encoder
+from embedq.backends.hybrid import is_m3_folder, m3_heads
 from embedq.backends.kernels import LinearKernel
 from embedq.backends.model import ModelBackend, base_info, check_modality, model_task, read_modules
 from embedq.backends.modules import DenseModule, PoolingConfig, check_normalize, normalize, pool, read_json
@@ -149,11 +150,18 @@ class DenseBackend(ModelBackend):
                 modules.append((kind, None))
         prompts, default_prompt_name = read_prompts(folder)
         head = DenseHead(encoder, pooling_config, modules, normalizes, dimension)
+        # BGE-M3 (FlagEmbedding's layout: sparse_linear.pt and colbert_linear.pt beside the weights): embed_hybrid
+        m3 = m3_heads(folder, encoder) if is_m3_folder(folder) else []
         info = base_info(folder, encoder, model_id=model_id if model_id is not None else str(path),
                          dimension=dimension, pooling=pooling_config.name, normalizes=normalizes, prompts=prompts,
-                         default_prompt_name=default_prompt_name, kinds=("embed", "tokenize"))
-        head.info = info
-        super().__init__(encoder, {"embed": head, "tokenize": TokenizeHead(encoder, info)}, info)
+                         default_prompt_name=default_prompt_name,
+                         kinds=("embed", "embed_hybrid", "tokenize") if m3 else ("embed", "tokenize"))
+        heads: dict[str, Head] = {"embed": head, "tokenize": TokenizeHead(encoder, info)}
+        for each in [head, *m3]:
+            each.info = info
+        if m3:
+            heads["embed_hybrid"] = m3[0]
+        super().__init__(encoder, heads, info, more_heads=m3)
         self.model = encoder.model
 
     # -- direct use (tests, benchmarks): the same code paths the worker takes --------------------------

@@ -30,10 +30,12 @@ class ModelBackend(Backend):
 
     is_padded = True
 
-    def __init__(self, encoder: Encoder, heads: dict[str, Head], info: ModelInfo) -> None:
+    def __init__(self, encoder: Encoder, heads: dict[str, Head], info: ModelInfo,
+                 more_heads: Sequence[Head] = ()) -> None:
         self.encoder = encoder
-        self.heads = heads  # kind -> head
-        self._by_name = {head.name: head for head in heads.values()}
+        self.heads = heads  # kind -> the head that prepares its jobs
+        # every head an item may name (a kind's head may hand its items to variants of itself: BGE-M3's outputs)
+        self._by_name = {head.name: head for head in [*heads.values(), *more_heads]}
         self.info = info
         self.max_seq_length = encoder.max_seq_length
 
@@ -42,7 +44,7 @@ class ModelBackend(Backend):
         head = self.heads[kind]
         prepared = head.prepare(kind, items, options)
         for item in prepared.items:
-            item.head = head.name
+            item.head = item.head or head.name
         return prepared
 
     def forward(self, batch: Sequence[Encoded]) -> list[np.ndarray]:

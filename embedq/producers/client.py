@@ -29,6 +29,7 @@ from embedq.batching.traffic import BULK, ONLINE, TRAFFIC_CLASSES
 from embedq.broker import BROKER_ERRORS, make_app, redis_client
 from embedq.protocol import (
     EMBED,
+    EMBED_HYBRID,
     EMBED_SPARSE,
     PREDICT,
     RERANK,
@@ -39,6 +40,7 @@ from embedq.protocol import (
     TaskSpec,
     check_message_size,
     decode_array,
+    decode_hybrid,
     decode_result,
     decode_sparse,
     task_reprs,
@@ -235,6 +237,7 @@ class JobHandle:
 
         * ``embed``: the vectors (float32 numpy array, one row per input, input order);
         * ``embed_sparse``: one :class:`~embedq.protocol.SparseVector` per input, input order;
+        * ``embed_hybrid``: a :class:`~embedq.protocol.HybridEmbedding` (dense, lexical, ColBERT);
         * ``rerank``: ``[{"index", "score"(, "text")}]`` sorted by score, highest first;
         * ``predict``: per input, ``[{"label", "score"}]`` sorted by score, highest first;
         * ``tokenize``: per text, ``[{"id", "text", "special", "start", "stop"}]`` (offsets are
@@ -351,6 +354,15 @@ class Client:
             options["return_tokens"] = True
         return self._send(EMBED_SPARSE, [_as_list(texts)], options, queue=queue, traffic_class=traffic_class,
                           deadline=deadline)
+
+    def submit_hybrid(self, texts: str | Sequence[str], *, outputs: Sequence[str] = ("dense", "lexical", "colbert"),
+                      queue: str | None = None, traffic_class: str = ONLINE,
+                      deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
+        """Enqueue a BGE-M3 embedding of ``texts``: any of ``dense``, ``lexical`` and ``colbert`` from one forward
+        pass. Options: ``top_k`` and ``return_tokens`` (lexical), ``encoding`` (float16 halves dense and ColBERT
+        vectors), ``prompt``, ``prompt_name``, ``truncate``, ``truncation_side``."""
+        return self._send(EMBED_HYBRID, [_as_list(texts)], {**options, "outputs": list(outputs)}, queue=queue,
+                          traffic_class=traffic_class, deadline=deadline)
 
     def submit_rerank(self, query: str, texts: Sequence[str], *, raw_scores: bool = False, return_text: bool = False,
                       queue: str | None = None, traffic_class: str = ONLINE,
@@ -497,6 +509,11 @@ class Client:
         """Sparse-embed texts and wait: one :class:`~embedq.protocol.SparseVector` per text, in input order."""
         return self.submit_sparse(texts, **options).result(timeout)
 
+    def embed_hybrid(self, texts: str | Sequence[str], *, timeout: float | None = DEFAULT_RESULT_TIMEOUT,
+                     **options: Any) -> Any:
+        """BGE-M3-embed texts and wait: a :class:`~embedq.protocol.HybridEmbedding` (input order)."""
+        return self.submit_hybrid(texts, **options).result(timeout)
+
     def rerank(self, query: str, texts: Sequence[str], *, timeout: float | None = DEFAULT_RESULT_TIMEOUT,
                **options: Any) -> list[dict[str, Any]]:
         """Rerank and wait: ``[{"index", "score"(, "text")}]``, highest score first (TEI's ``/rerank``)."""
@@ -539,6 +556,8 @@ def decode_output(kind: str, payload: dict[str, Any], texts: Sequence[str] | Non
     """A sparse, rerank, predict or tokenize result, decoded (the last three in the shapes TEI's API returns)."""
     if kind == "embed_sparse":
         return decode_sparse(payload)
+    if kind == "embed_hybrid":
+        return decode_hybrid(payload)
     if kind == "rerank":
         scores = decode_array(payload["scores"])
         order = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))
