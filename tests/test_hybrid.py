@@ -134,6 +134,42 @@ def test_b_a_job_gets_only_the_outputs_it_asked_for(outputs, m3, corpus):
     _check(got, flag_reference(m3, texts), outputs)
 
 
+def flag_scores(m3, query: str, documents: list[str], weights=(0.4, 0.2, 0.4)) -> list[dict[str, float]]:
+    """``M3Embedder.compute_score_single_device`` (FlagEmbedding 1.4.2) for (query, document) pairs, one pair per
+    batch: dense q·p, sparse over the vocabulary-wide lexical vectors, ColBERT sum of MaxSim over the query's
+    tokens but CLS divided by their count, and 'colbert+sparse+dense' = Σ w·score / Σ w."""
+    import torch
+
+    dense, lexical, colbert = flag_reference(m3, [query, *documents])
+    out = []
+    for i in range(1, len(documents) + 1):
+        d = float(torch.from_numpy(dense[0]) @ torch.from_numpy(dense[i]))
+        s = sum(float(w) * float(lexical[i][t]) for t, w in lexical[0].items() if t in lexical[i])
+        token_scores = torch.einsum("in,jn->ij", torch.from_numpy(colbert[0]), torch.from_numpy(colbert[i]))
+        c = float(token_scores.max(-1).values.sum() / colbert[0].shape[0])
+        out.append({"dense": d, "sparse": s, "colbert": c,
+                    "score": (weights[0] * d + weights[1] * s + weights[2] * c) / sum(weights)})
+    return out
+
+
+def test_scores_equal_flag_embedding_compute_score(m3, corpus):
+    from embedq import scores
+
+    backend = load_backend(str(m3), linear_kernel="torch")
+    query, documents = "how does a queue batch texts", _texts(corpus, 12, seed=4)
+    both = _run(backend, [query, *documents], HybridOptions())
+    docs = type(both)(both.dense[1:], both.lexical[1:], both.colbert[1:])
+    got = scores.score_all(both, docs)
+    for mine, theirs in zip(got, flag_scores(m3, query, documents)):
+        for part in ("dense", "sparse", "colbert", "score"):
+            assert abs(mine[part] - theirs[part]) <= 1e-5, part
+    assert any(entry["sparse"] > 0 for entry in got), "some documents share weighted tokens with the query"
+    # other weights, and parts left out: the hybrid is over the parts present
+    assert scores.hybrid({"dense": 0.5, "sparse": 2.0}, {"dense": 1, "sparse": 1}) == pytest.approx(1.25)
+    with pytest.raises(ValueError):
+        scores.hybrid({"colbert": 0.3}, {"dense": 1.0})
+
+
 # -- c: batch invariance -------------------------------------------------------------------------------------
 def test_c_a_text_alone_or_in_any_micro_batch_gets_the_same_outputs(m3, corpus):
     backend = load_backend(str(m3))
@@ -168,13 +204,15 @@ def test_hybrid_jobs_through_a_worker(redis_server, m3, corpus, tmp_path):
         results = [h.result(timeout=300) for h in handles]
         compact = small.result(timeout=120)
         vectors = dense.result(timeout=120)
+        query, documents = "what does a worker do", jobs[2]
+        ranked = client.score(query, documents)
         stats = worker.stats()
     finally:
         worker.stop()
         client.close()
     # (Sharing micro-batches across outputs is shown in test_b above, item by item: a 2-layer model runs each job
     # here before the consumer has taken the next one, so the count of batches would show nothing.)
-    assert stats["jobs_by_kind"].get("embed_hybrid", 0) == len(jobs) + 1
+    assert stats["jobs_by_kind"].get("embed_hybrid", 0) == len(jobs) + 2
     assert stats["jobs_by_kind"].get("embed", 0) == 1
     for i, (texts, got) in enumerate(zip(jobs, results)):
         _check(got, flag_reference(m3, texts), choices[i % 3])
@@ -187,3 +225,8 @@ def test_hybrid_jobs_through_a_worker(redis_server, m3, corpus, tmp_path):
     for mine, theirs in zip(compact.colbert, want[2]):
         assert np.abs(mine - theirs).max() <= 2e-3  # float16 on the wire
     assert np.abs(vectors - flag_reference(m3, jobs[1])[0]).max() <= 1e-5
+    want = flag_scores(m3, query, documents)
+    assert sorted(entry["index"] for entry in ranked) == list(range(len(documents)))
+    assert [entry["score"] for entry in ranked] == sorted((entry["score"] for entry in ranked), reverse=True)
+    for entry in ranked:
+        assert abs(entry["score"] - want[entry["index"]]["score"]) <= 1e-5

@@ -514,6 +514,22 @@ class Client:
         """BGE-M3-embed texts and wait: a :class:`~embedq.protocol.HybridEmbedding` (input order)."""
         return self.submit_hybrid(texts, **options).result(timeout)
 
+    def score(self, query: str, documents: Sequence[str], *, weights: dict[str, float] | None = None,
+              outputs: Sequence[str] = ("dense", "lexical", "colbert"),
+              timeout: float | None = DEFAULT_RESULT_TIMEOUT, **options: Any) -> list[dict[str, Any]]:
+        """Embed ``query`` and ``documents`` with one BGE-M3 job and score each document (:mod:`embedq.scores`):
+        ``[{"index", "score", "dense", "sparse", "colbert"}]``, highest hybrid score first. ``weights`` per part
+        (default BGE-M3's 0.4/0.2/0.4); ``outputs`` chooses the parts."""
+        from embedq import scores
+        from embedq.protocol import HybridEmbedding
+
+        texts = [query, *_as_list(documents)]
+        both = self.embed_hybrid(texts, outputs=outputs, timeout=timeout, **options)
+        docs = HybridEmbedding(*(None if part is None else part[1:] for part in (both.dense, both.lexical,
+                                                                                   both.colbert)))
+        ranked = scores.score_all(both, docs, weights=weights)
+        return sorted(ranked, key=lambda entry: (-entry["score"], entry["index"]))
+
     def rerank(self, query: str, texts: Sequence[str], *, timeout: float | None = DEFAULT_RESULT_TIMEOUT,
                **options: Any) -> list[dict[str, Any]]:
         """Rerank and wait: ``[{"index", "score"(, "text")}]``, highest score first (TEI's ``/rerank``)."""
