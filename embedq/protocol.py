@@ -96,6 +96,14 @@ class SparseOptions(JobOptions):
     encoding: Encoding = Field(default="float32", description="The weights' encoding: float32, float16, float.")
 
 
+class EmbedAllOptions(JobOptions):
+    """``embedq.embed_all``: every token's last hidden state (TEI's ``/embed_all``)."""
+
+    prompt: str | None = None
+    prompt_name: str | None = None
+    encoding: Encoding = Field(default="float32", description="float16 halves the result.")
+
+
 #: What a BGE-M3 job may ask for (FlagEmbedding's dense_vecs, lexical_weights, colbert_vecs).
 HYBRID_OUTPUTS = ("dense", "lexical", "colbert")
 
@@ -367,16 +375,19 @@ class HybridEmbedding:
     colbert: list[np.ndarray] | None
 
 
+def decode_ragged(payload: dict[str, Any], offsets: str = "offsets", values: str = "tokens") -> list[np.ndarray]:
+    """A ragged result (one array of rows per text): the texts' arrays, in input order."""
+    at, rows = decode_array(payload[offsets]), decode_array(payload[values])
+    return [rows[a:b] for a, b in zip(at[:-1].tolist(), at[1:].tolist())]
+
+
 def decode_hybrid(payload: dict[str, Any]) -> HybridEmbedding:
     dense = decode_array(payload["dense"]) if "dense" in payload else None
     lexical = None
     if "lexical_offsets" in payload:
         lexical = decode_sparse({"offsets": payload["lexical_offsets"], "indices": payload["lexical_indices"],
                                  "values": payload["lexical_values"], "tokens": payload.get("lexical_tokens")})
-    colbert = None
-    if "colbert" in payload:
-        offsets, vectors = decode_array(payload["colbert_offsets"]), decode_array(payload["colbert"])
-        colbert = [vectors[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+    colbert = decode_ragged(payload, "colbert_offsets", "colbert") if "colbert" in payload else None
     return HybridEmbedding(dense, lexical, colbert)
 
 
@@ -456,6 +467,8 @@ PREDICT = TaskSpec("predict", "embedq.predict", PredictOptions, _predict_items, 
                    ("scores",), "(inputs)")
 EMBED_SPARSE = TaskSpec("embed_sparse", "embedq.embed_sparse", SparseOptions, _text_items, _first_len(0),
                         ("offsets", "indices", "values"), "(texts)")
+EMBED_ALL = TaskSpec("embed_all", "embedq.embed_all", EmbedAllOptions, _text_items, _first_len(0),
+                     ("offsets", "tokens"), "(texts)")
 EMBED_HYBRID = TaskSpec("embed_hybrid", "embedq.embed_hybrid", HybridOptions, _text_items, _first_len(0),
                         ("dense", "lexical_offsets", "lexical_indices", "lexical_values", "colbert_offsets", "colbert"),
                         "(texts)")
@@ -463,8 +476,8 @@ TOKENIZE = TaskSpec("tokenize", "embedq.tokenize", TokenizeOptions, _text_items,
                     ("ids", "offsets", "spans", "special"), "(texts)")
 
 #: Every kind of job by Celery task name (the worker registers one task per entry).
-TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (EMBED, EMBED_SPARSE, EMBED_HYBRID, RERANK, PREDICT,
-                                                             TOKENIZE)}
+TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (EMBED, EMBED_SPARSE, EMBED_ALL, EMBED_HYBRID, RERANK,
+                                                             PREDICT, TOKENIZE)}
 #: The same specs by kind.
 KINDS: dict[str, TaskSpec] = {spec.kind: spec for spec in TASKS.values()}
 

@@ -102,7 +102,7 @@ def test_a_a_bare_masked_lm_folder_with_pooling_splade_equals_its_sparse_encoder
         assert a.indices.tolist() == b.indices.tolist() and np.array_equal(a.values, b.values)
     assert np.abs(_dense(got, want.shape[1]) - want).max() <= 1e-5
     # Without it the same folder is what SentenceTransformer makes of it: a mean-pooled embedding model.
-    assert load_backend(str(models["mlm"]), linear_kernel="torch").info.kinds == ("embed", "tokenize")
+    assert load_backend(str(models["mlm"]), linear_kernel="torch").info.kinds == ("embed", "embed_all", "tokenize")
     with pytest.raises(errors.UnsupportedModel, match="pooling=splade"):
         load_backend(str(tiny_models.bert_classifier(models["mlm"].parent / "cls")), pooling="splade")
 

@@ -23,6 +23,7 @@ from embedq.backends.hybrid import is_m3_folder, m3_heads
 from embedq.backends.kernels import LinearKernel
 from embedq.backends.model import ModelBackend, base_info, check_modality, model_task, read_modules
 from embedq.backends.modules import DenseModule, PoolingConfig, check_normalize, normalize, pool, read_json
+from embedq.backends.multi import TokenEmbeddingsHead
 from embedq.backends.tokens import TokenizeHead, read_prompts, resolve_prompt
 from embedq.protocol import Fingerprint, encode_result
 
@@ -152,12 +153,13 @@ class DenseBackend(ModelBackend):
         head = DenseHead(encoder, pooling_config, modules, normalizes, dimension)
         # BGE-M3 (FlagEmbedding's layout: sparse_linear.pt and colbert_linear.pt beside the weights): embed_hybrid
         m3 = m3_heads(folder, encoder) if is_m3_folder(folder) else []
+        per_token = TokenEmbeddingsHead(encoder, pooling_config.embedding_dimension)
+        kinds = ("embed", "embed_all", "embed_hybrid", "tokenize") if m3 else ("embed", "embed_all", "tokenize")
         info = base_info(folder, encoder, model_id=model_id if model_id is not None else str(path),
                          dimension=dimension, pooling=pooling_config.name, normalizes=normalizes, prompts=prompts,
-                         default_prompt_name=default_prompt_name,
-                         kinds=("embed", "embed_hybrid", "tokenize") if m3 else ("embed", "tokenize"))
-        heads: dict[str, Head] = {"embed": head, "tokenize": TokenizeHead(encoder, info)}
-        for each in [head, *m3]:
+                         default_prompt_name=default_prompt_name, kinds=kinds)
+        heads: dict[str, Head] = {"embed": head, "embed_all": per_token, "tokenize": TokenizeHead(encoder, info)}
+        for each in [head, per_token, *m3]:
             each.info = info
         if m3:
             heads["embed_hybrid"] = m3[0]

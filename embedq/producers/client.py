@@ -29,6 +29,7 @@ from embedq.batching.traffic import BULK, ONLINE, TRAFFIC_CLASSES
 from embedq.broker import BROKER_ERRORS, make_app, redis_client
 from embedq.protocol import (
     EMBED,
+    EMBED_ALL,
     EMBED_HYBRID,
     EMBED_SPARSE,
     PREDICT,
@@ -41,6 +42,7 @@ from embedq.protocol import (
     check_message_size,
     decode_array,
     decode_hybrid,
+    decode_ragged,
     decode_result,
     decode_sparse,
     task_reprs,
@@ -238,6 +240,7 @@ class JobHandle:
         * ``embed``: the vectors (float32 numpy array, one row per input, input order);
         * ``embed_sparse``: one :class:`~embedq.protocol.SparseVector` per input, input order;
         * ``embed_hybrid``: a :class:`~embedq.protocol.HybridEmbedding` (dense, lexical, ColBERT);
+        * ``embed_all``: per input, its tokens' hidden states (tokens × hidden float32 array);
         * ``rerank``: ``[{"index", "score"(, "text")}]`` sorted by score, highest first;
         * ``predict``: per input, ``[{"label", "score"}]`` sorted by score, highest first;
         * ``tokenize``: per text, ``[{"id", "text", "special", "start", "stop"}]`` (offsets are
@@ -353,6 +356,13 @@ class Client:
         if return_tokens:
             options["return_tokens"] = True
         return self._send(EMBED_SPARSE, [_as_list(texts)], options, queue=queue, traffic_class=traffic_class,
+                          deadline=deadline)
+
+    def submit_all(self, texts: str | Sequence[str], *, queue: str | None = None, traffic_class: str = ONLINE,
+                   deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
+        """Enqueue per-token embeddings of ``texts`` (TEI's ``/embed_all``): every token's last hidden state.
+        Options: ``prompt``, ``prompt_name``, ``truncate``, ``truncation_side``, ``encoding``."""
+        return self._send(EMBED_ALL, [_as_list(texts)], options, queue=queue, traffic_class=traffic_class,
                           deadline=deadline)
 
     def submit_hybrid(self, texts: str | Sequence[str], *, outputs: Sequence[str] = ("dense", "lexical", "colbert"),
@@ -509,6 +519,11 @@ class Client:
         """Sparse-embed texts and wait: one :class:`~embedq.protocol.SparseVector` per text, in input order."""
         return self.submit_sparse(texts, **options).result(timeout)
 
+    def embed_all(self, texts: str | Sequence[str], *, timeout: float | None = DEFAULT_RESULT_TIMEOUT,
+                  **options: Any) -> list[np.ndarray]:
+        """Per-token embeddings and wait: per text a (tokens, hidden) float32 array, special tokens included."""
+        return self.submit_all(texts, **options).result(timeout)
+
     def embed_hybrid(self, texts: str | Sequence[str], *, timeout: float | None = DEFAULT_RESULT_TIMEOUT,
                      **options: Any) -> Any:
         """BGE-M3-embed texts and wait: a :class:`~embedq.protocol.HybridEmbedding` (input order)."""
@@ -574,6 +589,8 @@ def decode_output(kind: str, payload: dict[str, Any], texts: Sequence[str] | Non
         return decode_sparse(payload)
     if kind == "embed_hybrid":
         return decode_hybrid(payload)
+    if kind == "embed_all":
+        return decode_ragged(payload)
     if kind == "rerank":
         scores = decode_array(payload["scores"])
         order = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))

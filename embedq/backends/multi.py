@@ -1,0 +1,58 @@
+"""The per-token head (``embed_all``, TEI's ``/embed_all``): the last hidden state of every token, no pooling.
+
+For clients that run their own late interaction. A text's row is its real tokens' hidden states (special
+tokens and a prompt included, padding left out whichever side it is on), as sentence-transformers'
+``encode(output_value="token_embeddings")`` returns them. The result is ragged: token offsets and one
+tokens × hidden array (float16 on request halves it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from embedq import __version__
+from embedq.backends.base import Encoded, Head, ModelInfo, Prepared
+from embedq.backends.encoder import Encoder
+from embedq.backends.tokens import resolve_prompt
+from embedq.protocol import Fingerprint, encode_result
+
+
+class TokenEmbeddingsHead(Head):
+    name = "tokens"
+    kinds = ("embed_all",)
+
+    def __init__(self, encoder: Encoder, hidden: int) -> None:
+        self.encoder = encoder
+        self.hidden = hidden
+        self.info: ModelInfo | None = None
+
+    def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
+        assert self.info is not None
+        prompt = resolve_prompt(self.info, options.prompt, options.prompt_name)
+        encoded, _ = self.encoder.encode_texts(items, prompt=prompt, truncate=options.truncate,
+                                               truncation_side=options.truncation_side)
+        return Prepared(encoded, sum(len(e.ids) for e in encoded), {"prompt": prompt})
+
+    def rows(self, output: Any, mask: torch.Tensor, index: Any, batch: Sequence[Encoded]) -> list[np.ndarray]:
+        hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        if index is not None:
+            hidden, mask = hidden.index_select(0, index), mask.index_select(0, index)
+        states = hidden.float().cpu().numpy()
+        real = mask.bool().cpu().numpy()
+        return [states[i][real[i]] for i in range(len(states))]
+
+    def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]:
+        info = self.info
+        assert info is not None
+        offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum([len(r) for r in rows], out=offsets[1:])
+        tokens = np.concatenate(rows) if rows else np.zeros((0, self.hidden), np.float32)
+        fingerprint = Fingerprint(kind=kind, model=info.model_id, weights_sha256=info.weights_sha256,
+                                  pooling="none", normalize=False, dimensions=self.hidden, dtype=info.dtype,
+                                  prompt=prepared.state.get("prompt"), embedq_version=__version__)
+        return encode_result(kind, {"offsets": offsets, "tokens": tokens.astype(np.float32, copy=False)},
+                             fingerprint, items=len(rows), tokens=prepared.tokens, encoding=options.encoding)
