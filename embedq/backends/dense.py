@@ -24,7 +24,7 @@ from embedq.backends.kernels import LinearKernel
 from embedq.backends.model import ModelBackend, base_info, check_modality, model_task, read_modules
 from embedq.backends.modules import DenseModule, PoolingConfig, check_normalize, normalize, pool, read_json
 from embedq.backends.multi import TokenEmbeddingsHead
-from embedq.backends.tokens import TokenizeHead, read_prompts, resolve_prompt
+from embedq.backends.tokens import TokenizeHead, prepare_texts, read_prompts
 from embedq.protocol import Fingerprint, encode_result
 
 
@@ -46,10 +46,7 @@ class DenseHead(Head):
         if options.dimensions is not None and options.dimensions > self.dimension:
             raise errors.InvalidDimensions(f"dimensions={options.dimensions} but the model's vectors have "
                                            f"{self.dimension}")
-        prompt = resolve_prompt(self.info, options.prompt, options.prompt_name)
-        encoded, _ = self.encoder.encode_texts(items, prompt=prompt, truncate=options.truncate,
-                                               truncation_side=options.truncation_side)
-        return Prepared(encoded, sum(len(e.ids) for e in encoded), {"prompt": prompt})
+        return prepare_texts(self.encoder, self.info, items, options)
 
     def rows(self, output: Any, mask: torch.Tensor, index: Any, batch: Sequence[Encoded]) -> list[np.ndarray]:
         tokens = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]

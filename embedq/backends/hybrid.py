@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from embedq import __version__, errors
 from embedq.backends.base import Encoded, Head, ModelInfo, Prepared
 from embedq.backends.encoder import Encoder
-from embedq.backends.tokens import resolve_prompt
+from embedq.backends.tokens import prepare_texts
 from embedq.protocol import HYBRID_OUTPUTS, Fingerprint, encode_result
 
 SPARSE_FILE = "sparse_linear.pt"
@@ -80,15 +80,11 @@ class M3Head(Head):
         self.by_outputs: dict[tuple[str, ...], M3Head] = {}
 
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
-        assert self.info is not None
-        wanted = tuple(o for o in HYBRID_OUTPUTS if o in options.outputs)
-        head = self.by_outputs[wanted]
-        prompt = resolve_prompt(self.info, options.prompt, options.prompt_name)
-        encoded, _ = self.encoder.encode_texts(items, prompt=prompt, truncate=options.truncate,
-                                               truncation_side=options.truncation_side)
-        for item in encoded:
+        head = self.by_outputs[tuple(o for o in HYBRID_OUTPUTS if o in options.outputs)]
+        prepared = prepare_texts(self.encoder, self.info, items, options)
+        for item in prepared.items:  # the variant that computes exactly the job's outputs
             item.head = head.name
-        return Prepared(encoded, sum(len(e.ids) for e in encoded), {"prompt": prompt})
+        return prepared
 
     def rows(self, output: Any, mask: torch.Tensor, index: Any, batch: Sequence[Encoded]) -> list[Any]:
         hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]

@@ -17,7 +17,7 @@ import torch
 from embedq import __version__
 from embedq.backends.base import Encoded, Head, ModelInfo, Prepared
 from embedq.backends.encoder import Encoder
-from embedq.backends.tokens import resolve_prompt
+from embedq.backends.tokens import prepare_texts
 from embedq.protocol import Fingerprint, encode_result
 
 
@@ -31,11 +31,7 @@ class TokenEmbeddingsHead(Head):
         self.info: ModelInfo | None = None
 
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
-        assert self.info is not None
-        prompt = resolve_prompt(self.info, options.prompt, options.prompt_name)
-        encoded, _ = self.encoder.encode_texts(items, prompt=prompt, truncate=options.truncate,
-                                               truncation_side=options.truncation_side)
-        return Prepared(encoded, sum(len(e.ids) for e in encoded), {"prompt": prompt})
+        return prepare_texts(self.encoder, self.info, items, options)
 
     def rows(self, output: Any, mask: torch.Tensor, index: Any, batch: Sequence[Encoded]) -> list[np.ndarray]:
         hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]

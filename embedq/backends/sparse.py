@@ -28,7 +28,7 @@ from embedq.backends.encoder import DTYPES, FILL_MASK, Encoder
 from embedq.backends.kernels import LinearKernel
 from embedq.backends.model import ModelBackend, base_info, check_modality
 from embedq.backends.modules import read_json
-from embedq.backends.tokens import TokenizeHead, read_prompts, resolve_prompt
+from embedq.backends.tokens import TokenizeHead, prepare_texts, read_prompts
 from embedq.protocol import Fingerprint, encode_result
 
 #: Most bytes a micro-batch's vocabulary logits may take; the token budget is lowered to stay under it
@@ -82,11 +82,7 @@ class SpladeHead(Head):
         return f"splade-{self.strategy}" + ("" if self.activation == "relu" else f"-{self.activation}")
 
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
-        assert self.info is not None
-        prompt = resolve_prompt(self.info, options.prompt, options.prompt_name)
-        encoded, _ = self.encoder.encode_texts(items, prompt=prompt, truncate=options.truncate,
-                                               truncation_side=options.truncation_side)
-        return Prepared(encoded, sum(len(e.ids) for e in encoded), {"prompt": prompt})
+        return prepare_texts(self.encoder, self.info, items, options)
 
     def rows(self, output: Any, mask: torch.Tensor, index: Any, batch: Sequence[Encoded]) -> list[Any]:
         logits = output.logits

@@ -43,6 +43,16 @@ def resolve_prompt(info: ModelInfo, prompt: str | None, prompt_name: str | None)
     return info.prompts[name] or None
 
 
+def prepare_texts(encoder: Encoder, info: ModelInfo | None, texts: list[Any], options: Any) -> Prepared:
+    """A job of texts for a head that runs the model: its prompt resolved (``state["prompt"]``), its texts
+    tokenized as sentence-transformers does, its token count."""
+    assert info is not None
+    prompt = resolve_prompt(info, options.prompt, options.prompt_name)
+    encoded, _ = encoder.encode_texts(texts, prompt=prompt, truncate=options.truncate,
+                                      truncation_side=options.truncation_side)
+    return Prepared(encoded, sum(len(e.ids) for e in encoded), {"prompt": prompt})
+
+
 class TokenizeHead(Head):
     name = "tokenize"
     kinds = ("tokenize",)
