@@ -144,7 +144,7 @@ def test_top_k_keeps_the_largest_weights_in_id_order():
 # -- through a worker ---------------------------------------------------------------------------------------
 def test_sparse_jobs_through_a_worker(redis_server, models, corpus, tmp_path):
     settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.splade.{uuid.uuid4().hex[:8]}",
-                        model=str(models["sum"]), linear_kernel="torch")
+                        model=str(models["sum"]), linear_kernel="torch", max_result_bytes=20_000)
     client = Client(settings)
     rng = random.Random(11)
     jobs = [[_cut(rng, t) for t in rng.sample(corpus, rng.randint(1, 12))] for _ in range(12)]
@@ -154,6 +154,10 @@ def test_sparse_jobs_through_a_worker(redis_server, models, corpus, tmp_path):
     half = client.submit_sparse(jobs[1], encoding="float16")
     too_long = client.submit_sparse(["fine", LONG], truncate=False)
     wrong_kind = client.submit(["an embed job for a SPLADE model"])
+    # 150 texts' weights are over the worker's 20 kB result cap: that job fails with its own error; pruned to
+    # each text's 8 largest weights the same texts fit.
+    huge = client.submit_sparse(corpus[:150])
+    pruned_huge = client.submit_sparse(corpus[:150], top_k=8)
     worker = WorkerHandle(settings, tmp_path / "worker.log")
     try:
         results = [h.result(timeout=300) for h in handles]
@@ -163,12 +167,15 @@ def test_sparse_jobs_through_a_worker(redis_server, models, corpus, tmp_path):
             too_long.result(timeout=120)
         with pytest.raises(errors.UnsupportedTask, match="embed_sparse"):
             wrong_kind.result(timeout=120)
+        with pytest.raises(errors.ResultTooLarge, match="EMBEDQ_MAX_RESULT_BYTES"):
+            huge.result(timeout=120)
+        assert [len(v) for v in pruned_huge.result(timeout=120)] == [8] * 150
         assert client.embed_sparse("still up")[0].values.size > 0
         stats = worker.stats()
     finally:
         worker.stop()
         client.close()
-    assert stats["jobs_by_kind"].get("embed_sparse", 0) == len(jobs) + 4
+    assert stats["jobs_by_kind"].get("embed_sparse", 0) == len(jobs) + 6
     assert stats["batches"] < len(jobs), "jobs coalesced"
     flat = [t for texts in jobs for t in texts]
     want = _reference(models["sum"], flat)
