@@ -71,6 +71,19 @@ def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen | None = 
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _kill_after_commits(settings: Settings, src: Path, out: Path, rows: int, *args: str) -> int:
+    """Start ``embedq index``, SIGKILL it once ``rows`` rows are committed; returns the rows committed then."""
+    proc = subprocess.Popen(_index_cmd(src, out, *args), env=_env(settings), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: _committed_rows(out) >= rows, 300, "the first commits", proc)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    return _committed_rows(out)
+
+
 @pytest.fixture(scope="module")
 def first_output(worker, corpus, tmp_path_factory):
     """a. 20,000 texts JSONL -> Parquet: the corpus' texts under 400 characters, repeated (CI time: the
@@ -107,15 +120,7 @@ def test_b_killed_indexer_resumes_without_gaps_or_duplicates(worker, corpus, tmp
     ids = _write_jsonl(tmp_path / "in.jsonl", texts)
     out = tmp_path / "out.parquet"
     args = ("--checkpoint-seconds", "1", "--chunk-size", "16")
-    proc = subprocess.Popen(_index_cmd(tmp_path / "in.jsonl", out, *args), env=_env(worker.settings),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait(lambda: _committed_rows(out) >= 400, 300, "the first commits", proc)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    committed = _committed_rows(out)
+    committed = _kill_after_commits(worker.settings, tmp_path / "in.jsonl", out, 400, *args)
     assert 400 <= committed < len(texts)
 
     code, summary, stderr = _run(worker.settings, tmp_path / "in.jsonl", out, *args)

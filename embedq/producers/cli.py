@@ -84,7 +84,7 @@ def cmd_index(ns: argparse.Namespace, settings: Settings) -> int:
     config = IndexConfig(
         chunk_size=ns.chunk_size, max_in_flight=ns.max_in_flight, options=_embedding_options(ns),
         vector_dtype=ns.vector_dtype, job_timeout=ns.job_timeout, checkpoint_seconds=ns.checkpoint_seconds,
-        shard_rows=ns.shard_rows, overwrite=ns.overwrite, progress=not ns.quiet,
+        shard_rows=ns.shard_rows, overwrite=ns.overwrite, progress=not ns.quiet, kind=ns.kind,
     )
 
     def _stop(signum: int, frame: Any) -> None:  # SIGTERM (systemd, kill): stop like Ctrl-C, committing first
@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--text-field", default="text", help="field or column holding the text (default: text)")
     i.add_argument("--id-field", help="field or column holding the id (default: id when present, else the line "
                    "or row number)")
+    i.add_argument("--kind", choices=["embed", "sparse", "multi", "bge-m3"], default="embed",
+                   help="what to store: dense vectors (embed), SPLADE weights (sparse: indices + values), per-token "
+                   "vectors (multi) or BGE-M3's dense + lexical + ColBERT (bge-m3); all but embed write Parquet")
     i.add_argument("--vector-dtype", choices=["float32", "float16"], default="float32",
                    help="how vectors are stored (float16 also halves what crosses Redis)")
     i.add_argument("--chunk-size", type=_positive(int), default=64, help="texts per job (default 64)")

@@ -32,9 +32,10 @@ from typing import Any
 from embedq import errors
 from embedq.producers.client import BROKER_ERRORS, Client, JobHandle
 from embedq.producers.index.idset import IdSet, digest
+from embedq.producers.index.kinds import INDEX_KINDS, IndexKind, index_kind
 from embedq.producers.index.sinks import OutputLock, Sink, VectorDtype, open_sink
 from embedq.producers.index.sources import Source
-from embedq.protocol import EmbedOptions, Fingerprint, decode_result, validate_texts
+from embedq.protocol import Fingerprint, decode_result, validate_texts
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class IndexConfig:
     max_attempts: int = 5
     checkpoint_seconds: float = 60.0
     shard_rows: int = 100_000
+    kind: str = "embed"  # embed | sparse | multi | bge-m3 (producers/index/kinds.py)
     broker_timeout: float = 300.0
     overwrite: bool = False
     progress: bool = True
@@ -132,11 +134,14 @@ class _Chunk:
     attempts: int = 0
 
 
-def storage_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The options an output is made with, as the manifest records and compares them."""
-    wire = EmbedOptions.parse(options).wire()
+def storage_options(options: dict[str, Any], kind: IndexKind = INDEX_KINDS["embed"]) -> dict[str, Any]:
+    """The options an output is made with, as the manifest records and compares them (with its kind, unless
+    it is the default ``embed``, so outputs made before kinds existed continue as they were)."""
+    wire = kind.options.parse({**options, **kind.fixed}).wire()
     wire.pop("encoding", None)  # the output's vector dtype decides it
     wire.pop("model", None)  # the embedding-space fingerprint identifies the model
+    if kind.name != "embed":
+        wire["kind"] = kind.name
     return wire
 
 
@@ -148,7 +153,8 @@ class Indexer:
         self.output = output
         self.format = output_format
         self.config = config
-        self.job_options = {**EmbedOptions.parse(config.options).wire(), "encoding": config.vector_dtype}
+        self.kind = index_kind(config.kind, output_format)
+        self.job_options = self.kind.job_options(config.options, config.vector_dtype)
         self.summary = Summary(input=source.describe(), output=str(output))
         self.window: deque[_Chunk] = deque()
         self.seen = IdSet()
@@ -171,7 +177,8 @@ class Indexer:
             raise errors.InvalidOption("the output would overwrite the input")
         with OutputLock(self.output):
             self.sink = open_sink(self.output, self.format, vector_dtype=self.config.vector_dtype,
-                                  options=storage_options(self.config.options), shard_rows=self.config.shard_rows,
+                                  options=storage_options(self.config.options, self.kind),
+                                  shard_rows=self.config.shard_rows,
                                   overwrite=self.config.overwrite)
             self.summary.errors_file = str(self.sink.errors_path)
             if self.sink.manifest.fingerprint is not None:
@@ -300,8 +307,7 @@ class Indexer:
         """Continuing an output: one tiny job first shows which space the workers now make, so another
         model or dtype is refused before anything is read or written, even when nothing is missing."""
         assert self.sink is not None
-        handle = self._broker(lambda: self.client.submit(["embedq embedding-space probe"], traffic_class="bulk",
-                                                         **self.job_options))
+        handle = self._broker(lambda: self._submit_job(["embedq embedding-space probe"]))
         try:
             payload = self._broker(lambda: handle.payload(timeout=self.config.job_timeout))
         except errors.JobTimeout:
@@ -310,15 +316,18 @@ class Indexer:
         finally:
             handle.forget()
         try:
-            self.sink.accept(decode_result(payload)[1])
+            self.sink.accept(Fingerprint.model_validate(payload["fingerprint"]))
         except errors.OutputMismatch:
             self.sink.close()
             raise
 
     # -- submitting and collecting ---------------------------------------------------------------
-    def _send(self, chunk: _Chunk) -> None:
+    def _submit_job(self, texts: list[str]) -> Any:
         # bulk: behind online traffic on the same workers; waits (does not fail) while the bulk queue is full
-        chunk.handle = self._broker(lambda: self.client.submit(chunk.texts, traffic_class="bulk", **self.job_options))
+        return getattr(self.client, self.kind.submit)(texts, traffic_class="bulk", **self.job_options)
+
+    def _send(self, chunk: _Chunk) -> None:
+        chunk.handle = self._broker(lambda: self._submit_job(chunk.texts))
         chunk.head_since = None
         chunk.attempts += 1
 
@@ -353,10 +362,13 @@ class Indexer:
             return
         self.window.popleft()
         handle.forget()  # the result leaves Redis as soon as it is here
-        vectors, fingerprint = decode_result(payload)
+        if self.kind.columns is None:
+            data, fingerprint = decode_result(payload)
+        else:
+            fingerprint, data = self.kind.table(payload, self.config.vector_dtype)
         assert self.sink is not None
         self.sink.accept(fingerprint)  # OutputMismatch before the first write
-        self.sink.write(chunk.ids, vectors)
+        self.sink.write(chunk.ids, data)
         n = len(chunk.ids)
         self.summary.texts += n
         tokens = (payload.get("usage") or {}).get("tokens", 0)

@@ -196,8 +196,10 @@ class ParquetSink(Sink):
     def _tmp_path(self) -> Path:
         return self.path / f".{self._shard_name()}.tmp"
 
-    def write(self, ids: list[str], vectors: np.ndarray) -> None:
-        self._buffer.append((ids, self._vectors(vectors)))
+    def write(self, ids: list[str], vectors: Any) -> None:
+        """``vectors``: a dense matrix (the ``vector`` column), or a pyarrow table of a kind's columns
+        (``producers/index/kinds.py``)."""
+        self._buffer.append((ids, vectors if hasattr(vectors, "schema") else self._vectors(vectors)))
         self._buffered += len(ids)
         self.pending_rows += len(ids)
         if self._buffered >= self.ROW_GROUP_ROWS:
@@ -213,13 +215,23 @@ class ParquetSink(Sink):
             return
         fp = self.manifest.fingerprint
         assert fp is not None and self.dimension is not None
+        ids = [i for chunk_ids, _ in self._buffer for i in chunk_ids]
+        if hasattr(self._buffer[0][1], "schema"):  # a kind's own columns
+            columns = pa.concat_tables([t for _, t in self._buffer])
+            table = columns.add_column(0, "id", pa.array(ids, pa.string()))
+            if self._writer is None:
+                schema = table.schema.with_metadata({b"embedq.fingerprint": fp.model_dump_json().encode()})
+                self._writer = pq.ParquetWriter(self._tmp_path(), schema)
+            self._writer.write_table(table.cast(self._writer.schema), row_group_size=len(ids))
+            self._shard_rows += len(ids)
+            self._buffer, self._buffered = [], 0
+            return
         dim = self.dimension
         value_type = pa.float16() if self.manifest.vector_dtype == "float16" else pa.float32()
         if self._writer is None:
             schema = pa.schema([("id", pa.string()), ("vector", pa.list_(value_type, dim))],
                                metadata={b"embedq.fingerprint": fp.model_dump_json().encode()})
             self._writer = pq.ParquetWriter(self._tmp_path(), schema)
-        ids = [i for chunk_ids, _ in self._buffer for i in chunk_ids]
         flat = np.concatenate([v for _, v in self._buffer]).reshape(-1)
         table = pa.table({"id": pa.array(ids, pa.string()),
                           "vector": pa.FixedSizeListArray.from_arrays(pa.array(flat, value_type), dim)},

@@ -1,0 +1,120 @@
+"""`embedq index --kind sparse|multi|bge-m3`: Parquet columns equal to what the Client returns, a killed run
+resumed without gaps or duplicates, and an output never continued with another kind."""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import numpy as np
+import pytest
+import tiny_models
+from conftest import WorkerHandle
+from test_index import _kill_after_commits, _run, _write_jsonl
+
+from embedq import errors
+from embedq.producers.index import IndexConfig, run_index
+from embedq.settings import Settings
+
+pytestmark = pytest.mark.integration
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+
+def _short(corpus, n, seed=0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(t.split()[:rng.randint(1, 40)]) for t in rng.sample(corpus, n)]
+
+
+@pytest.fixture(scope="module")
+def splade_worker(redis_server, tmp_path_factory):
+    root = tmp_path_factory.mktemp("splade-index")
+    folder = tiny_models.splade(root / "splade", tiny_models.bert_mlm(root / "mlm"), "max")
+    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.ix-splade.{uuid.uuid4().hex[:8]}",
+                        model=str(folder), linear_kernel="torch")
+    handle = WorkerHandle(settings, root / "worker.log")
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="module")
+def m3_worker(redis_server, corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("m3-index")
+    folder = tiny_models.bge_m3(root / "bge-m3", corpus[:400])
+    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.ix-m3.{uuid.uuid4().hex[:8]}",
+                        model=str(folder), linear_kernel="torch")
+    handle = WorkerHandle(settings, root / "worker.log")
+    yield handle
+    handle.stop()
+
+
+def _lists(table, name: str) -> list[np.ndarray]:
+    return [np.asarray(v, dtype=np.float32) for v in table.column(name).to_pylist()]
+
+
+def test_d_sparse_index_resumes_after_a_kill_and_equals_the_client(splade_worker, corpus, tmp_path):
+    texts = _short(corpus, 2000)
+    ids = _write_jsonl(tmp_path / "in.jsonl", texts)
+    out = tmp_path / "out.parquet"
+    args = ("--kind", "sparse", "--checkpoint-seconds", "0.5", "--chunk-size", "4", "--max-in-flight", "2")
+    committed = _kill_after_commits(splade_worker.settings, tmp_path / "in.jsonl", out, 100, *args)
+    assert 100 <= committed < len(texts)
+    code, summary, stderr = _run(splade_worker.settings, tmp_path / "in.jsonl", out, *args)
+    assert code == 0, stderr
+    assert summary["skipped"] == committed and summary["texts"] == len(texts) - committed
+    table = pq.read_table(out)
+    got_ids = table.column("id").to_pylist()
+    assert sorted(got_ids) == sorted(ids), "no gaps, no duplicates"
+    assert table.schema.field("indices").type.value_type == pa.int32()  # list<int32>: what vector databases take
+    assert table.schema.field("values").type.value_type == pa.float32()
+    by_id = dict(zip(ids, texts))
+    sample = got_ids[::40]
+    want = splade_worker.client.embed_sparse([by_id[i] for i in sample])
+    rows = {i: k for k, i in enumerate(got_ids)}
+    indices, values = table.column("indices").to_pylist(), _lists(table, "values")
+    for doc, vector in zip(sample, want):
+        assert indices[rows[doc]] == vector.indices.tolist()
+        # other micro-batches than the index run's: the tiny model's vocabulary logits are ~10 in size, where
+        # fp32's spacing is 1e-6, so the fidelity bar (1e-5), not bit equality
+        assert np.abs(values[rows[doc]] - vector.values).max(initial=0) <= 1e-5
+    fingerprint = table.schema.metadata[b"embedq.fingerprint"]
+    assert b'"kind":"embed_sparse"' in fingerprint
+
+    # another kind never continues this output (its manifest records the kind); nothing is touched
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(errors.OutputMismatch, match="kind"):
+        run_index(splade_worker.client, str(tmp_path / "in.jsonl"), out,
+                  config=IndexConfig(kind="multi", progress=False))
+    assert sorted(p.name for p in out.iterdir()) == before
+    with pytest.raises(errors.InvalidOption, match="Parquet only"):
+        run_index(splade_worker.client, str(tmp_path / "in.jsonl"), tmp_path / "out.npy",
+                  config=IndexConfig(kind="sparse", progress=False))
+
+
+@pytest.mark.parametrize("vector_dtype", ["float32", "float16"])
+def test_d_bge_m3_and_multi_vector_columns_equal_the_client(m3_worker, corpus, tmp_path, vector_dtype):
+    texts = _short(corpus, 120, seed=1)
+    ids = _write_jsonl(tmp_path / "in.jsonl", texts)
+    client = m3_worker.client
+    tol = 1e-6 if vector_dtype == "float32" else 2e-3
+    config = IndexConfig(kind="bge-m3", chunk_size=16, vector_dtype=vector_dtype, progress=False)
+    summary = run_index(client, str(tmp_path / "in.jsonl"), tmp_path / "m3.parquet", config=config)
+    assert summary.rows == len(texts) and summary.fingerprint.kind == "embed_hybrid"
+    table = pq.read_table(tmp_path / "m3.parquet")
+    order = [ids.index(i) for i in table.column("id").to_pylist()]
+    want = client.embed_hybrid([texts[k] for k in order])
+    dense = np.stack(_lists(table, "dense"))
+    assert table.schema.field("dense").type.list_size == want.dense.shape[1]
+    assert np.abs(dense - want.dense).max() <= tol
+    for got_ids, got_values, mine in zip(table.column("lexical_indices").to_pylist(),
+                                         _lists(table, "lexical_values"), want.lexical):
+        assert got_ids == mine.indices.tolist() and np.abs(got_values - mine.values).max(initial=0) <= 1e-5
+    for got, mine in zip(table.column("colbert").to_pylist(), want.colbert):
+        assert np.abs(np.asarray(got, np.float32) - mine).max() <= tol
+
+    config = IndexConfig(kind="multi", chunk_size=16, vector_dtype=vector_dtype, progress=False)
+    run_index(client, str(tmp_path / "in.jsonl"), tmp_path / "multi.parquet", config=config)
+    table = pq.read_table(tmp_path / "multi.parquet")
+    order = [ids.index(i) for i in table.column("id").to_pylist()]
+    for got, mine in zip(table.column("vectors").to_pylist(), client.embed_all([texts[k] for k in order])):
+        assert np.abs(np.asarray(got, np.float32) - mine).max() <= tol * max(1.0, float(np.abs(mine).max()))
