@@ -50,8 +50,8 @@ def bert_classifier(path: Path, layers: int = 2, hidden: int = 32) -> Path:
     return path
 
 
-def _xlmr_tokenizer(corpus: list[str]):
-    """A 600-piece unigram tokenizer trained on ``corpus``, with XLM-R's special tokens and post-processor."""
+def _xlmr_tokenizer(corpus: list[str], vocab_size: int = 600):
+    """A unigram tokenizer trained on ``corpus``, with XLM-R's special tokens and post-processor."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import XLMRobertaTokenizerFast
 
@@ -60,7 +60,7 @@ def _xlmr_tokenizer(corpus: list[str]):
     tok.normalizer = normalizers.NFKC()
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator(corpus, trainers.UnigramTrainer(vocab_size=600, special_tokens=specials,
+    tok.train_from_iterator(corpus, trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=specials,
                                                              unk_token="<unk>"))
     sep, cls = ("</s>", tok.token_to_id("</s>")), ("<s>", tok.token_to_id("<s>"))
     tok.post_processor = processors.RobertaProcessing(sep, cls)
