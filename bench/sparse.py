@@ -108,11 +108,22 @@ def _worker(settings: Settings, log: Path):
     return proc, client
 
 
-def _timed_jobs(submit, texts: list[str], job_size: int = 32) -> tuple[float, list]:
-    t0 = time.perf_counter()
-    handles = [submit(texts[i:i + job_size]) for i in range(0, len(texts), job_size)]
-    results = [h.result(timeout=3600) for h in handles]
-    return time.perf_counter() - t0, results
+def _timed_jobs(folder: Path, queue: str, redis_url: str, log: Path, submit: str, texts: list[str],
+                job_size: int = 32) -> tuple[float, list, dict]:
+    """A fresh worker for ``folder``, warmed up, then every ``job_size``-text job of ``texts`` enqueued at once
+    with ``Client.<submit>`` and collected: (seconds, results, the worker's counters)."""
+    proc, client = _worker(Settings(broker_url=redis_url, model=str(folder), queue=queue), log)
+    try:
+        send = getattr(client, submit)
+        send(texts[:32]).result(timeout=600)
+        t0 = time.perf_counter()
+        handles = [send(texts[i:i + job_size]) for i in range(0, len(texts), job_size)]
+        results = [h.result(timeout=3600) for h in handles]
+        seconds = time.perf_counter() - t0
+        return seconds, results, next(iter(client.workers(2).values()))
+    finally:
+        stop_worker(proc)
+        client.close()
 
 
 def bench_splade(folder: Path, texts: list[str], redis_url: str, log: Path) -> dict:
@@ -125,15 +136,7 @@ def bench_splade(folder: Path, texts: list[str], redis_url: str, log: Path) -> d
     st_seconds = time.perf_counter() - t0
     ref = ref.coalesce()
     del ref_model
-    settings = Settings(broker_url=redis_url, model=str(folder), queue="embedq.bench.splade")
-    proc, client = _worker(settings, log)
-    try:
-        client.embed_sparse(texts[:64])
-        seconds, results = _timed_jobs(client.submit_sparse, texts)
-        stats = next(iter(client.workers(2).values()))
-    finally:
-        stop_worker(proc)
-        client.close()
+    seconds, results, stats = _timed_jobs(folder, "embedq.bench.splade", redis_url, log, "submit_sparse", texts)
     got = [v for chunk in results for v in chunk]
     dense_ref = ref.to_dense().numpy()
     worst, same = 0.0, True
@@ -166,15 +169,7 @@ def m3_reference(folder: Path, texts: list[str]) -> tuple[str, float, np.ndarray
 
 def bench_m3(folder: Path, texts: list[str], redis_url: str, log: Path) -> dict:
     name, ref_seconds, dense, colbert = m3_reference(folder, texts)
-    settings = Settings(broker_url=redis_url, model=str(folder), queue="embedq.bench.m3")
-    proc, client = _worker(settings, log)
-    try:
-        client.embed_hybrid(texts[:32])
-        seconds, results = _timed_jobs(client.submit_hybrid, texts)
-        stats = next(iter(client.workers(2).values()))
-    finally:
-        stop_worker(proc)
-        client.close()
+    seconds, results, stats = _timed_jobs(folder, "embedq.bench.m3", redis_url, log, "submit_hybrid", texts)
     got_dense = np.concatenate([r.dense for r in results])
     got_colbert = [c for r in results for c in r.colbert]
     return {"reference": name, "reference_seconds": ref_seconds, "embedq_seconds": seconds,

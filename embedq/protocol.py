@@ -297,14 +297,15 @@ class Fingerprint(BaseModel):
 
 
 def encode_result(kind: str, arrays: dict[str, Any], fingerprint: Fingerprint, *, items: int, tokens: int,
-                  encoding: Encoding = "float32", extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                  encoding: Encoding = "float32", extra: dict[str, Any] | None = None,
+                  exact: tuple[str, ...] = ()) -> dict[str, Any]:
     """A job's result: ``{"v", "kind", <named arrays>, <extra>, "fingerprint", "usage"}``.
 
     ``arrays`` are numpy arrays (encoded with :func:`encode_array`); ``extra`` holds plain JSON values
     (labels, token strings). ``usage.texts`` counts items (a rerank or predict pair is one)."""
     out: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": kind}
-    for name, values in arrays.items():
-        out[name] = encode_array(values, encoding)
+    for name, values in arrays.items():  # ``exact`` arrays stay float32 whatever the job's encoding
+        out[name] = encode_array(values, "float32" if name in exact and encoding == "float16" else encoding)
     if extra:
         out.update(extra)
     out["fingerprint"] = fingerprint.model_dump()

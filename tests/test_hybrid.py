@@ -132,6 +132,12 @@ def test_b_a_job_gets_only_the_outputs_it_asked_for(outputs, m3, corpus):
     texts = _texts(corpus, 10)
     got = _run(backend, texts, HybridOptions(outputs=outputs), other=_texts(corpus, 5, seed=2))
     _check(got, flag_reference(m3, texts), outputs)
+    # float16 halves the vectors on the wire; lexical weights stay float32
+    payload = tiny_models.run_as_the_worker(backend, "embed_hybrid", texts, HybridOptions(outputs=outputs,
+                                                                                          encoding="float16"))
+    for name in outputs:
+        key = "lexical_values" if name == "lexical" else name
+        assert payload[key]["dtype"] == ("float32" if name == "lexical" else "float16"), name
 
 
 def flag_scores(m3, query: str, documents: list[str], weights=(0.4, 0.2, 0.4)) -> list[dict[str, float]]:

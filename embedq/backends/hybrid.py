@@ -127,9 +127,6 @@ class M3Head(Head):
                 arrays["colbert_offsets"] = _offsets([len(m) for m in mats])
                 arrays["colbert"] = (np.concatenate(mats) if mats else np.zeros((0, self.weights.colbert_dim))
                                      ).astype(np.float32, copy=False)
-        encoding = options.encoding
-        if encoding == "float16":  # multi-vectors are what float16 is for; lexical weights stay float32
-            arrays = {k: (v.astype(np.float16) if k in ("dense", "colbert") else v) for k, v in arrays.items()}
         fingerprint = Fingerprint(kind=kind, model=info.model_id, weights_sha256=info.weights_sha256,
                                   pooling="m3:" + "+".join(wanted), normalize=True, dimensions=self.weights.hidden,
                                   dtype=info.dtype, prompt=prepared.state.get("prompt"), embedq_version=__version__)
@@ -137,8 +134,9 @@ class M3Head(Head):
         if options.return_tokens and "lexical" in wanted:
             extra["lexical_tokens"] = self.encoder.tokenizer.convert_ids_to_tokens(
                 arrays["lexical_indices"].tolist())
+        # float16 is for the dense and ColBERT vectors; lexical weights stay float32
         return encode_result(kind, arrays, fingerprint, items=len(rows), tokens=prepared.tokens,
-                             encoding="float" if encoding == "float" else "float32", extra=extra)
+                             encoding=options.encoding, extra=extra, exact=("lexical_values",))
 
 
 def _lexical(ids: np.ndarray, weights: np.ndarray, unused: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

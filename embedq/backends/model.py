@@ -91,8 +91,6 @@ def read_modules(folder: Path) -> list[tuple[str, Path]]:
     out: list[tuple[str, Path]] = []
     for entry in modules:
         kind = module_kind(entry.get("type"))
-        if not out and str(entry.get("type", "")).endswith(".MLMTransformer"):
-            kind = "MLMTransformer"  # read as a Transformer whose task defaults to fill-mask
         rel = entry.get("path", "") or ""
         sub = (folder / rel).resolve()
         if sub != folder and folder not in sub.parents:

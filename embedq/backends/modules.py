@@ -239,11 +239,12 @@ KNOWN_MODULES = ("Transformer", "MLMTransformer", "Pooling", "SpladePooling", "D
 def module_kind(type_name: str) -> str:
     """``Transformer`` | ``Pooling`` | ``Dense`` | ``Normalize`` | ``SpladePooling`` for any sentence-transformers
     spelling (``sentence_transformers.models.Pooling``, ``...sentence_transformer.modules.pooling.Pooling``, ...).
-    The older ``MLMTransformer`` (a SparseEncoder's first module) is a Transformer with task ``fill-mask``."""
+    The older ``MLMTransformer`` (a SparseEncoder's first module) keeps its name: a Transformer whose task
+    defaults to ``fill-mask`` (``model.model_task``)."""
     if isinstance(type_name, str) and type_name.startswith("sentence_transformers."):
         kind = type_name.rsplit(".", 1)[-1]
         if kind in KNOWN_MODULES:
-            return "Transformer" if kind == "MLMTransformer" else kind
+            return kind
     raise errors.UnsupportedModel(
         f"module type {type_name!r} is not supported by embedq (supported: sentence-transformers "
         f"{', '.join(KNOWN_MODULES)})"
