@@ -109,15 +109,15 @@ def _worker(settings: Settings, log: Path):
 
 
 def _timed_jobs(folder: Path, queue: str, redis_url: str, log: Path, submit: str, texts: list[str],
-                job_size: int = 32) -> tuple[float, list, dict]:
+                job_size: int = 32, **options) -> tuple[float, list, dict]:
     """A fresh worker for ``folder``, warmed up, then every ``job_size``-text job of ``texts`` enqueued at once
     with ``Client.<submit>`` and collected: (seconds, results, the worker's counters)."""
     proc, client = _worker(Settings(broker_url=redis_url, model=str(folder), queue=queue), log)
     try:
         send = getattr(client, submit)
-        send(texts[:32]).result(timeout=600)
+        send(texts[:32], **options).result(timeout=600)
         t0 = time.perf_counter()
-        handles = [send(texts[i:i + job_size]) for i in range(0, len(texts), job_size)]
+        handles = [send(texts[i:i + job_size], **options) for i in range(0, len(texts), job_size)]
         results = [h.result(timeout=3600) for h in handles]
         seconds = time.perf_counter() - t0
         return seconds, results, next(iter(client.workers(2).values()))
@@ -167,14 +167,16 @@ def m3_reference(folder: Path, texts: list[str]) -> tuple[str, float, np.ndarray
     return "FlagEmbedding BGEM3FlagModel.encode", time.perf_counter() - t0, out["dense_vecs"], out["colbert_vecs"]
 
 
-def bench_m3(folder: Path, texts: list[str], redis_url: str, log: Path) -> dict:
+def bench_m3(folder: Path, texts: list[str], redis_url: str, log: Path, encoding: str = "float32") -> dict:
     name, ref_seconds, dense, colbert = m3_reference(folder, texts)
-    seconds, results, stats = _timed_jobs(folder, "embedq.bench.m3", redis_url, log, "submit_hybrid", texts)
-    got_dense = np.concatenate([r.dense for r in results])
+    seconds, results, stats = _timed_jobs(folder, "embedq.bench.m3", redis_url, log, "submit_hybrid", texts,
+                                          encoding=encoding)
+    got_dense = np.concatenate([r.dense for r in results]).astype(np.float32)
     got_colbert = [c for r in results for c in r.colbert]
+    colbert_delta = max(float(np.abs(g.astype(np.float32) - w).max()) for g, w in zip(got_colbert, colbert))
     return {"reference": name, "reference_seconds": ref_seconds, "embedq_seconds": seconds,
-            "ratio": ref_seconds / seconds, "dense_max_delta": float(np.abs(got_dense - dense).max()),
-            "colbert_max_delta": max(float(np.abs(g - w).max()) for g, w in zip(got_colbert, colbert)),
+            "ratio": ref_seconds / seconds, "encoding": encoding,
+            "dense_max_delta": float(np.abs(got_dense - dense).max()), "colbert_max_delta": colbert_delta,
             "runtime": stats.get("linear_kernel")}
 
 
@@ -212,6 +214,8 @@ def main() -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="base", help="the SPLADE and BGE-M3 models' shape")
     p.add_argument("--index-shape", choices=sorted(SHAPES), default="small",
                    help="the SPLADE model of the index run (Redis memory depends on the results, not the model's size)")
+    p.add_argument("--m3-encoding", choices=("float32", "float16"), default="float32",
+                   help="the BGE-M3 jobs' result encoding (float16: dense and ColBERT vectors at half the bytes)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     import torch
@@ -224,23 +228,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name, RedisServer() as redis_server:
         tmp = Path(tmp_name)
         log = tmp / "worker.log"
-        splade = splade_model(tmp, args.shape)
-        report["splade"] = r = bench_splade(splade, load_texts(args.n), redis_server.url, log)
-        print(f"SPLADE ({args.n} texts): SparseEncoder.encode {r['st_seconds']:.1f} s, "
-              f"embedq {r['embedq_seconds']:.1f} s -> {r['ratio']:.2f}x  (runtime {r['runtime']}; "
-              f"same non-zero ids: {r['same_nonzero_ids']}, "
-              f"max relative delta {r['max_rel_delta']:.1e}, {r['mean_nonzero']:.0f} non-zero per text)", flush=True)
-        corpus = load_texts(2000)
-        m3 = m3_model(tmp, args.shape, corpus)
-        report["bge_m3"] = r = bench_m3(m3, load_texts(args.n_m3), redis_server.url, log)
-        print(f"BGE-M3 ({args.n_m3} texts, dense+lexical+colbert): {r['reference']} {r['reference_seconds']:.1f} s, "
-              f"embedq {r['embedq_seconds']:.1f} s -> {r['ratio']:.2f}x  (runtime {r['runtime']}; dense max delta "
-              f"{r['dense_max_delta']:.1e}, ColBERT {r['colbert_max_delta']:.1e})", flush=True)
-        if args.n_index:
-            if args.index_shape != args.shape:
-                (tmp / "index").mkdir()
-                splade = splade_model(tmp / "index", args.index_shape)
-            report["index"] = r = bench_index(splade, args.n_index, redis_server.url, tmp, log)
+        splade = None
+        if args.n:
+            splade = splade_model(tmp, args.shape)
+            report["splade"] = r = bench_splade(splade, load_texts(args.n), redis_server.url, log)
+            print(f"SPLADE ({args.n} texts): SparseEncoder.encode {r['st_seconds']:.1f} s, "
+                  f"embedq {r['embedq_seconds']:.1f} s -> {r['ratio']:.2f}x  (runtime {r['runtime']}; "
+                  f"same non-zero ids: {r['same_nonzero_ids']}, max relative delta {r['max_rel_delta']:.1e}, "
+                  f"{r['mean_nonzero']:.0f} non-zero per text)", flush=True)
+        if args.n_m3:
+            m3 = m3_model(tmp, args.shape, load_texts(2000))
+            report["bge_m3"] = r = bench_m3(m3, load_texts(args.n_m3), redis_server.url, log, args.m3_encoding)
+            print(f"BGE-M3 ({args.n_m3} texts, dense+lexical+colbert, {args.m3_encoding}): {r['reference']} "
+                  f"{r['reference_seconds']:.1f} s, embedq {r['embedq_seconds']:.1f} s -> {r['ratio']:.2f}x  (runtime "
+                  f"{r['runtime']}; dense max delta {r['dense_max_delta']:.1e}, ColBERT {r['colbert_max_delta']:.1e})",
+                  flush=True)
+    if args.n_index:  # a redis-server of its own, so that its used_memory_peak is the index run's alone
+        with tempfile.TemporaryDirectory() as tmp_name, RedisServer() as redis_server:
+            tmp = Path(tmp_name)
+            (tmp / "index").mkdir()
+            splade = splade_model(tmp / "index", args.index_shape)
+            report["index"] = r = bench_index(splade, args.n_index, redis_server.url, tmp, tmp / "worker.log")
             print(f"embedq index --kind sparse, {args.n_index} texts: {r['seconds']:.1f} s; Redis used_memory_peak "
                   f"{r['used_memory_peak'] / MIB:.1f} MiB (max sampled {r['max_used_memory_sampled'] / MIB:.1f} MiB, "
                   f"at the end {r['used_memory_end'] / MIB:.1f} MiB); keys max {r['max_keys']}, at the end "

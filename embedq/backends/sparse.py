@@ -8,8 +8,11 @@ Weights are ``SpladePooling``'s, in its order of operations, so they match ``Spa
     w[v] = pool over the text's tokens t of log(1 + act(logit[t, v] * mask[t]))
 
 with ``act`` ReLU (``log1p_relu``: one more log1p) and ``pool`` max or sum. The batch × length × vocabulary
-logits are the largest tensor a micro-batch makes: they are transformed in place, never copied, and the head
-lowers the worker's token budget so that they stay under :data:`LOGITS_BYTES`. A row is the text's non-zero
+logits are the largest tensor a micro-batch makes: they are never copied, only each text's real tokens are read,
+and the head lowers the worker's token budget so that they stay under :data:`LOGITS_BYTES`. Max pooling reads
+them once: ReLU and log1p are non-decreasing, so the largest weight is the activation of the largest logit, and
+the activation runs on vocabulary-sized rows (one pass over the logits instead of four; the same values, since
+a padding position's masked logit, 0, is never above the ReLU's floor). A row is the text's non-zero
 weights as (vocabulary ids, values), ids ascending; ``top_k`` and token strings are the job's options.
 """
 
@@ -38,14 +41,30 @@ STRATEGIES = ("max", "sum")
 ACTIVATIONS = ("relu", "log1p_relu")
 
 
-def splade_pool(logits: torch.Tensor, mask: torch.Tensor, strategy: str, activation: str) -> torch.Tensor:
-    """``SpladePooling.forward`` (inference) on ``logits`` (batch × length × vocabulary), in place: returns
-    batch × vocabulary. ``logits`` is overwritten."""
-    x = logits.mul_(mask.unsqueeze(-1).to(logits.dtype))
+def _activate(x: torch.Tensor, activation: str) -> torch.Tensor:
     x = x.relu_().log1p_()
-    if activation == "log1p_relu":
-        x = x.log1p_()
-    return torch.amax(x, dim=1) if strategy == "max" else torch.sum(x, dim=1)
+    return x.log1p_() if activation == "log1p_relu" else x
+
+
+def splade_pool(logits: torch.Tensor, mask: torch.Tensor, strategy: str, activation: str,
+                rows: Sequence[int] | None = None) -> torch.Tensor:
+    """``SpladePooling.forward`` (inference) on ``logits`` (batch × length × vocabulary) for ``rows`` (default:
+    all): returns len(rows) × vocabulary. Only each row's real tokens (one contiguous run, right or left padded)
+    are read; with ``sum`` they are overwritten in place."""
+    picked = range(logits.shape[0]) if rows is None else rows
+    lengths = mask.sum(dim=1).tolist()
+    starts = mask.argmax(dim=1).tolist()  # the first real token: 0 unless left padded
+    out = torch.zeros((len(picked), logits.shape[-1]), dtype=logits.dtype, device=logits.device)
+    for j, i in enumerate(picked):
+        n, s = int(lengths[i]), int(starts[i])
+        if not n:
+            continue
+        tokens = logits[i, s:s + n]
+        if strategy == "max":
+            torch.amax(tokens, dim=0, out=out[j])
+        else:
+            torch.sum(_activate(tokens, activation), dim=0, out=out[j])
+    return _activate(out, activation) if strategy == "max" else out
 
 
 def sparse_rows(pooled: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -85,10 +104,9 @@ class SpladeHead(Head):
         return prepare_texts(self.encoder, self.info, items, options)
 
     def rows(self, output: Any, mask: torch.Tensor, index: Any, batch: Sequence[Encoded]) -> list[Any]:
-        logits = output.logits
-        if index is not None:  # items of another head in the batch: only this head's rows are transformed
-            logits, mask = logits.index_select(0, index), mask.index_select(0, index)
-        return sparse_rows(splade_pool(logits, mask, self.strategy, self.activation))
+        # items of another head in the batch: only this head's rows are read
+        rows = None if index is None else index.tolist()
+        return sparse_rows(splade_pool(output.logits, mask, self.strategy, self.activation, rows))
 
     def finish(self, kind: str, rows: list[Any], prepared: Prepared, options: Any) -> dict[str, Any]:
         info = self.info
