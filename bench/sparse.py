@@ -47,6 +47,8 @@ from embedq.settings import Settings  # noqa: E402
 
 SHAPES = {"base": (12, 768, 12, 3072), "small": (6, 384, 12, 1536)}  # layers, hidden, heads, intermediate
 MAX_LENGTH = 256
+#: the worker's counters a timed run reports (their change over the run)
+COUNTERS = ("batches", "real_tokens", "padded_tokens", "inference_seconds", "results_seconds")
 
 
 def splade_model(root: Path, shape: str) -> Path:
@@ -116,11 +118,15 @@ def _timed_jobs(folder: Path, queue: str, redis_url: str, log: Path, submit: str
     try:
         send = getattr(client, submit)
         send(texts[:32], **options).result(timeout=600)
+        before = next(iter(client.workers(2).values()))
         t0 = time.perf_counter()
         handles = [send(texts[i:i + job_size], **options) for i in range(0, len(texts), job_size)]
         results = [h.result(timeout=3600) for h in handles]
         seconds = time.perf_counter() - t0
-        return seconds, results, next(iter(client.workers(2).values()))
+        after = next(iter(client.workers(2).values()))
+        stats = {k: after[k] - before[k] for k in COUNTERS}
+        stats["linear_kernel"] = after.get("linear_kernel")
+        return seconds, results, stats
     finally:
         stop_worker(proc)
         client.close()
@@ -147,7 +153,7 @@ def bench_splade(folder: Path, texts: list[str], redis_url: str, log: Path) -> d
         worst = max(worst, float((np.abs(vector.values - want) / np.maximum(1, np.abs(want))).max(initial=0)))
     return {"st_seconds": st_seconds, "embedq_seconds": seconds, "ratio": st_seconds / seconds,
             "same_nonzero_ids": same, "max_rel_delta": worst, "mean_nonzero": float(np.mean([len(v) for v in got])),
-            "runtime": stats.get("linear_kernel"), "max_batch_tokens": stats.get("max_batch_tokens")}
+            "runtime": stats["linear_kernel"], "worker": stats}
 
 
 def m3_reference(folder: Path, texts: list[str]) -> tuple[str, float, np.ndarray, list[np.ndarray]]:
@@ -177,7 +183,13 @@ def bench_m3(folder: Path, texts: list[str], redis_url: str, log: Path, encoding
     return {"reference": name, "reference_seconds": ref_seconds, "embedq_seconds": seconds,
             "ratio": ref_seconds / seconds, "encoding": encoding,
             "dense_max_delta": float(np.abs(got_dense - dense).max()), "colbert_max_delta": colbert_delta,
-            "runtime": stats.get("linear_kernel")}
+            "runtime": stats["linear_kernel"], "worker": stats}
+
+
+def _worker_line(stats: dict) -> str:
+    padded = stats["padded_tokens"]
+    return (f"  worker: {stats['inference_seconds']:.1f} s in the model over {stats['batches']} micro-batches, results "
+            f"thread {stats['results_seconds']:.1f} s, padding {(padded - stats['real_tokens']) / max(padded, 1):.1%}")
 
 
 def bench_index(folder: Path, n: int, redis_url: str, tmp: Path, log: Path) -> dict:
@@ -236,6 +248,7 @@ def main() -> None:
                   f"embedq {r['embedq_seconds']:.1f} s -> {r['ratio']:.2f}x  (runtime {r['runtime']}; "
                   f"same non-zero ids: {r['same_nonzero_ids']}, max relative delta {r['max_rel_delta']:.1e}, "
                   f"{r['mean_nonzero']:.0f} non-zero per text)", flush=True)
+            print(_worker_line(r["worker"]), flush=True)
         if args.n_m3:
             m3 = m3_model(tmp, args.shape, load_texts(2000))
             report["bge_m3"] = r = bench_m3(m3, load_texts(args.n_m3), redis_server.url, log, args.m3_encoding)
@@ -243,6 +256,7 @@ def main() -> None:
                   f"{r['reference_seconds']:.1f} s, embedq {r['embedq_seconds']:.1f} s -> {r['ratio']:.2f}x  (runtime "
                   f"{r['runtime']}; dense max delta {r['dense_max_delta']:.1e}, ColBERT {r['colbert_max_delta']:.1e})",
                   flush=True)
+            print(_worker_line(r["worker"]), flush=True)
     if args.n_index:  # a redis-server of its own, so that its used_memory_peak is the index run's alone
         with tempfile.TemporaryDirectory() as tmp_name, RedisServer() as redis_server:
             tmp = Path(tmp_name)
