@@ -14,7 +14,7 @@ from conftest import WorkerHandle
 
 from embedq import errors
 from embedq.backends import load_backend
-from embedq.backends.sparse import LOGITS_BYTES, prune
+from embedq.backends.sparse import LOGITS_BYTES, prune, splade_pool
 from embedq.producers.client import Client
 from embedq.protocol import SparseOptions, SparseVector, decode_sparse
 from embedq.settings import Settings
@@ -128,6 +128,33 @@ def test_c_the_vocabulary_logits_lower_the_token_budget(models):
     cap = LOGITS_BYTES // (vocab * 4)
     assert load_backend(str(models["max"]), linear_kernel="torch", batch_tokens=4 * cap).max_batch_tokens == cap
     assert load_backend(str(models["max"]), linear_kernel="torch", batch_tokens=cap // 2).max_batch_tokens is None
+
+
+@pytest.mark.parametrize("strategy", ["max", "sum"])
+@pytest.mark.parametrize("activation", ["relu", "log1p_relu"])
+def test_a_pooling_equals_splade_pooling_on_padded_logits(strategy, activation):
+    """``splade_pool`` (max: the activation of the largest real logit; padding never read) against
+    ``SpladePooling.forward`` on logits with right and left padding, a one-token text, a text whose logits are all
+    negative (no weight) and a subset of rows (another head's items in the batch)."""
+    import torch
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 9, 300) * 3 - 1
+    logits[3] = -torch.rand(9, 300) - 0.1  # every logit negative: no weight
+    mask = torch.zeros(5, 9, dtype=torch.int64)
+    for i, (start, n) in enumerate([(0, 9), (0, 4), (5, 4), (0, 6), (0, 1)]):  # row 2 is left padded
+        mask[i, start:start + n] = 1
+    logits[mask == 0] = 50.0  # padding that would win every max if it were read
+    module = SpladePooling(strategy, activation).eval()
+    with torch.inference_mode():
+        want = module({"token_embeddings": logits.clone(), "attention_mask": mask})["sentence_embedding"]
+        for rows in (None, [4, 1, 2]):
+            got = splade_pool(logits.clone(), mask, strategy, activation, rows)
+            expected = want if rows is None else want[rows]
+            assert torch.equal(got != 0, expected != 0)
+            assert float((got - expected).abs().max()) <= 1e-6
+    assert not bool(want[3].any()) and bool(want[2].any())
 
 
 def test_top_k_keeps_the_largest_weights_in_id_order():
