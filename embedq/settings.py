@@ -141,6 +141,10 @@ class Settings(BaseSettings):
     flower_basic_auth: SecretStr | None = Field(
         default=None, description="user:password[,user:password] for `embedq flower` (HTTP basic auth).",
     )
+    api_key: SecretStr | None = Field(
+        default=None, description="`embedq serve`: every route but /health, /ping, /metrics and /docs then needs "
+        "`Authorization: Bearer <key>` (exact match).",
+    )
     serializer: Literal["json", "msgpack"] = "json"
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (CPU).")
     linear_kernel: Literal["auto", "onednn", "torch", "onnxruntime"] = Field(

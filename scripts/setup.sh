@@ -13,7 +13,7 @@ fi
 . .venv/bin/activate
 # torch first and pinned, so nothing later pulls a different (multi-GB CUDA) build.
 python -m pip install -q "${EMBEDQ_TORCH_SPEC:-torch==2.13.0}"
-python -m pip install -q -e ".[worker,onnx,parquet,embedded,flower,dev]"
+python -m pip install -q -e ".[worker,onnx,parquet,embedded,flower,gateway,dev]"
 python - <<'PY'
 import torch, embedq
 from embedq.producers.embedded import find_redis_server

@@ -148,6 +148,28 @@ def cmd_flower(ns: argparse.Namespace, settings: Settings, extra: list[str]) -> 
     return make_app(settings).start(argv) or 0
 
 
+def cmd_serve(ns: argparse.Namespace, settings: Settings) -> int:
+    if not settings.broker_url:
+        print("embedq serve: set EMBEDQ_BROKER_URL (e.g. redis://127.0.0.1:6379/0)", file=sys.stderr)
+        return 2
+    try:
+        import uvicorn
+
+        from embedq.gateway.app import create_app
+    except ImportError as exc:
+        print(f"embedq serve: the gateway is not installed ({exc.name}): pip install 'embedq[gateway]'",
+              file=sys.stderr)
+        return 2
+    if ns.model:
+        settings = settings.model_copy(update={"model": ns.model})
+    key = settings.api_key.get_secret_value() if settings.api_key else None
+    if key is None and ns.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"embedq serve: warning: no EMBEDQ_API_KEY, and listening on {ns.host}", file=sys.stderr)
+    uvicorn.run(create_app(settings, api_key=key), host=ns.host, port=ns.port, log_level=ns.loglevel.lower(),
+                access_log=ns.access_log)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="embedq", description="Throughput-first text embeddings through Celery and Redis: run a worker, embed a "
@@ -217,6 +239,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     s.add_argument("--watch", type=_positive(float), metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
     s.set_defaults(func=cmd_status)
+
+    g = sub.add_parser("serve", help="the HTTP gateway: TEI's and OpenAI's embedding APIs over the queue",
+                       description="Serve POST /v1/embeddings, /embeddings (OpenAI) and /embed (TEI), GET /info and "
+                       "/health for the model of EMBEDQ_MODEL (its queue), through the broker of EMBEDQ_BROKER_URL. "
+                       "Stateless: run as many as you like. EMBEDQ_API_KEY turns on bearer auth.")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8080)
+    g.add_argument("--model", help="the served model (EMBEDQ_MODEL): its queue, and the name /info reports")
+    g.add_argument("--loglevel", default="INFO")
+    g.add_argument("--access-log", action="store_true", help="log every request (never its Authorization header)")
+    g.set_defaults(func=cmd_serve)
 
     f = sub.add_parser("flower", help="start Flower (Celery's web monitor) against the configured broker",
                        description="Start Flower on the broker of EMBEDQ_BROKER_URL (TLS settings included). Other "

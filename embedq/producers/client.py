@@ -227,7 +227,7 @@ class JobHandle:
             raise errors.JobLost(f"job {self.id} may be lost: the broker restarted and the job cannot be resent")
         assert self._client is not None
         self._client.app.send_task(self.spec.name, args=args, kwargs=options, queue=queue, task_id=self.id,
-                                   expires=self.deadline,
+                                   expires=self.deadline, ignore_result=not self._client.follow_results,
                                    headers={RESENT_HEADER: self.resent + 1, SENT_HEADER: time.time()},
                                    **task_reprs(args[-1], options, self.spec.kind))
         self._epoch = epoch
@@ -312,12 +312,16 @@ class Client:
     """Send embedding jobs to embedq workers and collect their results."""
 
     def __init__(self, settings: Settings | None = None, *, broker_url: str | None = None,
-                 app: Celery | None = None) -> None:
+                 app: Celery | None = None, follow_results: bool = True) -> None:
+        """``follow_results=False``: jobs are sent without subscribing Celery's result consumer to their
+        channels, for a caller that reads results itself (the gateway's asyncio waiter); ``JobHandle.result``
+        still works by reading the stored record."""
         settings = settings or Settings()
         if broker_url is not None:
             settings = settings.model_copy(update={"broker_url": broker_url})
         self.settings = settings
         self.app = app or make_app(settings)
+        self.follow_results = follow_results
         self._redis: Any = None
         self.pending: weakref.WeakSet[JobHandle] = weakref.WeakSet()  # submitted, not yet collected
         self._resend_lock = threading.Lock()
@@ -415,7 +419,7 @@ class Client:
             epoch = self.epoch()
             result = self.app.send_task(spec.name, args=args, kwargs=wire, queue=queue,
                                         task_id=str(uuid.uuid4()),  # random: job ids cannot be guessed
-                                        expires=expires,
+                                        expires=expires, ignore_result=not self.follow_results,
                                         headers={SENT_HEADER: time.time()},
                                         **task_reprs(args[-1], wire, spec.kind))
         except BROKER_ERRORS as exc:

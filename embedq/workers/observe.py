@@ -83,7 +83,9 @@ def identity(worker: Worker | None) -> dict[str, Any]:
         info = service.info
         out.update(model=info.model_id, device=info.device, dtype=info.dtype, linear_kernel=info.linear_kernel,
                    runtime_choice=info.runtime_choice or "forced", memory_policy=service.memory_policy,
-                   kinds=list(info.kinds))
+                   kinds=list(info.kinds), dimension=info.dimension, max_seq_length=info.max_seq_length,
+                   pooling=info.pooling, labels=list(info.labels), weights_sha256=info.weights_sha256,
+                   max_batch_tokens=settings.batch_tokens)
     return out
 
 

@@ -1,0 +1,300 @@
+"""``embedq serve``: TEI's and OpenAI's embedding APIs over the queue (FastAPI on uvicorn).
+
+Each request becomes embedq jobs on the served model's queue (several when it has more inputs than a job may
+carry), sent with the producer :class:`~embedq.producers.client.Client` (validation at the edge, backpressure)
+and awaited on :class:`~embedq.gateway.results.AsyncResults`: no thread is held while a request waits. The
+gateway keeps no state of its own, so any number of replicas can serve the same queues.
+
+Routes of this version: ``POST /v1/embeddings`` and ``/embeddings`` (OpenAI), ``POST /embed`` (TEI),
+``GET /info``, ``GET /health``. Error bodies are TEI's (``{"error", "error_type"}``, its status codes); the
+OpenAI routes answer TEI's OpenAI shape plus OpenAI's nested ``error`` object, which the openai SDK reads.
+Headers: ``X-Embedq-Class: bulk`` sends a request's jobs to the bulk queue (default: online);
+``X-Embedq-Deadline: <seconds>`` drops its jobs if they have not started by then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hmac
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
+
+from embedq import __version__, errors, monitor
+from embedq.batching.traffic import BULK, ONLINE
+from embedq.gateway.results import AsyncResults
+from embedq.producers.client import DEFAULT_RESULT_TIMEOUT, Client
+from embedq.protocol import decode_result
+from embedq.settings import Settings
+
+#: Routes anyone may call when an API key is set (TEI's public routes).
+PUBLIC = frozenset({"/health", "/ping", "/metrics", "/docs", "/openapi.json", "/docs/oauth2-redirect"})
+#: Seconds a read of the live-worker registry is reused (``/health``, ``/info``).
+REGISTRY_TTL = 1.0
+#: Seconds an overloaded client is told to wait (``Retry-After``).
+RETRY_AFTER = 1
+
+
+# -- errors -------------------------------------------------------------------------------------------------
+def http_status(exc: errors.EmbedqError) -> tuple[int, str]:
+    """(HTTP status, TEI ``error_type``) of an embedq error, by TEI's mapping."""
+    if isinstance(exc, (errors.EmptyInput, errors.EmptyText)):
+        return 400, "Empty"
+    if isinstance(exc, errors.ResultTooLarge):
+        return 413, "Backend"
+    if isinstance(exc, errors.PayloadTooLarge):
+        return 413, "Validation"
+    if isinstance(exc, errors.UnsupportedTask):  # TEI: a route the model's type does not serve
+        return 424, "Backend"
+    if isinstance(exc, errors.ValidationError):
+        return 422, "Validation"
+    if isinstance(exc, errors.Overloaded):
+        return 429, "Overloaded"
+    if isinstance(exc, (errors.Expired, errors.JobTimeout)):
+        return 504, "Timeout"
+    if isinstance(exc, errors.Unavailable):
+        return 503, "Unhealthy"
+    return 424, "Backend"  # the job failed in its worker: BackendError, UnsupportedModel, dead letters
+
+
+def _headers(status: int) -> dict[str, str]:
+    if status in (429, 503):
+        return {"Retry-After": str(RETRY_AFTER)}
+    if status >= 500:
+        return {"x-should-retry": "false"}
+    return {}
+
+
+def tei_error(status: int, error_type: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": message, "error_type": error_type}, status_code=status, headers=_headers(status))
+
+
+def openai_error(status: int, error_type: str, message: str) -> JSONResponse:
+    """TEI's OpenAI-route body plus OpenAI's nested ``error`` object (the openai SDK reads the latter)."""
+    body = {"message": message, "code": status, "type": error_type,
+            "error": {"message": message, "type": error_type, "param": None, "code": str(status)}}
+    return JSONResponse(body, status_code=status, headers=_headers(status))
+
+
+def _is_openai(request: Request) -> bool:
+    return request.url.path in ("/v1/embeddings", "/embeddings")
+
+
+def _error_response(request: Request, status: int, error_type: str, message: str) -> JSONResponse:
+    return (openai_error if _is_openai(request) else tei_error)(status, error_type, message)
+
+
+# -- request bodies -----------------------------------------------------------------------------------------
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # clients send fields of other servers (parameters, options)
+
+
+class OpenAIEmbeddingRequest(_Body):
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class EmbedRequest(_Body):
+    inputs: str | list[str] | list[int] | list[list[int]]
+    normalize: bool | None = True
+    truncate: bool | None = None
+    truncation_direction: Literal["left", "right", "Left", "Right"] | None = None
+    prompt_name: str | None = None
+    dimensions: int | None = None
+
+
+def _texts(inputs: Any) -> list[str]:
+    """Strings as a list; token-id arrays are refused (never read as text)."""
+    if isinstance(inputs, str):
+        return [inputs]
+    if any(not isinstance(x, str) for x in inputs):
+        raise errors.InvalidType("token-id inputs are not supported by this gateway; send the texts")
+    return list(inputs)
+
+
+# -- the gateway --------------------------------------------------------------------------------------------
+class Gateway:
+    """The client, the result waiter and the registry reads one gateway process shares between requests."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.client = Client(settings, follow_results=False)
+        self.results: AsyncResults | None = None
+        self._registry: tuple[float, list[dict[str, Any]]] = (0.0, [])
+
+    async def start(self) -> None:
+        self.results = AsyncResults(self.client.app, self.settings.result_url or self.settings.broker_url)
+        await self.results.start()
+
+    async def close(self) -> None:
+        if self.results is not None:
+            await self.results.close()
+        self.client.close()
+
+    async def workers(self) -> list[dict[str, Any]]:
+        """Live workers serving this gateway's online queue (the registry, re-read at most once a second)."""
+        at, records = self._registry
+        if time.monotonic() - at > REGISTRY_TTL:
+            records = await asyncio.to_thread(monitor.live_workers, self.client.redis())
+            self._registry = (time.monotonic(), records)
+        queue = self.settings.queue_name
+        return [r for r in records if r.get("ready") and queue in (r.get("queues") or [])]
+
+    async def run(self, request: Request, submit: Callable[..., Any], texts: list[str],
+                  options: dict[str, Any]) -> list[dict[str, Any]]:
+        """``texts`` as jobs of at most ``max_texts_per_job`` texts: their result payloads, in order."""
+        assert self.results is not None
+        traffic_class = BULK if request.headers.get("x-embedq-class", "").lower() == BULK else ONLINE
+        deadline = _deadline(request.headers.get("x-embedq-deadline"))
+        size = self.settings.max_texts_per_job
+        chunks = [texts[i:i + size] for i in range(0, len(texts), size)] or [texts]
+        handles = []
+        try:
+            for chunk in chunks:
+                handles.append(await asyncio.to_thread(submit, chunk, traffic_class=traffic_class,
+                                                       deadline=deadline, **options))
+        except BaseException:
+            await asyncio.gather(*(self._forget(h) for h in handles))
+            raise
+        timeout = DEFAULT_RESULT_TIMEOUT if deadline is None else deadline + DEFAULT_RESULT_TIMEOUT
+        outcomes = await asyncio.gather(*(self.results.wait(h.id, timeout) for h in handles), return_exceptions=True)
+        for handle in handles:
+            self.client.pending.discard(handle)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return list(outcomes)
+
+    async def _forget(self, handle: Any) -> None:
+        self.client.pending.discard(handle)
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.client.cancel, handle.id)
+
+
+def _deadline(value: str | None) -> float | None:
+    if value is None or value == "":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise errors.InvalidOption(f"X-Embedq-Deadline must be seconds, got {value!r}") from None
+    if not seconds > 0:
+        raise errors.InvalidOption(f"X-Embedq-Deadline must be positive, got {value!r}")
+    return seconds
+
+
+def _vectors(payloads: list[dict[str, Any]]) -> tuple[np.ndarray, int]:
+    vectors = [decode_result(p)[0] for p in payloads]
+    tokens = sum(int((p.get("usage") or {}).get("tokens", 0)) for p in payloads)
+    return (np.concatenate(vectors) if len(vectors) > 1 else vectors[0]), tokens
+
+
+def create_app(settings: Settings | None = None, *, api_key: str | None = None) -> FastAPI:
+    """The ASGI app. ``api_key``: when set, every route but :data:`PUBLIC` needs ``Authorization: Bearer <key>``."""
+    settings = settings or Settings()
+    gateway = Gateway(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.close()
+
+    app = FastAPI(title="embedq gateway", version=__version__, lifespan=lifespan,
+                  description="TEI's and OpenAI's embedding APIs over embedq's queue.")
+    app.state.gateway = gateway
+    key = api_key.encode() if api_key else None
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next: Any) -> Response:
+        if key is not None and request.url.path not in PUBLIC:
+            given = request.headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key):
+                return Response(status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(errors.EmbedqError)
+    async def embedq_error(request: Request, exc: errors.EmbedqError) -> JSONResponse:
+        status, error_type = http_status(exc)
+        return _error_response(request, status, error_type, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors())
+        return _error_response(request, 422, "Validation", f"Input validation error: {problems}")
+
+    async def embed_payloads(request: Request, texts: list[str], **options: Any) -> tuple[np.ndarray, int]:
+        if not texts:
+            raise errors.EmptyInput("Input validation error: `inputs` cannot be empty")
+        options = {k: v for k, v in options.items() if v is not None}
+        return _vectors(await gateway.run(request, gateway.client.submit, texts, options))
+
+    async def openai_embeddings(request: Request, body: OpenAIEmbeddingRequest) -> dict[str, Any]:
+        texts = _texts(body.input)
+        vectors, tokens = await embed_payloads(request, texts, normalize=True, dimensions=body.dimensions)
+        vectors = np.ascontiguousarray(vectors, dtype="<f4")
+        if body.encoding_format == "base64":
+            data = [base64.b64encode(v.tobytes()).decode("ascii") for v in vectors]
+        else:
+            data = vectors.tolist()
+        return {"object": "list", "model": body.model or settings.model, "usage": {"prompt_tokens": tokens,
+                                                                                  "total_tokens": tokens},
+                "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)]}
+
+    app.post("/v1/embeddings", summary="OpenAI embeddings")(openai_embeddings)
+    app.post("/embeddings", summary="OpenAI embeddings (without /v1)")(openai_embeddings)
+
+    @app.post("/embed", summary="TEI: dense embeddings")
+    async def embed(request: Request, body: EmbedRequest) -> Response:
+        texts = _texts(body.inputs)
+        side = (body.truncation_direction or "right").lower()
+        vectors, _ = await embed_payloads(request, texts, normalize=body.normalize, dimensions=body.dimensions,
+                                          truncate=True if body.truncate is None else body.truncate,
+                                          truncation_side=side, prompt_name=body.prompt_name)
+        return JSONResponse(vectors.tolist())
+
+    @app.get("/health", summary="200 when a worker serves the model, else 503")
+    async def health() -> Response:
+        if await gateway.workers():
+            return Response(status_code=200)
+        return tei_error(503, "Unhealthy", "unhealthy")
+
+    @app.get("/info", summary="TEI's model and router information")
+    async def info() -> dict[str, Any]:
+        workers = await gateway.workers()
+        if not workers:
+            raise errors.Unavailable(f"no live worker serves queue {settings.queue_name}")
+        w = workers[0]
+        kinds = w.get("kinds") or []
+        labels = w.get("labels") or []
+        if "rerank" in kinds:
+            model_type: dict[str, Any] = {"reranker": {"id2label": dict(enumerate(labels)),
+                                                       "label2id": {v: i for i, v in enumerate(labels)}}}
+        elif "predict" in kinds:
+            model_type = {"classifier": {"id2label": dict(enumerate(labels)),
+                                         "label2id": {v: i for i, v in enumerate(labels)}}}
+        else:
+            model_type = {"embedding": {"pooling": str(w.get("pooling", "")).replace("lasttoken", "last_token")}}
+        return {"model_id": w.get("model", settings.model), "model_sha": w.get("weights_sha256"),
+                "model_dtype": w.get("dtype"), "served_model_name": settings.model, "model_type": model_type,
+                "max_concurrent_requests": settings.online_queue_limit or 0,
+                "max_input_length": w.get("max_seq_length"), "max_batch_tokens": w.get("max_batch_tokens"),
+                "max_batch_requests": None, "max_client_batch_size": settings.max_texts_per_job,
+                "auto_truncate": True, "tokenization_workers": len(workers), "version": __version__,
+                "sha": None, "docker_label": None}
+
+    return app

@@ -1,0 +1,130 @@
+"""Waiting for job results in asyncio: thousands of HTTP requests wait on one Redis connection, no thread each.
+
+A job's outcome is the record :class:`embedq.results.ResultStore` writes: Celery's Redis-backend record under
+``celery-task-meta-<id>``, published on a channel of the same name when it is stored. :class:`AsyncResults`
+keeps one pub/sub connection subscribed to the channels of the jobs it waits for, reads the key once right
+after subscribing (a job that finished before the subscription) and reads every waiting key again every
+:data:`POLL_SECONDS` (a notification lost while Redis restarted). Records are decoded by the app's own result
+backend, so a failed job raises its typed :class:`~embedq.errors.EmbedqError`, as ``JobHandle.result`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from celery import Celery, states
+
+from embedq import errors
+
+log = logging.getLogger(__name__)
+
+#: Seconds between reads of every waited key (notifications can be lost; a record is never missed for long).
+POLL_SECONDS = 1.0
+
+
+class AsyncResults:
+    """Outcomes of jobs by id, awaited on one pub/sub connection (see the module's docstring)."""
+
+    def __init__(self, app: Celery, url: str) -> None:
+        import redis.asyncio as aioredis
+
+        self.backend = app.backend  # used only to name, decode and delete records: no I/O through it
+        self.redis = aioredis.from_url(url)
+        self.pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        self._waiting: dict[bytes, asyncio.Future[bytes]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._subscribed = asyncio.Event()
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._listen(), name="embedq-results-listen"),
+                       asyncio.create_task(self._poll(), name="embedq-results-poll")]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        with contextlib.suppress(Exception):
+            await self.pubsub.aclose()
+        with contextlib.suppress(Exception):
+            await self.redis.aclose()
+
+    def key(self, job_id: str) -> bytes:
+        key = self.backend.get_key_for_task(job_id)
+        return key if isinstance(key, bytes) else str(key).encode()
+
+    async def wait(self, job_id: str, timeout: float | None) -> dict[str, Any]:
+        """The job's result payload (the dict its worker stored), deleted from Redis once read; raises the job's
+        typed error, or :class:`~embedq.errors.JobTimeout` after ``timeout`` seconds."""
+        key = self.key(job_id)
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._waiting[key] = future
+        try:
+            await self.pubsub.subscribe(key)
+            self._subscribed.set()
+            stored = await self.redis.get(key)  # stored before the subscription took effect
+            if stored is not None and not future.done():
+                future.set_result(stored)
+            try:
+                raw = await asyncio.wait_for(future, timeout)
+            except asyncio.TimeoutError:
+                raise errors.JobTimeout(f"job {job_id} has no result after {timeout}s") from None
+        finally:
+            self._waiting.pop(key, None)
+            with contextlib.suppress(Exception):
+                await self.pubsub.unsubscribe(key)
+        with contextlib.suppress(Exception):
+            await self.redis.delete(key)  # read once: a result does not stay in Redis for its TTL
+        return self.decode(raw)
+
+    def decode(self, raw: bytes) -> dict[str, Any]:
+        meta = self.backend.decode_result(raw)
+        status = meta.get("status")
+        if status == states.SUCCESS:
+            return meta["result"]
+        if status in states.PROPAGATE_STATES:
+            raise self.backend.exception_to_python(meta["result"])
+        raise errors.BackendError(f"unexpected job state {status!r}")
+
+    def _deliver(self, key: bytes, raw: bytes) -> None:
+        future = self._waiting.get(key)
+        if future is not None and not future.done():
+            future.set_result(raw)
+
+    async def _listen(self) -> None:
+        while True:
+            if not self.pubsub.subscribed:
+                self._subscribed.clear()
+                await self._subscribed.wait()
+            try:
+                message = await self.pubsub.get_message(timeout=1.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the connection dropped: the poller covers the gap; pub/sub reconnects
+                log.warning("result notifications interrupted (%s: %s)", type(exc).__name__, exc)
+                await asyncio.sleep(0.5)
+                continue
+            if message and message.get("type") == "message":
+                channel = message["channel"]
+                self._deliver(channel if isinstance(channel, bytes) else str(channel).encode(), message["data"])
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_SECONDS)
+            keys = list(self._waiting)
+            if not keys:
+                continue
+            try:
+                values = await self.redis.mget(keys)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("cannot read job results (%s: %s)", type(exc).__name__, exc)
+                continue
+            for key, raw in zip(keys, values):
+                if raw is not None:
+                    self._deliver(key, raw)

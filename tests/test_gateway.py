@@ -1,0 +1,198 @@
+"""``embedq serve``: real, unmodified clients (the openai SDK, sync and async; httpx) against a live gateway process
+and a real worker, the vectors equal to ``Client.embed``, TEI's error bodies and status codes, auth, /info and
+/health, and a request larger than one job split into several, in order."""
+
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from embedq.producers.embedded import free_port
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Gateway:
+    def __init__(self, broker_url: str, queue: str, log: Path, **env: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_") or k.endswith("_CACHE")}
+        environ.update({"EMBEDQ_BROKER_URL": broker_url, "EMBEDQ_QUEUE": queue, "PYTHONPATH": str(ROOT), **env})
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, "-m", "embedq", "serve", "--port", str(self.port)],
+                                     env=environ, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the gateway exited ({self.proc.returncode}):\n{log.read_text()}")
+            try:
+                httpx.get(self.url + "/openapi.json", timeout=1)
+                return
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the gateway did not answer:\n{log.read_text()}") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def gateway(worker, tmp_path_factory):
+    g = Gateway(worker.settings.broker_url, worker.settings.queue_name, tmp_path_factory.mktemp("gw") / "gw.log")
+    deadline = time.monotonic() + 30  # the worker's registry record (written every few seconds)
+    while httpx.get(g.url + "/health").status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    yield g
+    g.stop()
+
+
+def _openai(gateway, **kwargs):
+    from openai import OpenAI
+
+    return OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, **kwargs)
+
+
+# -- OpenAI -------------------------------------------------------------------------------------------------
+def test_a_openai_sdk_default_base64_and_float_equal_the_client(gateway, worker, corpus):
+    texts = corpus[:100]
+    want = worker.client.embed(texts)
+    client = _openai(gateway)
+    default = client.embeddings.create(model="anything-at-all", input=texts)  # the SDK asks for base64
+    floats = client.embeddings.create(model="anything-at-all", input=texts, encoding_format="float")
+    assert default.model == "anything-at-all" and default.object == "list"
+    assert [d.index for d in default.data] == list(range(100))
+    got_b64 = np.array([d.embedding for d in default.data], dtype=np.float32)
+    got_float = np.array([d.embedding for d in floats.data], dtype=np.float32)
+    assert np.abs(got_b64 - got_float).max() <= 1e-6
+    assert np.abs(got_b64 - want).max() <= 1e-6
+    assert default.usage.prompt_tokens == default.usage.total_tokens > 100
+    # explicit base64: the SDK hands back the string, which is little-endian float32 bytes
+    raw = client.embeddings.create(model="m", input="one text", encoding_format="base64").data[0].embedding
+    assert isinstance(raw, str)
+    assert np.abs(np.frombuffer(base64.b64decode(raw), dtype="<f4") - worker.client.embed(["one text"])[0]).max() \
+        <= 1e-6
+
+
+def test_a_openai_async_sdk_and_both_paths(gateway, worker, corpus):
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    texts = corpus[200:232]
+    want = worker.client.embed(texts)
+
+    async def run():
+        async with AsyncOpenAI(base_url=gateway.url + "/v1", api_key="k", max_retries=0) as client:
+            return await asyncio.gather(*(client.embeddings.create(model="m", input=t) for t in texts))
+
+    got = np.array([r.data[0].embedding for r in asyncio.run(run())], dtype=np.float32)
+    assert np.abs(got - want).max() <= 1e-6
+    bare = httpx.post(gateway.url + "/embeddings", json={"input": texts[:2], "model": "m"}).json()
+    assert np.abs(np.array([d["embedding"] for d in bare["data"]]) - want[:2]).max() <= 1e-6
+
+
+def test_a_openai_errors_are_the_sdk_s_exceptions(gateway):
+    import openai
+
+    client = _openai(gateway)
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model="m", input=[])
+    with pytest.raises(openai.UnprocessableEntityError, match="token-id"):  # never read ids as text
+        client.embeddings.create(model="m", input=[[101, 7592, 102]])
+    r = httpx.post(gateway.url + "/v1/embeddings", json={"input": [], "model": "m"})
+    assert r.status_code == 400
+    body = r.json()
+    assert body["type"] == "Empty" and body["error"]["message"] == body["message"]
+
+
+def test_dimensions_truncate_and_renormalise(gateway, worker):
+    client = _openai(gateway)
+    got = np.array(client.embeddings.create(model="m", input=["a short text"], dimensions=64).data[0].embedding)
+    want = worker.client.embed(["a short text"], dimensions=64, normalize=True)[0]
+    assert got.shape == (64,) and abs(float(np.linalg.norm(got)) - 1.0) < 1e-5
+    assert np.abs(got - want).max() <= 1e-6
+
+
+# -- TEI ----------------------------------------------------------------------------------------------------
+def test_b_embed_route_equals_the_client(gateway, worker, corpus):
+    texts = corpus[300:310]
+    one = httpx.post(gateway.url + "/embed", json={"inputs": texts[0]})
+    assert one.status_code == 200 and len(one.json()) == 1  # a list of vectors even for one string
+    assert np.abs(np.array(one.json()[0]) - worker.client.embed(texts[:1])[0]).max() <= 1e-6
+    # unknown fields ignored, null accepted for optional ones, TEI's capitalised direction
+    raw = httpx.post(gateway.url + "/embed", json={"inputs": texts, "normalize": False, "prompt_name": None,
+                                                   "truncation_direction": "Left", "parameters": {}}).json()
+    want = worker.client.embed(texts, normalize=False, truncation_side="left")
+    assert np.abs(np.array(raw, dtype=np.float32) - want).max() <= 1e-6
+
+
+def test_tei_error_bodies(gateway):
+    empty = httpx.post(gateway.url + "/embed", json={"inputs": []})
+    assert empty.status_code == 400 and empty.json()["error_type"] == "Empty"
+    bad = httpx.post(gateway.url + "/embed", json={"inputs": "x", "prompt_name": "no-such-prompt"})
+    assert bad.status_code == 422 and bad.json()["error_type"] == "Validation" and "no-such-prompt" in bad.json()[
+        "error"]
+    shape = httpx.post(gateway.url + "/embed", json={"texts": ["wrong field"]})
+    assert shape.status_code == 422 and set(shape.json()) == {"error", "error_type"}
+    long = httpx.post(gateway.url + "/embed", json={"inputs": "word " * 2000, "truncate": False})
+    assert long.status_code == 422 and long.json()["error_type"] == "Validation"
+
+
+def test_info_and_health(gateway, worker):
+    assert httpx.get(gateway.url + "/health").status_code == 200
+    info = httpx.get(gateway.url + "/info").json()
+    assert set(info) == {"model_id", "model_sha", "model_dtype", "served_model_name", "model_type",
+                         "max_concurrent_requests", "max_input_length", "max_batch_tokens", "max_batch_requests",
+                         "max_client_batch_size", "auto_truncate", "tokenization_workers", "version", "sha",
+                         "docker_label"}
+    assert info["model_type"] == {"embedding": {"pooling": "mean"}}
+    assert info["max_input_length"] == 256 and info["model_dtype"] == "float32"
+    assert httpx.get(gateway.url + "/docs").status_code == 200
+
+
+def test_health_is_503_without_a_worker(redis_server, tmp_path):
+    g = Gateway(redis_server.url, "embedq.test.nobody-serves-this", tmp_path / "gw.log")
+    try:
+        r = httpx.get(g.url + "/health")
+        assert r.status_code == 503 and r.json() == {"error": "unhealthy", "error_type": "Unhealthy"}
+    finally:
+        g.stop()
+
+
+def test_d_api_key_and_a_request_split_into_jobs(worker, corpus, tmp_path):
+    g = Gateway(worker.settings.broker_url, worker.settings.queue_name, tmp_path / "gw.log",
+                EMBEDQ_API_KEY="s3cret", EMBEDQ_MAX_TEXTS_PER_JOB="8")
+    try:
+        texts = corpus[400:420]
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            assert httpx.post(g.url + "/embed", json={"inputs": texts}, headers=headers).status_code == 401
+            assert httpx.get(g.url + "/info", headers=headers).status_code == 401
+        assert httpx.get(g.url + "/health").status_code in (200, 503)  # public
+        r = httpx.post(g.url + "/embed", json={"inputs": texts}, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200
+        # 20 inputs over jobs of at most 8: three jobs, one answer, input order
+        assert np.abs(np.array(r.json(), dtype=np.float32) - worker.client.embed(texts)).max() <= 1e-6
+        assert "s3cret" not in g.log.read_text()
+    finally:
+        g.stop()
+
+
+def test_the_gateway_never_imports_torch():
+    code = ("import sys, embedq.gateway.app; "
+            "sys.exit(1 if 'torch' in sys.modules or 'transformers' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode == 0
