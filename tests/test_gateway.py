@@ -14,8 +14,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import tiny_models
+from conftest import WorkerHandle
 
 from embedq.producers.embedded import free_port
+from embedq.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -139,6 +142,70 @@ def test_b_embed_route_equals_the_client(gateway, worker, corpus):
                                                    "truncation_direction": "Left", "parameters": {}}).json()
     want = worker.client.embed(texts, normalize=False, truncation_side="left")
     assert np.abs(np.array(raw, dtype=np.float32) - want).max() <= 1e-6
+
+
+def test_b_embed_all_and_similarity_equal_the_client(gateway, worker, corpus):
+    texts = corpus[500:504]
+    got = httpx.post(gateway.url + "/embed_all", json={"inputs": texts}).json()
+    want = worker.client.embed_all(texts)
+    assert [len(g) for g in got] == [len(w) for w in want]
+    assert max(float(np.abs(np.array(g) - w).max()) for g, w in zip(got, want)) <= 1e-6
+    body = {"inputs": {"source_sentence": texts[0], "sentences": texts[1:]}, "parameters": {}}
+    sims = httpx.post(gateway.url + "/similarity", json=body).json()
+    v = worker.client.embed(texts, normalize=False).astype(np.float64)
+    cosine = v[1:] @ v[0] / (np.linalg.norm(v[1:], axis=1) * np.linalg.norm(v[0]))
+    assert np.abs(np.array(sims) - cosine).max() <= 1e-6
+    assert httpx.post(gateway.url + "/", json={"inputs": texts[:1]}).json() == httpx.post(
+        gateway.url + "/embed", json={"inputs": texts[:1]}).json()  # an embedding model's own route
+
+
+def test_b_rerank_predict_and_sparse_models_behind_the_gateway(redis_server, corpus, tmp_path):
+    """A cross-encoder, a classifier and a SPLADE model, each with its worker and a gateway that splits requests
+    into jobs of 4: TEI's shapes, equal to the Client's results, and ``/`` routed by the model's kind."""
+    models = {"rerank": tiny_models.bert_cross_encoder(tmp_path / "ce"),
+              "predict": tiny_models.bert_classifier(tmp_path / "cls"),
+              "sparse": tiny_models.splade(tmp_path / "splade", tiny_models.bert_mlm(tmp_path / "mlm"))}
+    texts = corpus[600:610]
+    for kind, folder in models.items():
+        settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.gw-{kind}", model=str(folder),
+                            linear_kernel="torch")
+        worker = WorkerHandle(settings, tmp_path / f"{kind}-worker.log")
+        g = Gateway(redis_server.url, settings.queue_name, tmp_path / f"{kind}-gw.log",
+                    EMBEDQ_MODEL=str(folder), EMBEDQ_MAX_TEXTS_PER_JOB="4")
+        try:
+            if kind == "rerank":
+                body = {"query": "what is it", "texts": texts, "return_text": True}
+                got = httpx.post(g.url + "/rerank", json=body).json()
+                want = worker.client.rerank("what is it", texts, return_text=True)
+                assert [e["index"] for e in got] == [e["index"] for e in want]  # across three jobs
+                assert [e["text"] for e in got] == [texts[e["index"]] for e in got]
+                assert max(abs(a["score"] - b["score"]) for a, b in zip(got, want)) <= 1e-6
+                assert [e["index"] for e in httpx.post(g.url + "/", json=body).json()] == [e["index"] for e in want]
+            elif kind == "predict":
+                one = httpx.post(g.url + "/predict", json={"inputs": texts[0]}).json()
+                pair = httpx.post(g.url + "/predict", json={"inputs": [texts[0], texts[1]]}).json()
+                batch = httpx.post(g.url + "/predict", json={"inputs": [[texts[0]], [texts[0], texts[1]]]}).json()
+                assert [e["label"] for e in one] == [e["label"] for e in worker.client.predict(texts[0])[0]]
+                assert abs(pair[0]["score"] - worker.client.predict([[texts[0], texts[1]]])[0][0]["score"]) <= 1e-6
+                assert len(batch) == 2
+                for got_row, want_row in ((batch[0], one), (batch[1], pair),
+                                          (httpx.post(g.url + "/", json={"inputs": texts[0]}).json(), one)):
+                    assert [e["label"] for e in got_row] == [e["label"] for e in want_row]
+                    assert max(abs(a["score"] - b["score"]) for a, b in zip(got_row, want_row)) <= 1e-6
+                model_type = httpx.get(g.url + "/info").json()["model_type"]
+                assert set(model_type) == {"classifier"} and len(model_type["classifier"]["id2label"]) == 3
+            else:
+                got = httpx.post(g.url + "/embed_sparse", json={"inputs": texts}).json()
+                want = [v.to_tei() for v in worker.client.embed_sparse(texts)]
+                assert [[e["index"] for e in row] for row in got] == [[e["index"] for e in row] for row in want]
+                assert max(abs(a["value"] - b["value"]) for x, y in zip(got, want) for a, b in zip(x, y)) <= 1e-6
+                routed = httpx.post(g.url + "/", json={"inputs": texts[:2]}).json()
+                assert [[e["index"] for e in row] for row in routed] == [[e["index"] for e in row] for row in got[:2]]
+                wrong = httpx.post(g.url + "/embed", json={"inputs": texts[:2]})
+                assert wrong.status_code == 424 and wrong.json()["error_type"] == "Backend"  # TEI: wrong model type
+        finally:
+            g.stop()
+            worker.stop()
 
 
 def test_tei_error_bodies(gateway):

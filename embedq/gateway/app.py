@@ -5,9 +5,11 @@ carry), sent with the producer :class:`~embedq.producers.client.Client` (validat
 and awaited on :class:`~embedq.gateway.results.AsyncResults`: no thread is held while a request waits. The
 gateway keeps no state of its own, so any number of replicas can serve the same queues.
 
-Routes of this version: ``POST /v1/embeddings`` and ``/embeddings`` (OpenAI), ``POST /embed`` (TEI),
-``GET /info``, ``GET /health``. Error bodies are TEI's (``{"error", "error_type"}``, its status codes); the
-OpenAI routes answer TEI's OpenAI shape plus OpenAI's nested ``error`` object, which the openai SDK reads.
+Routes of this version: ``POST /v1/embeddings`` and ``/embeddings`` (OpenAI); TEI's ``POST /embed``,
+``/embed_sparse``, ``/embed_all``, ``/rerank``, ``/predict``, ``/similarity`` and ``/`` (the served model's own
+route, as TEI routes it), ``GET /info``, ``GET /health``. Error bodies are TEI's (``{"error", "error_type"}``,
+its status codes); the OpenAI routes answer TEI's OpenAI shape plus OpenAI's nested ``error`` object, which the
+openai SDK reads.
 Headers: ``X-Embedq-Class: bulk`` sends a request's jobs to the bulk queue (default: online);
 ``X-Embedq-Deadline: <seconds>`` drops its jobs if they have not started by then.
 """
@@ -27,11 +29,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
+from pydantic import ValidationError as PydanticValidationError
 
 from embedq import __version__, errors, monitor
 from embedq.batching.traffic import BULK, ONLINE
 from embedq.gateway.results import AsyncResults
-from embedq.producers.client import DEFAULT_RESULT_TIMEOUT, Client
+from embedq.producers.client import DEFAULT_RESULT_TIMEOUT, Client, decode_output
 from embedq.protocol import decode_result
 from embedq.settings import Settings
 
@@ -112,6 +115,48 @@ class EmbedRequest(_Body):
     truncation_direction: Literal["left", "right", "Left", "Right"] | None = None
     prompt_name: str | None = None
     dimensions: int | None = None
+
+
+class _TeiOptions(_Body):
+    truncate: bool | None = None
+    truncation_direction: Literal["left", "right", "Left", "Right"] | None = None
+
+    def job_options(self) -> dict[str, Any]:
+        return {"truncate": True if self.truncate is None else self.truncate,
+                "truncation_side": (self.truncation_direction or "right").lower()}
+
+
+class TextsRequest(_TeiOptions):
+    """``/embed_sparse`` and ``/embed_all``."""
+
+    inputs: str | list[str] | list[int] | list[list[int]]
+    prompt_name: str | None = None
+
+
+class RerankRequest(_TeiOptions):
+    query: str
+    texts: list[str]
+    raw_scores: bool | None = False
+    return_text: bool | None = False
+
+
+class PredictRequest(_TeiOptions):
+    inputs: str | list[str] | list[list[str]]
+    raw_scores: bool | None = False
+
+
+class SimilarityInputs(_Body):
+    source_sentence: str
+    sentences: list[str]
+
+
+class SimilarityParameters(_TeiOptions):
+    prompt_name: str | None = None
+
+
+class SimilarityRequest(_Body):
+    inputs: SimilarityInputs
+    parameters: SimilarityParameters | None = None
 
 
 def _texts(inputs: Any) -> list[str]:
@@ -266,6 +311,90 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
                                           truncate=True if body.truncate is None else body.truncate,
                                           truncation_side=side, prompt_name=body.prompt_name)
         return JSONResponse(vectors.tolist())
+
+    async def outputs(request: Request, kind: str, submit: Callable[..., Any], items: list[Any],
+                      **options: Any) -> list[Any]:
+        """``items`` as jobs of ``kind``: the decoded outputs of each job, in order."""
+        if not items:
+            raise errors.EmptyInput("Input validation error: `inputs` cannot be empty")
+        options = {k: v for k, v in options.items() if v is not None}
+        return [decode_output(kind, p) for p in await gateway.run(request, submit, items, options)]
+
+    @app.post("/embed_sparse", summary="TEI: SPLADE sparse vectors")
+    async def embed_sparse(request: Request, body: TextsRequest) -> Response:
+        chunks = await outputs(request, "embed_sparse", gateway.client.submit_sparse, _texts(body.inputs),
+                               prompt_name=body.prompt_name, **body.job_options())
+        return JSONResponse([v.to_tei() for chunk in chunks for v in chunk])
+
+    @app.post("/embed_all", summary="TEI: every token's last hidden state")
+    async def embed_all(request: Request, body: TextsRequest) -> Response:
+        chunks = await outputs(request, "embed_all", gateway.client.submit_all, _texts(body.inputs),
+                               prompt_name=body.prompt_name, **body.job_options())
+        return JSONResponse([m.tolist() for chunk in chunks for m in chunk])
+
+    @app.post("/rerank", summary="TEI: a query against texts, best first")
+    async def rerank(request: Request, body: RerankRequest) -> Response:
+        def submit(texts: list[str], **kw: Any) -> Any:
+            return gateway.client.submit_rerank(body.query, texts, **kw)
+
+        chunks = await outputs(request, "rerank", submit, body.texts, raw_scores=bool(body.raw_scores),
+                               **body.job_options())
+        size = settings.max_texts_per_job
+        ranked = [{"index": e["index"] + n * size, "score": e["score"]} for n, chunk in enumerate(chunks)
+                  for e in chunk]
+        ranked.sort(key=lambda e: (-e["score"], e["index"]))
+        if body.return_text:
+            ranked = [{"index": e["index"], "text": body.texts[e["index"]], "score": e["score"]} for e in ranked]
+        return JSONResponse(ranked)
+
+    @app.post("/predict", summary="TEI: sequence classification of texts or text pairs")
+    async def predict(request: Request, body: PredictRequest) -> Response:
+        inputs = body.inputs  # TEI: "text" and ["a", "b"] (a pair) are one input; anything else a batch
+        single = isinstance(inputs, str) or (len(inputs) == 2 and all(isinstance(x, str) for x in inputs))
+        items: list[Any] = [inputs] if single else [[x] if isinstance(x, str) else list(x) for x in inputs]
+        for item in items:
+            if isinstance(item, list) and len(item) not in (1, 2):
+                raise errors.InvalidType(f"a /predict input is a text or a pair of texts, got {len(item)} texts")
+        items = [item[0] if isinstance(item, list) and len(item) == 1 else item for item in items]
+        chunks = await outputs(request, "predict", gateway.client.submit_predict, items,
+                               raw_scores=bool(body.raw_scores), **body.job_options())
+        scores = [row for chunk in chunks for row in chunk]
+        return JSONResponse(scores[0] if single else scores)
+
+    @app.post("/similarity", summary="TEI: cosine similarity of a sentence to others")
+    async def similarity(request: Request, body: SimilarityRequest) -> Response:
+        params = body.parameters or SimilarityParameters()
+        texts = [body.inputs.source_sentence, *body.inputs.sentences]
+        if not body.inputs.sentences:
+            raise errors.EmptyInput("Input validation error: `sentences` cannot be empty")
+        vectors, _ = await embed_payloads(request, texts, normalize=False, prompt_name=params.prompt_name,
+                                          **params.job_options())
+        vectors = vectors.astype(np.float64)
+        norms = np.linalg.norm(vectors, axis=1)
+        cosine = vectors[1:] @ vectors[0] / np.maximum(norms[1:] * norms[0], 1e-300)
+        return JSONResponse([float(c) for c in cosine])
+
+    @app.post("/", summary="TEI: the served model's own route (embed, rerank, predict or embed_sparse)")
+    async def root(request: Request) -> Response:
+        workers = await gateway.workers()
+        kinds = set((workers[0].get("kinds") or []) if workers else [])
+        try:
+            payload = await request.json()
+        except ValueError:
+            raise errors.InvalidType("Input validation error: the body is not JSON") from None
+        route: Any = embed
+        model: type[BaseModel] = EmbedRequest
+        if "rerank" in kinds:
+            route, model = rerank, RerankRequest
+        elif "predict" in kinds:
+            route, model = predict, PredictRequest
+        elif "embed_sparse" in kinds:
+            route, model = embed_sparse, TextsRequest
+        try:
+            body = model.model_validate(payload)
+        except PydanticValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
+        return await route(request, body)
 
     @app.get("/health", summary="200 when a worker serves the model, else 503")
     async def health() -> Response:
