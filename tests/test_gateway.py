@@ -208,6 +208,33 @@ def test_b_rerank_predict_and_sparse_models_behind_the_gateway(redis_server, cor
             worker.stop()
 
 
+def test_e_a_disconnected_client_s_job_never_runs_and_a_deadline_expires(redis_server, corpus, tmp_path):
+    """Requests to a queue no worker serves yet: one whose client gives up after 0.5 s, one with a 1 s deadline
+    (504). When a worker then starts on that queue, neither reaches the model: its counters show only the
+    request sent after it started."""
+    queue = f"embedq.test.gw-late-{os.getpid()}"
+    g = Gateway(redis_server.url, queue, tmp_path / "gw.log")
+    worker = None
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(g.url + "/embed", json={"inputs": corpus[:11]}, timeout=0.5)
+        late = httpx.post(g.url + "/embed", json={"inputs": corpus[20:27]}, headers={"X-Embedq-Deadline": "1"},
+                          timeout=30)
+        assert late.status_code == 504 and late.json()["error_type"] == "Timeout", late.text
+        time.sleep(0.5)  # the disconnect is seen within DISCONNECT_POLL
+        worker = WorkerHandle(Settings(broker_url=redis_server.url, queue=queue), tmp_path / "worker.log")
+        probe = httpx.post(g.url + "/embed", json={"inputs": corpus[40:43]}, timeout=120)
+        assert probe.status_code == 200
+        time.sleep(0.5)
+        stats = worker.stats()
+        assert stats["items"] == 3, stats  # only the probe ran through the model
+        assert stats["jobs_cancelled"] >= 1 and stats["items_cancelled"] >= 11
+    finally:
+        g.stop()
+        if worker is not None:
+            worker.stop()
+
+
 def test_tei_error_bodies(gateway):
     empty = httpx.post(gateway.url + "/embed", json={"inputs": []})
     assert empty.status_code == 400 and empty.json()["error_type"] == "Empty"

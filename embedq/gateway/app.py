@@ -34,7 +34,7 @@ from pydantic import ValidationError as PydanticValidationError
 from embedq import __version__, errors, monitor
 from embedq.batching.traffic import BULK, ONLINE
 from embedq.gateway.results import AsyncResults
-from embedq.producers.client import DEFAULT_RESULT_TIMEOUT, Client, decode_output
+from embedq.producers.client import DEADLINE_GRACE, DEFAULT_RESULT_TIMEOUT, Client, decode_output
 from embedq.protocol import decode_result
 from embedq.settings import Settings
 
@@ -44,6 +44,8 @@ PUBLIC = frozenset({"/health", "/ping", "/metrics", "/docs", "/openapi.json", "/
 REGISTRY_TTL = 1.0
 #: Seconds an overloaded client is told to wait (``Retry-After``).
 RETRY_AFTER = 1
+#: Seconds between looks, while a request waits, at whether its client is still there.
+DISCONNECT_POLL = 0.25
 
 
 # -- errors -------------------------------------------------------------------------------------------------
@@ -61,6 +63,8 @@ def http_status(exc: errors.EmbedqError) -> tuple[int, str]:
         return 422, "Validation"
     if isinstance(exc, errors.Overloaded):
         return 429, "Overloaded"
+    if isinstance(exc, errors.Cancelled):  # the client went away (nginx's 499) or cancelled its job
+        return 499, "Cancelled"
     if isinstance(exc, (errors.Expired, errors.JobTimeout)):
         return 504, "Timeout"
     if isinstance(exc, errors.Unavailable):
@@ -177,6 +181,7 @@ class Gateway:
         self.client = Client(settings, follow_results=False)
         self.results: AsyncResults | None = None
         self._registry: tuple[float, list[dict[str, Any]]] = (0.0, [])
+        self.disconnects = 0  # requests whose client went away before their answer
 
     async def start(self) -> None:
         self.results = AsyncResults(self.client.app, self.settings.result_url or self.settings.broker_url)
@@ -212,11 +217,25 @@ class Gateway:
         except BaseException:
             await asyncio.gather(*(self._forget(h) for h in handles))
             raise
-        timeout = DEFAULT_RESULT_TIMEOUT if deadline is None else deadline + DEFAULT_RESULT_TIMEOUT
-        outcomes = await asyncio.gather(*(self.results.wait(h.id, timeout) for h in handles), return_exceptions=True)
-        for handle in handles:
-            self.client.pending.discard(handle)
+        # past its deadline (and a grace for a job that started just in time) no result will come
+        timeout = DEFAULT_RESULT_TIMEOUT if deadline is None else deadline + DEADLINE_GRACE
+        waiting = asyncio.ensure_future(asyncio.gather(*(self.results.wait(h.id, timeout) for h in handles),
+                                                       return_exceptions=True))
+        try:
+            while not waiting.done():
+                await asyncio.wait({waiting}, timeout=DISCONNECT_POLL)
+                if not waiting.done() and await request.is_disconnected():
+                    self.disconnects += 1  # nobody reads the answer: the jobs must not cost compute
+                    raise errors.Cancelled("the client disconnected; its jobs were cancelled")
+            outcomes = waiting.result()
+        except BaseException:
+            waiting.cancel()
+            await asyncio.gather(*(self._forget(h) for h in handles))
+            raise
         for outcome in outcomes:
+            if isinstance(outcome, errors.JobTimeout) and deadline is not None:
+                await asyncio.gather(*(self._forget(h) for h in handles))
+                raise errors.Expired(f"the request's jobs did not run within its deadline ({deadline:g}s)")
             if isinstance(outcome, BaseException):
                 raise outcome
         return list(outcomes)
@@ -225,6 +244,24 @@ class Gateway:
         self.client.pending.discard(handle)
         with contextlib.suppress(Exception):
             await asyncio.to_thread(self.client.cancel, handle.id)
+
+
+class BearerAuth:
+    """``Authorization: Bearer <key>``, exact match, compared in constant time, on every route but :data:`PUBLIC`;
+    otherwise a bare 401, as TEI answers. Plain ASGI (no ``BaseHTTPMiddleware``), so the routes still see a
+    client's disconnect."""
+
+    def __init__(self, app: Any, key: bytes) -> None:
+        self.app, self.key = app, key
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in PUBLIC:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self.key):
+                await Response(status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _deadline(value: str | None) -> float | None:
@@ -263,14 +300,8 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
     app.state.gateway = gateway
     key = api_key.encode() if api_key else None
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next: Any) -> Response:
-        if key is not None and request.url.path not in PUBLIC:
-            given = request.headers.get("authorization", "")
-            scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key):
-                return Response(status_code=401)
-        return await call_next(request)
+    if key is not None:
+        app.add_middleware(BearerAuth, key=key)
 
     @app.exception_handler(errors.EmbedqError)
     async def embedq_error(request: Request, exc: errors.EmbedqError) -> JSONResponse:
