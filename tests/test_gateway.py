@@ -21,6 +21,8 @@ from embedq.producers.embedded import free_port
 from embedq.settings import Settings
 
 pytestmark = pytest.mark.integration
+# huggingface_hub sends a saved Hub token implicitly (clients.md §2.1): never to a test server
+os.environ.setdefault("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,6 +194,11 @@ def test_b_rerank_predict_and_sparse_models_behind_the_gateway(redis_server, cor
                                           (httpx.post(g.url + "/", json={"inputs": texts[0]}).json(), one)):
                     assert [e["label"] for e in got_row] == [e["label"] for e in want_row]
                     assert max(abs(a["score"] - b["score"]) for a, b in zip(got_row, want_row)) <= 1e-6
+                from huggingface_hub import InferenceClient
+
+                # TEI's single-input answer is a flat list, which the hub's client reads as its top element
+                top = InferenceClient(model=g.url).text_classification(texts[0])
+                assert top.label == one[0]["label"] and abs(top.score - one[0]["score"]) <= 1e-6
                 model_type = httpx.get(g.url + "/info").json()["model_type"]
                 assert set(model_type) == {"classifier"} and len(model_type["classifier"]["id2label"]) == 3
             else:
@@ -233,6 +240,44 @@ def test_e_a_disconnected_client_s_job_never_runs_and_a_deadline_expires(redis_s
         g.stop()
         if worker is not None:
             worker.stop()
+
+
+def test_a_huggingface_hub_inference_client(gateway, worker, corpus):
+    from huggingface_hub import InferenceClient
+
+    texts = corpus[700:703]
+    root = InferenceClient(model=gateway.url)  # posts to the bare URL: routed like TEI
+    got = root.feature_extraction(texts[0])
+    assert got.shape == (1, 384)
+    assert np.abs(got[0] - worker.client.embed(texts[:1])[0]).max() <= 1e-6
+    raw = InferenceClient(model=gateway.url + "/embed").feature_extraction(texts, normalize=False)
+    assert np.abs(raw - worker.client.embed(texts, normalize=False)).max() <= 1e-6
+    sims = InferenceClient(model=gateway.url + "/similarity").sentence_similarity(texts[0], texts[1:])
+    v = worker.client.embed(texts, normalize=False).astype(np.float64)
+    assert np.abs(np.array(sims) - v[1:] @ v[0] / (np.linalg.norm(v[1:], axis=1) * np.linalg.norm(v[0]))).max() \
+        <= 1e-6
+
+
+def test_a_overload_is_429_and_the_openai_sdk_s_rate_limit_error(redis_server, tmp_path):
+    """A gateway whose online queue holds one job at most (no worker drains it): the next request is refused
+    with 429 and Retry-After; the openai SDK retries it (max_retries=2: three POSTs), then raises."""
+    import openai
+
+    queue = f"embedq.test.gw-full-{os.getpid()}"
+    g = Gateway(redis_server.url, queue, tmp_path / "gw.log", EMBEDQ_ONLINE_QUEUE_LIMIT="1")
+    try:
+        with pytest.raises(httpx.ReadTimeout):  # its job stays queued: the queue is full
+            httpx.post(g.url + "/embed", json={"inputs": ["fills the queue"]}, timeout=0.5)
+        full = httpx.post(g.url + "/embed", json={"inputs": ["one more"]})
+        assert full.status_code == 429 and full.headers["retry-after"] == "1"
+        assert full.json()["error_type"] == "Overloaded"
+        client = openai.OpenAI(base_url=g.url + "/v1", api_key="unused", max_retries=2)
+        started = time.monotonic()
+        with pytest.raises(openai.RateLimitError):
+            client.embeddings.create(model="m", input="refused")
+        assert time.monotonic() - started >= 2.0  # two waits of Retry-After: 1
+    finally:
+        g.stop()
 
 
 def test_tei_error_bodies(gateway):
