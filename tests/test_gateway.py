@@ -236,6 +236,7 @@ def test_e_a_disconnected_client_s_job_never_runs_and_a_deadline_expires(redis_s
         stats = worker.stats()
         assert stats["items"] == 3, stats  # only the probe ran through the model
         assert stats["jobs_cancelled"] >= 1 and stats["items_cancelled"] >= 11
+        assert "embedq_gateway_disconnects_total 1.0" in httpx.get(g.url + "/metrics").text
     finally:
         g.stop()
         if worker is not None:
@@ -327,6 +328,12 @@ def test_d_api_key_and_a_request_split_into_jobs(worker, corpus, tmp_path):
         # 20 inputs over jobs of at most 8: three jobs, one answer, input order
         assert np.abs(np.array(r.json(), dtype=np.float32) - worker.client.embed(texts)).max() <= 1e-6
         assert "s3cret" not in g.log.read_text()
+        metrics = httpx.get(g.url + "/metrics")  # public, and refusals are counted
+        assert metrics.status_code == 200
+        assert 'embedq_gateway_requests_total{route="/embed",status="401"} 3.0' in metrics.text
+        assert 'embedq_gateway_requests_total{route="/embed",status="200"} 1.0' in metrics.text
+        assert httpx.get(g.url + "/no-such-path").status_code == 401
+        assert 'route="other",status="401"' in httpx.get(g.url + "/metrics").text
     finally:
         g.stop()
 

@@ -182,6 +182,7 @@ class Gateway:
         self.results: AsyncResults | None = None
         self._registry: tuple[float, list[dict[str, Any]]] = (0.0, [])
         self.disconnects = 0  # requests whose client went away before their answer
+        self.meter: GatewayMetrics | None = None
 
     async def start(self) -> None:
         self.results = AsyncResults(self.client.app, self.settings.result_url or self.settings.broker_url)
@@ -226,6 +227,8 @@ class Gateway:
                 await asyncio.wait({waiting}, timeout=DISCONNECT_POLL)
                 if not waiting.done() and await request.is_disconnected():
                     self.disconnects += 1  # nobody reads the answer: the jobs must not cost compute
+                    if self.meter is not None:
+                        self.meter.disconnects.inc()
                     raise errors.Cancelled("the client disconnected; its jobs were cancelled")
             outcomes = waiting.result()
         except BaseException:
@@ -244,6 +247,53 @@ class Gateway:
         self.client.pending.discard(handle)
         with contextlib.suppress(Exception):
             await asyncio.to_thread(self.client.cancel, handle.id)
+
+
+class GatewayMetrics:
+    """The gateway's own Prometheus metrics (``GET /metrics``): requests by route and status, their latency by
+    route, requests in flight, disconnects."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("embedq_gateway_requests", "HTTP requests answered, by route and status.",
+                                ["route", "status"], registry=self.registry)
+        self.seconds = Histogram("embedq_gateway_request_seconds", "Time to answer a request, by route.", ["route"],
+                                 registry=self.registry,
+                                 buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.in_flight = Gauge("embedq_gateway_requests_in_flight", "Requests being answered.", registry=self.registry)
+        self.disconnects = Counter("embedq_gateway_disconnects", "Requests whose client went away before the "
+                                   "answer (their jobs cancelled).", registry=self.registry)
+
+
+class MetricsMiddleware:
+    """Counts and times every request (plain ASGI, outermost, so refusals count too). Paths that are not routes
+    count as ``other``: a scanner cannot grow the label set."""
+
+    def __init__(self, app: Any, meter: GatewayMetrics, routes: frozenset[str]) -> None:
+        self.app, self.meter, self.routes = app, meter, routes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in self.routes else "other"
+        status = [500]
+
+        async def sending(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        started = time.perf_counter()
+        self.meter.in_flight.inc()
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            self.meter.in_flight.dec()
+            self.meter.seconds.labels(route).observe(time.perf_counter() - started)
+            self.meter.requests.labels(route, str(status[0])).inc()
 
 
 class BearerAuth:
@@ -286,6 +336,7 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
     """The ASGI app. ``api_key``: when set, every route but :data:`PUBLIC` needs ``Authorization: Bearer <key>``."""
     settings = settings or Settings()
     gateway = Gateway(settings)
+    gateway.meter = meter = GatewayMetrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -427,6 +478,17 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
             raise RequestValidationError(exc.errors()) from None
         return await route(request, body)
 
+    @app.get("/metrics", summary="Prometheus: the gateway's requests, latencies, disconnects (public)")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(meter.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", summary="TEI: health (GET)")
+    @app.get("/ping", summary="SageMaker's health path")
+    async def ping() -> Response:
+        return await health()
+
     @app.get("/health", summary="200 when a worker serves the model, else 503")
     async def health() -> Response:
         if await gateway.workers():
@@ -457,4 +519,7 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
                 "auto_truncate": True, "tokenization_workers": len(workers), "version": __version__,
                 "sha": None, "docker_label": None}
 
+    # outermost: every request is counted, refused ones included
+    app.add_middleware(MetricsMiddleware, meter=meter, routes=frozenset(r.path for r in app.routes
+                                                                         if hasattr(r, "path")))
     return app
