@@ -20,7 +20,7 @@ WORKDIR /opt/embedq
 COPY pyproject.toml README.md ./
 COPY embedq ./embedq
 RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/torch-constraint.txt \
- && pip install --constraint /tmp/torch-constraint.txt ".[worker,flower]" \
+ && pip install --constraint /tmp/torch-constraint.txt ".[worker,flower,gateway]" \
  && python -c "import torch, embedq; print('embedq', embedq.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda)" \
  && rm -rf /tmp/torch-constraint.txt /opt/embedq/build
 
@@ -33,7 +33,7 @@ USER embedq
 WORKDIR /var/cache/embedq
 
 # Prometheus endpoint of the worker (EMBEDQ_METRICS_PORT) and Flower's port.
-EXPOSE 9808 5555
+EXPOSE 9808 5555 8080
 
 # SIGTERM (docker stop) makes the worker finish its micro-batch, store what is done and hand the rest of
 # its jobs back to the queue within EMBEDQ_SHUTDOWN_TIMEOUT (30 s): give it a longer stop timeout

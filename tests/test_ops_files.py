@@ -284,6 +284,16 @@ def test_compose_flower_requires_auth_and_is_published(compose: dict[str, Any]) 
     assert "deploy" not in flower or not flower["deploy"].get("resources"), "Flower needs no GPU"
 
 
+def test_compose_gateway_serves_http_and_is_scraped(compose: dict[str, Any]) -> None:
+    gateway = compose["services"]["gateway"]
+    assert gateway["command"][:1] == ["serve"] and gateway["image"] == compose["services"]["worker"]["image"]
+    assert any(int(p["target"]) == 8080 and p.get("published") for p in gateway["ports"])
+    assert "deploy" not in gateway or not gateway["deploy"].get("resources"), "the gateway needs no GPU"
+    config = _load_yaml(OPS / "prometheus.compose.yml")
+    job = next(j for j in config["scrape_configs"] if j["job_name"] == "embedq-gateway")
+    assert [sd["names"] for sd in job["dns_sd_configs"]] == [["gateway"]] and job["dns_sd_configs"][0]["port"] == 8080
+
+
 def test_compose_prometheus_mounts_config_and_scrapes_every_worker(compose: dict[str, Any]) -> None:
     prometheus = compose["services"]["prometheus"]
     mounts = {v["target"]: Path(v["source"]) for v in prometheus["volumes"] if v["type"] == "bind"}
@@ -327,7 +337,7 @@ def test_dockerfile() -> None:
     users = re.findall(r"^USER (\S+)$", text, re.M)
     assert users and users[-1] not in ("root", "0"), "the container runs as a non-root user"
     install = next(line for line in text.splitlines() if "pip install" in line and not line.startswith("#"))
-    assert ".[worker,flower]" in install and "--constraint" in install, "keep the base image's torch"
+    assert ".[worker,flower,gateway]" in install and "--constraint" in install, "keep the base image's torch"
     assert f"EXPOSE {METRICS_PORT}" in text
     patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text(encoding="utf-8").splitlines()
                 if line.strip() and not line.startswith("#")]
