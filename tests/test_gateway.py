@@ -217,8 +217,8 @@ def test_b_rerank_predict_and_sparse_models_behind_the_gateway(redis_server, cor
 
 def test_e_a_disconnected_client_s_job_never_runs_and_a_deadline_expires(redis_server, corpus, tmp_path):
     """Requests to a queue no worker serves yet: one whose client gives up after 0.5 s, one with a 1 s deadline
-    (504). When a worker then starts on that queue, neither reaches the model: its counters show only the
-    request sent after it started."""
+    (504), an async job deleted before it ran. When a worker then starts on that queue, none reaches the model:
+    its counters show only the request sent after it started."""
     queue = f"embedq.test.gw-late-{os.getpid()}"
     g = Gateway(redis_server.url, queue, tmp_path / "gw.log")
     worker = None
@@ -228,6 +228,8 @@ def test_e_a_disconnected_client_s_job_never_runs_and_a_deadline_expires(redis_s
         late = httpx.post(g.url + "/embed", json={"inputs": corpus[20:27]}, headers={"X-Embedq-Deadline": "1"},
                           timeout=30)
         assert late.status_code == 504 and late.json()["error_type"] == "Timeout", late.text
+        queued = httpx.post(g.url + "/jobs", json={"kind": "embed", "body": {"inputs": corpus[60:65]}}).json()
+        assert httpx.delete(f"{g.url}/jobs/{queued['id']}").json()["status"] == "cancelled"
         time.sleep(0.5)  # the disconnect is seen within DISCONNECT_POLL
         worker = WorkerHandle(Settings(broker_url=redis_server.url, queue=queue), tmp_path / "worker.log")
         probe = httpx.post(g.url + "/embed", json={"inputs": corpus[40:43]}, timeout=120)
@@ -279,6 +281,34 @@ def test_a_overload_is_429_and_the_openai_sdk_s_rate_limit_error(redis_server, t
         assert time.monotonic() - started >= 2.0  # two waits of Retry-After: 1
     finally:
         g.stop()
+
+
+def _poll_job(gateway, job_id: str, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = httpx.get(f"{gateway.url}/jobs/{job_id}").json()
+        if state["status"] != "queued" or time.monotonic() > deadline:
+            return state
+        time.sleep(0.1)
+
+
+def test_async_jobs_post_poll_and_fail_alone(gateway, worker, corpus):
+    texts = corpus[800:806]
+    started = httpx.post(gateway.url + "/jobs", json={"kind": "embed", "body": {"inputs": texts}})
+    assert started.status_code == 202 and started.headers["location"] == f"/jobs/{started.json()['id']}"
+    wrong_kind = httpx.post(gateway.url + "/jobs", json={"kind": "rerank", "body": {"query": "q", "texts": texts}})
+    assert wrong_kind.status_code == 202  # a MiniLM worker serves no rerank: that job fails, alone
+    done = _poll_job(gateway, started.json()["id"])
+    assert done["status"] == "done"
+    assert np.abs(np.array(done["result"], dtype=np.float32) - worker.client.embed(texts)).max() <= 1e-6
+    failed = _poll_job(gateway, wrong_kind.json()["id"])
+    assert failed["status"] == "failed" and failed["code"] == 424 and "rerank" in failed["error"]["error"]
+    assert httpx.post(gateway.url + "/jobs", json={"kind": "nope", "body": {}}).status_code == 422
+    assert httpx.post(gateway.url + "/jobs", json={"kind": "embed", "body": {"texts": []}}).status_code == 422
+    missing = httpx.get(gateway.url + "/jobs/" + "0" * 32)
+    assert missing.status_code == 404 and missing.json()["error_type"] == "NotFound"
+    assert httpx.delete(f"{gateway.url}/jobs/{started.json()['id']}").json()["status"] == "deleted"
+    assert httpx.get(f"{gateway.url}/jobs/{started.json()['id']}").status_code == 404
 
 
 def test_tei_error_bodies(gateway):

@@ -7,7 +7,8 @@ gateway keeps no state of its own, so any number of replicas can serve the same 
 
 Routes of this version: ``POST /v1/embeddings`` and ``/embeddings`` (OpenAI); TEI's ``POST /embed``,
 ``/embed_sparse``, ``/embed_all``, ``/rerank``, ``/predict``, ``/similarity`` and ``/`` (the served model's own
-route, as TEI routes it), ``GET /info``, ``GET /health``. Error bodies are TEI's (``{"error", "error_type"}``,
+route, as TEI routes it), ``GET /info``, ``GET /health``, ``GET /metrics``; async jobs: ``POST /jobs``,
+``GET /jobs/{id}``, ``DELETE /jobs/{id}``. Error bodies are TEI's (``{"error", "error_type"}``,
 its status codes); the OpenAI routes answer TEI's OpenAI shape plus OpenAI's nested ``error`` object, which the
 openai SDK reads.
 Headers: ``X-Embedq-Class: bulk`` sends a request's jobs to the bulk queue (default: online);
@@ -20,8 +21,11 @@ import asyncio
 import base64
 import contextlib
 import hmac
+import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -44,6 +48,8 @@ PUBLIC = frozenset({"/health", "/ping", "/metrics", "/docs", "/openapi.json", "/
 REGISTRY_TTL = 1.0
 #: Seconds an overloaded client is told to wait (``Retry-After``).
 RETRY_AFTER = 1
+#: The record of an async job (``POST /jobs``): its kind, its request body and its embedq job ids.
+JOB_KEY = "embedq.gateway.job.{}"
 #: Seconds between looks, while a request waits, at whether its client is still there.
 DISCONNECT_POLL = 0.25
 
@@ -51,6 +57,8 @@ DISCONNECT_POLL = 0.25
 # -- errors -------------------------------------------------------------------------------------------------
 def http_status(exc: errors.EmbedqError) -> tuple[int, str]:
     """(HTTP status, TEI ``error_type``) of an embedq error, by TEI's mapping."""
+    if isinstance(exc, JobNotFound):
+        return 404, "NotFound"
     if isinstance(exc, (errors.EmptyInput, errors.EmptyText)):
         return 400, "Empty"
     if isinstance(exc, errors.ResultTooLarge):
@@ -112,15 +120,6 @@ class OpenAIEmbeddingRequest(_Body):
     user: str | None = None
 
 
-class EmbedRequest(_Body):
-    inputs: str | list[str] | list[int] | list[list[int]]
-    normalize: bool | None = True
-    truncate: bool | None = None
-    truncation_direction: Literal["left", "right", "Left", "Right"] | None = None
-    prompt_name: str | None = None
-    dimensions: int | None = None
-
-
 class _TeiOptions(_Body):
     truncate: bool | None = None
     truncation_direction: Literal["left", "right", "Left", "Right"] | None = None
@@ -128,6 +127,13 @@ class _TeiOptions(_Body):
     def job_options(self) -> dict[str, Any]:
         return {"truncate": True if self.truncate is None else self.truncate,
                 "truncation_side": (self.truncation_direction or "right").lower()}
+
+
+class EmbedRequest(_TeiOptions):
+    inputs: str | list[str] | list[int] | list[list[int]]
+    normalize: bool | None = True
+    prompt_name: str | None = None
+    dimensions: int | None = None
 
 
 class TextsRequest(_TeiOptions):
@@ -163,6 +169,18 @@ class SimilarityRequest(_Body):
     parameters: SimilarityParameters | None = None
 
 
+class JobRequest(_Body):
+    """``POST /jobs``: the job's ``kind`` (embed, embed_sparse, embed_all, rerank, predict, similarity) and the
+    body its TEI route takes."""
+
+    kind: str
+    body: dict[str, Any]
+
+
+class JobNotFound(errors.ValidationError):
+    code = "job_not_found"
+
+
 def _texts(inputs: Any) -> list[str]:
     """Strings as a list; token-id arrays are refused (never read as text)."""
     if isinstance(inputs, str):
@@ -173,6 +191,17 @@ def _texts(inputs: Any) -> list[str]:
 
 
 # -- the gateway --------------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    """What a request asks for: the submit call of its kind, its items (split into jobs), the job options, and
+    how the jobs' result payloads become the route's answer."""
+
+    submit: Callable[..., Any]
+    items: list[Any]
+    options: dict[str, Any]
+    answer: Callable[[list[dict[str, Any]]], Any]
+
+
 class Gateway:
     """The client, the result waiter and the registry reads one gateway process shares between requests."""
 
@@ -202,22 +231,29 @@ class Gateway:
         queue = self.settings.queue_name
         return [r for r in records if r.get("ready") and queue in (r.get("queues") or [])]
 
-    async def run(self, request: Request, submit: Callable[..., Any], texts: list[str],
-                  options: dict[str, Any]) -> list[dict[str, Any]]:
-        """``texts`` as jobs of at most ``max_texts_per_job`` texts: their result payloads, in order."""
-        assert self.results is not None
+    async def send(self, request: Request, plan: Plan) -> list[Any]:
+        """``plan``'s items as jobs of at most ``max_texts_per_job`` items, sent: their handles, in order."""
+        if not plan.items:
+            raise errors.EmptyInput("Input validation error: `inputs` cannot be empty")
         traffic_class = BULK if request.headers.get("x-embedq-class", "").lower() == BULK else ONLINE
         deadline = _deadline(request.headers.get("x-embedq-deadline"))
         size = self.settings.max_texts_per_job
-        chunks = [texts[i:i + size] for i in range(0, len(texts), size)] or [texts]
-        handles = []
+        handles: list[Any] = []
         try:
-            for chunk in chunks:
-                handles.append(await asyncio.to_thread(submit, chunk, traffic_class=traffic_class,
-                                                       deadline=deadline, **options))
+            for i in range(0, len(plan.items), size):
+                handles.append(await asyncio.to_thread(plan.submit, plan.items[i:i + size],
+                                                       traffic_class=traffic_class, deadline=deadline,
+                                                       **plan.options))
         except BaseException:
             await asyncio.gather(*(self._forget(h) for h in handles))
             raise
+        return handles
+
+    async def run(self, request: Request, plan: Plan) -> Any:
+        """``plan`` sent and awaited: its answer."""
+        assert self.results is not None
+        handles = await self.send(request, plan)
+        deadline = _deadline(request.headers.get("x-embedq-deadline"))
         # past its deadline (and a grace for a job that started just in time) no result will come
         timeout = DEFAULT_RESULT_TIMEOUT if deadline is None else deadline + DEADLINE_GRACE
         waiting = asyncio.ensure_future(asyncio.gather(*(self.results.wait(h.id, timeout) for h in handles),
@@ -241,7 +277,7 @@ class Gateway:
                 raise errors.Expired(f"the request's jobs did not run within its deadline ({deadline:g}s)")
             if isinstance(outcome, BaseException):
                 raise outcome
-        return list(outcomes)
+        return plan.answer(list(outcomes))
 
     async def _forget(self, handle: Any) -> None:
         self.client.pending.discard(handle)
@@ -364,73 +400,49 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
         problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors())
         return _error_response(request, 422, "Validation", f"Input validation error: {problems}")
 
-    async def embed_payloads(request: Request, texts: list[str], **options: Any) -> tuple[np.ndarray, int]:
-        if not texts:
-            raise errors.EmptyInput("Input validation error: `inputs` cannot be empty")
-        options = {k: v for k, v in options.items() if v is not None}
-        return _vectors(await gateway.run(request, gateway.client.submit, texts, options))
+    client = gateway.client
 
-    async def openai_embeddings(request: Request, body: OpenAIEmbeddingRequest) -> dict[str, Any]:
-        texts = _texts(body.input)
-        vectors, tokens = await embed_payloads(request, texts, normalize=True, dimensions=body.dimensions)
-        vectors = np.ascontiguousarray(vectors, dtype="<f4")
-        if body.encoding_format == "base64":
-            data = [base64.b64encode(v.tobytes()).decode("ascii") for v in vectors]
-        else:
-            data = vectors.tolist()
-        return {"object": "list", "model": body.model or settings.model, "usage": {"prompt_tokens": tokens,
-                                                                                  "total_tokens": tokens},
-                "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)]}
+    def _options(**options: Any) -> dict[str, Any]:
+        return {k: v for k, v in options.items() if v is not None}
 
-    app.post("/v1/embeddings", summary="OpenAI embeddings")(openai_embeddings)
-    app.post("/embeddings", summary="OpenAI embeddings (without /v1)")(openai_embeddings)
+    def decoded(kind: str) -> Callable[[list[dict[str, Any]]], list[Any]]:
+        return lambda payloads: [decode_output(kind, p) for p in payloads]
 
-    @app.post("/embed", summary="TEI: dense embeddings")
-    async def embed(request: Request, body: EmbedRequest) -> Response:
-        texts = _texts(body.inputs)
-        side = (body.truncation_direction or "right").lower()
-        vectors, _ = await embed_payloads(request, texts, normalize=body.normalize, dimensions=body.dimensions,
-                                          truncate=True if body.truncate is None else body.truncate,
-                                          truncation_side=side, prompt_name=body.prompt_name)
-        return JSONResponse(vectors.tolist())
+    def embed_plan(texts: list[str], answer: Callable[[np.ndarray, int], Any], **options: Any) -> Plan:
+        return Plan(client.submit, texts, _options(**options), lambda payloads: answer(*_vectors(payloads)))
 
-    async def outputs(request: Request, kind: str, submit: Callable[..., Any], items: list[Any],
-                      **options: Any) -> list[Any]:
-        """``items`` as jobs of ``kind``: the decoded outputs of each job, in order."""
-        if not items:
-            raise errors.EmptyInput("Input validation error: `inputs` cannot be empty")
-        options = {k: v for k, v in options.items() if v is not None}
-        return [decode_output(kind, p) for p in await gateway.run(request, submit, items, options)]
+    def plan_embed(body: EmbedRequest) -> Plan:
+        return embed_plan(_texts(body.inputs), lambda vectors, tokens: vectors.tolist(), normalize=body.normalize,
+                          dimensions=body.dimensions, prompt_name=body.prompt_name, **body.job_options())
 
-    @app.post("/embed_sparse", summary="TEI: SPLADE sparse vectors")
-    async def embed_sparse(request: Request, body: TextsRequest) -> Response:
-        chunks = await outputs(request, "embed_sparse", gateway.client.submit_sparse, _texts(body.inputs),
-                               prompt_name=body.prompt_name, **body.job_options())
-        return JSONResponse([v.to_tei() for chunk in chunks for v in chunk])
+    def plan_sparse(body: TextsRequest) -> Plan:
+        answer = decoded("embed_sparse")
+        return Plan(client.submit_sparse, _texts(body.inputs),
+                    _options(prompt_name=body.prompt_name, **body.job_options()),
+                    lambda payloads: [v.to_tei() for chunk in answer(payloads) for v in chunk])
 
-    @app.post("/embed_all", summary="TEI: every token's last hidden state")
-    async def embed_all(request: Request, body: TextsRequest) -> Response:
-        chunks = await outputs(request, "embed_all", gateway.client.submit_all, _texts(body.inputs),
-                               prompt_name=body.prompt_name, **body.job_options())
-        return JSONResponse([m.tolist() for chunk in chunks for m in chunk])
+    def plan_all(body: TextsRequest) -> Plan:
+        answer = decoded("embed_all")
+        return Plan(client.submit_all, _texts(body.inputs),
+                    _options(prompt_name=body.prompt_name, **body.job_options()),
+                    lambda payloads: [m.tolist() for chunk in answer(payloads) for m in chunk])
 
-    @app.post("/rerank", summary="TEI: a query against texts, best first")
-    async def rerank(request: Request, body: RerankRequest) -> Response:
+    def plan_rerank(body: RerankRequest) -> Plan:
         def submit(texts: list[str], **kw: Any) -> Any:
-            return gateway.client.submit_rerank(body.query, texts, **kw)
+            return client.submit_rerank(body.query, texts, **kw)
 
-        chunks = await outputs(request, "rerank", submit, body.texts, raw_scores=bool(body.raw_scores),
-                               **body.job_options())
-        size = settings.max_texts_per_job
-        ranked = [{"index": e["index"] + n * size, "score": e["score"]} for n, chunk in enumerate(chunks)
-                  for e in chunk]
-        ranked.sort(key=lambda e: (-e["score"], e["index"]))
-        if body.return_text:
-            ranked = [{"index": e["index"], "text": body.texts[e["index"]], "score": e["score"]} for e in ranked]
-        return JSONResponse(ranked)
+        def answer(payloads: list[dict[str, Any]]) -> Any:
+            size = settings.max_texts_per_job
+            ranked = [{"index": e["index"] + n * size, "score": e["score"]}
+                      for n, chunk in enumerate(decoded("rerank")(payloads)) for e in chunk]
+            ranked.sort(key=lambda e: (-e["score"], e["index"]))
+            if body.return_text:
+                ranked = [{"index": e["index"], "text": body.texts[e["index"]], "score": e["score"]} for e in ranked]
+            return ranked
 
-    @app.post("/predict", summary="TEI: sequence classification of texts or text pairs")
-    async def predict(request: Request, body: PredictRequest) -> Response:
+        return Plan(submit, body.texts, _options(raw_scores=bool(body.raw_scores), **body.job_options()), answer)
+
+    def plan_predict(body: PredictRequest) -> Plan:
         inputs = body.inputs  # TEI: "text" and ["a", "b"] (a pair) are one input; anything else a batch
         single = isinstance(inputs, str) or (len(inputs) == 2 and all(isinstance(x, str) for x in inputs))
         items: list[Any] = [inputs] if single else [[x] if isinstance(x, str) else list(x) for x in inputs]
@@ -438,23 +450,122 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
             if isinstance(item, list) and len(item) not in (1, 2):
                 raise errors.InvalidType(f"a /predict input is a text or a pair of texts, got {len(item)} texts")
         items = [item[0] if isinstance(item, list) and len(item) == 1 else item for item in items]
-        chunks = await outputs(request, "predict", gateway.client.submit_predict, items,
-                               raw_scores=bool(body.raw_scores), **body.job_options())
-        scores = [row for chunk in chunks for row in chunk]
-        return JSONResponse(scores[0] if single else scores)
+
+        def answer(payloads: list[dict[str, Any]]) -> Any:
+            scores = [row for chunk in decoded("predict")(payloads) for row in chunk]
+            return scores[0] if single else scores
+
+        return Plan(client.submit_predict, items, _options(raw_scores=bool(body.raw_scores), **body.job_options()),
+                    answer)
+
+    def plan_similarity(body: SimilarityRequest) -> Plan:
+        params = body.parameters or SimilarityParameters()
+        if not body.inputs.sentences:
+            raise errors.EmptyInput("Input validation error: `sentences` cannot be empty")
+
+        def answer(vectors: np.ndarray, tokens: int) -> list[float]:
+            v = vectors.astype(np.float64)
+            norms = np.linalg.norm(v, axis=1)
+            return [float(c) for c in v[1:] @ v[0] / np.maximum(norms[1:] * norms[0], 1e-300)]
+
+        return embed_plan([body.inputs.source_sentence, *body.inputs.sentences], answer, normalize=False,
+                          prompt_name=params.prompt_name, **params.job_options())
+
+    async def openai_embeddings(request: Request, body: OpenAIEmbeddingRequest) -> dict[str, Any]:
+        def answer(vectors: np.ndarray, tokens: int) -> dict[str, Any]:
+            vectors = np.ascontiguousarray(vectors, dtype="<f4")
+            if body.encoding_format == "base64":
+                data: list[Any] = [base64.b64encode(v.tobytes()).decode("ascii") for v in vectors]
+            else:
+                data = vectors.tolist()
+            return {"object": "list", "model": body.model or settings.model,
+                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                    "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)]}
+
+        return await gateway.run(request, embed_plan(_texts(body.input), answer, normalize=True,
+                                                     dimensions=body.dimensions))
+
+    app.post("/v1/embeddings", summary="OpenAI embeddings")(openai_embeddings)
+    app.post("/embeddings", summary="OpenAI embeddings (without /v1)")(openai_embeddings)
+
+    @app.post("/embed", summary="TEI: dense embeddings")
+    async def embed(request: Request, body: EmbedRequest) -> Response:
+        return JSONResponse(await gateway.run(request, plan_embed(body)))
+
+    @app.post("/embed_sparse", summary="TEI: SPLADE sparse vectors")
+    async def embed_sparse(request: Request, body: TextsRequest) -> Response:
+        return JSONResponse(await gateway.run(request, plan_sparse(body)))
+
+    @app.post("/embed_all", summary="TEI: every token's last hidden state")
+    async def embed_all(request: Request, body: TextsRequest) -> Response:
+        return JSONResponse(await gateway.run(request, plan_all(body)))
+
+    @app.post("/rerank", summary="TEI: a query against texts, best first")
+    async def rerank(request: Request, body: RerankRequest) -> Response:
+        return JSONResponse(await gateway.run(request, plan_rerank(body)))
+
+    @app.post("/predict", summary="TEI: sequence classification of texts or text pairs")
+    async def predict(request: Request, body: PredictRequest) -> Response:
+        return JSONResponse(await gateway.run(request, plan_predict(body)))
 
     @app.post("/similarity", summary="TEI: cosine similarity of a sentence to others")
     async def similarity(request: Request, body: SimilarityRequest) -> Response:
-        params = body.parameters or SimilarityParameters()
-        texts = [body.inputs.source_sentence, *body.inputs.sentences]
-        if not body.inputs.sentences:
-            raise errors.EmptyInput("Input validation error: `sentences` cannot be empty")
-        vectors, _ = await embed_payloads(request, texts, normalize=False, prompt_name=params.prompt_name,
-                                          **params.job_options())
-        vectors = vectors.astype(np.float64)
-        norms = np.linalg.norm(vectors, axis=1)
-        cosine = vectors[1:] @ vectors[0] / np.maximum(norms[1:] * norms[0], 1e-300)
-        return JSONResponse([float(c) for c in cosine])
+        return JSONResponse(await gateway.run(request, plan_similarity(body)))
+
+    # -- async jobs: a web app that should not wait posts, then polls (or deletes) ------------------------------
+    planners: dict[str, tuple[type[BaseModel], Callable[[Any], Plan]]] = {
+        "embed": (EmbedRequest, plan_embed), "embed_sparse": (TextsRequest, plan_sparse),
+        "embed_all": (TextsRequest, plan_all), "rerank": (RerankRequest, plan_rerank),
+        "predict": (PredictRequest, plan_predict), "similarity": (SimilarityRequest, plan_similarity)}
+
+    def job_plan(record: dict[str, Any]) -> Plan:
+        model, planner = planners[record["kind"]]
+        return planner(model.model_validate(record["body"]))
+
+    @app.post("/jobs", status_code=202, summary="Start a job of any kind; answers at once with its id")
+    async def create_job(request: Request, body: JobRequest) -> Response:
+        if body.kind not in planners:
+            raise errors.InvalidOption(f"unknown job kind {body.kind!r} (known: {', '.join(planners)})")
+        model, planner = planners[body.kind]
+        try:
+            parsed = model.model_validate(body.body)
+        except PydanticValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
+        handles = await gateway.send(request, planner(parsed))
+        job_id = uuid.uuid4().hex  # random: a job id cannot be guessed
+        record = {"kind": body.kind, "body": body.body, "jobs": [h.id for h in handles], "created": time.time()}
+        await gateway.results.redis.set(JOB_KEY.format(job_id), json.dumps(record), ex=settings.result_ttl)
+        return JSONResponse({"id": job_id, "status": "queued"}, status_code=202,
+                            headers={"Location": f"/jobs/{job_id}"})
+
+    async def job_record(job_id: str) -> dict[str, Any]:
+        raw = await gateway.results.redis.get(JOB_KEY.format(job_id))
+        if raw is None:
+            raise JobNotFound(f"no job {job_id!r} (unknown, deleted, or older than EMBEDQ_RESULT_TTL)")
+        return json.loads(raw)
+
+    @app.get("/jobs/{job_id}", summary="A job's status, and its answer once done")
+    async def get_job(job_id: str) -> Response:
+        record = await job_record(job_id)
+        results = gateway.results
+        stored = await results.redis.mget([results.key(j) for j in record["jobs"]])
+        if any(raw is None for raw in stored):
+            done = sum(raw is not None for raw in stored)
+            return JSONResponse({"id": job_id, "status": "queued", "done_jobs": done, "jobs": len(stored)})
+        try:
+            payloads = [results.decode(raw) for raw in stored]
+        except errors.EmbedqError as exc:
+            status, error_type = http_status(exc)
+            return JSONResponse({"id": job_id, "status": "failed", "code": status,
+                                 "error": {"error": str(exc), "error_type": error_type}})
+        return JSONResponse({"id": job_id, "status": "done", "result": job_plan(record).answer(payloads)})
+
+    @app.delete("/jobs/{job_id}", summary="Cancel a job (its work is dropped unrun) and delete its results")
+    async def delete_job(job_id: str) -> Response:
+        record = await job_record(job_id)
+        cancelled = [await asyncio.to_thread(client.cancel, j) for j in record["jobs"]]
+        await gateway.results.redis.delete(JOB_KEY.format(job_id), *[gateway.results.key(j) for j in record["jobs"]])
+        return JSONResponse({"id": job_id, "status": "cancelled" if any(cancelled) else "deleted"})
 
     @app.post("/", summary="TEI: the served model's own route (embed, rerank, predict or embed_sparse)")
     async def root(request: Request) -> Response:
