@@ -118,6 +118,12 @@ class TooManyTexts(PayloadTooLarge):
     code = "too_many_texts"
 
 
+class TooManyInputs(ValidationError):
+    """An HTTP request with more inputs than the gateway takes at once (EMBEDQ_MAX_CLIENT_BATCH_SIZE)."""
+
+    code = "too_many_inputs"
+
+
 class TextTooLong(PayloadTooLarge):
     code = "text_too_long"
 

@@ -145,6 +145,17 @@ class Settings(BaseSettings):
         default=None, description="`embedq serve`: every route but /health, /ping, /metrics and /docs then needs "
         "`Authorization: Bearer <key>` (exact match).",
     )
+    max_client_batch_size: int = Field(
+        default=2048, ge=1, description="`embedq serve`: inputs one HTTP request may carry (TEI's is 32; framework "
+        "clients send up to 1,000). Larger requests get a 422; a request is split into jobs of max_texts_per_job.",
+    )
+    gateway_payload_limit: int = Field(
+        default=16_000_000, ge=1, description="`embedq serve`: bytes of a request body; larger ones get a 413.",
+    )
+    cors_allow_origins: str | None = Field(
+        default=None, description="`embedq serve`: comma-separated origins browsers may call it from, or `*`; "
+        "unset: no CORS headers.",
+    )
     serializer: Literal["json", "msgpack"] = "json"
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (CPU).")
     linear_kernel: Literal["auto", "onednn", "torch", "onnxruntime"] = Field(

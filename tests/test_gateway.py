@@ -311,6 +311,23 @@ def test_async_jobs_post_poll_and_fail_alone(gateway, worker, corpus):
     assert httpx.get(f"{gateway.url}/jobs/{started.json()['id']}").status_code == 404
 
 
+def test_b_tokenize_as_tei_byte_offsets(gateway, worker):
+    texts = ["Café crème brûlée", "plain ascii words"]
+    got = httpx.post(gateway.url + "/tokenize", json={"inputs": texts}).json()
+    want = worker.client.tokenize(texts)
+    assert [[t["id"] for t in row] for row in got] == [[t["id"] for t in row] for row in want]
+    for text, row, chars in zip(texts, got, want):
+        for t, c in zip(row, chars):
+            if c["special"]:
+                assert t["start"] is None and t["stop"] is None
+            else:  # bytes of the text, where the client's offsets are characters
+                assert text.encode()[t["start"]:t["stop"]].decode() == text[c["start"]:c["stop"]]
+    assert any(t["stop"] - t["start"] > len(t["text"]) for t in got[0] if not t["special"])  # é is two bytes
+    assert httpx.post(gateway.url + "/embed", json={"inputs": ["x"]},
+                      headers={"Origin": "https://elsewhere.example"}).headers.get("access-control-allow-origin") \
+        is None  # CORS is off unless configured
+
+
 def test_tei_error_bodies(gateway):
     empty = httpx.post(gateway.url + "/embed", json={"inputs": []})
     assert empty.status_code == 400 and empty.json()["error_type"] == "Empty"
@@ -346,7 +363,8 @@ def test_health_is_503_without_a_worker(redis_server, tmp_path):
 
 def test_d_api_key_and_a_request_split_into_jobs(worker, corpus, tmp_path):
     g = Gateway(worker.settings.broker_url, worker.settings.queue_name, tmp_path / "gw.log",
-                EMBEDQ_API_KEY="s3cret", EMBEDQ_MAX_TEXTS_PER_JOB="8")
+                EMBEDQ_API_KEY="s3cret", EMBEDQ_MAX_TEXTS_PER_JOB="8", EMBEDQ_MAX_CLIENT_BATCH_SIZE="30",
+                EMBEDQ_GATEWAY_PAYLOAD_LIMIT="20000", EMBEDQ_CORS_ALLOW_ORIGINS="https://app.example")
     try:
         texts = corpus[400:420]
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
@@ -358,10 +376,18 @@ def test_d_api_key_and_a_request_split_into_jobs(worker, corpus, tmp_path):
         # 20 inputs over jobs of at most 8: three jobs, one answer, input order
         assert np.abs(np.array(r.json(), dtype=np.float32) - worker.client.embed(texts)).max() <= 1e-6
         assert "s3cret" not in g.log.read_text()
+        auth = {"Authorization": "Bearer s3cret", "Origin": "https://app.example"}
+        assert r.headers.get("access-control-allow-origin") is None  # no Origin sent
+        cors = httpx.post(g.url + "/embed", json={"inputs": ["x"]}, headers=auth)
+        assert cors.headers["access-control-allow-origin"] == "https://app.example"
+        many = httpx.post(g.url + "/embed", json={"inputs": ["x"] * 31}, headers=auth)
+        assert many.status_code == 422 and "batch size 31 > maximum allowed batch size 30" in many.json()["error"]
+        big = httpx.post(g.url + "/embed", json={"inputs": ["word " * 5000]}, headers=auth)
+        assert big.status_code == 413 and big.json()["error_type"] == "Validation"
         metrics = httpx.get(g.url + "/metrics")  # public, and refusals are counted
         assert metrics.status_code == 200
         assert 'embedq_gateway_requests_total{route="/embed",status="401"} 3.0' in metrics.text
-        assert 'embedq_gateway_requests_total{route="/embed",status="200"} 1.0' in metrics.text
+        assert 'embedq_gateway_requests_total{route="/embed",status="200"} 2.0' in metrics.text
         assert httpx.get(g.url + "/no-such-path").status_code == 401
         assert 'route="other",status="401"' in httpx.get(g.url + "/metrics").text
     finally:

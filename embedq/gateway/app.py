@@ -143,6 +143,12 @@ class TextsRequest(_TeiOptions):
     prompt_name: str | None = None
 
 
+class TokenizeRequest(_Body):
+    inputs: str | list[str]
+    add_special_tokens: bool | None = True
+    prompt_name: str | None = None
+
+
 class RerankRequest(_TeiOptions):
     query: str
     texts: list[str]
@@ -235,6 +241,10 @@ class Gateway:
         """``plan``'s items as jobs of at most ``max_texts_per_job`` items, sent: their handles, in order."""
         if not plan.items:
             raise errors.EmptyInput("Input validation error: `inputs` cannot be empty")
+        cap = self.settings.max_client_batch_size
+        if len(plan.items) > cap:  # TEI's wording and status (422)
+            raise errors.TooManyInputs(f"Input validation error: batch size {len(plan.items)} > maximum allowed batch "
+                                       f"size {cap} (EMBEDQ_MAX_CLIENT_BATCH_SIZE)")
         traffic_class = BULK if request.headers.get("x-embedq-class", "").lower() == BULK else ONLINE
         deadline = _deadline(request.headers.get("x-embedq-deadline"))
         size = self.settings.max_texts_per_job
@@ -332,6 +342,45 @@ class MetricsMiddleware:
             self.meter.requests.labels(route, str(status[0])).inc()
 
 
+class PayloadLimit:
+    """Refuses a request body over ``limit`` bytes with 413 and TEI's error body, by its Content-Length or, when
+    it has none, as soon as the streamed body passes the limit (plain ASGI)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await self._refuse(scope, receive, send)
+            return
+        seen = [0]
+
+        async def counting() -> Any:
+            message = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+                if seen[0] > self.limit:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, counting, send)
+        except _TooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Any, receive: Any, send: Any) -> None:
+        await tei_error(413, "Validation", f"the request body is over {self.limit} bytes "
+                        "(EMBEDQ_GATEWAY_PAYLOAD_LIMIT)")(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
 class BearerAuth:
     """``Authorization: Bearer <key>``, exact match, compared in constant time, on every route but :data:`PUBLIC`;
     otherwise a bare 401, as TEI answers. Plain ASGI (no ``BaseHTTPMiddleware``), so the routes still see a
@@ -389,6 +438,13 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
 
     if key is not None:
         app.add_middleware(BearerAuth, key=key)
+    app.add_middleware(PayloadLimit, limit=settings.gateway_payload_limit)
+    origins = [o.strip() for o in (settings.cors_allow_origins or "").split(",") if o.strip()]
+    if origins:  # off unless configured (TEI allows any origin by default; we do not)
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "DELETE"],
+                           allow_headers=["content-type", "authorization"])
 
     @app.exception_handler(errors.EmbedqError)
     async def embedq_error(request: Request, exc: errors.EmbedqError) -> JSONResponse:
@@ -458,6 +514,26 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
         return Plan(client.submit_predict, items, _options(raw_scores=bool(body.raw_scores), **body.job_options()),
                     answer)
 
+    def plan_tokenize(body: TokenizeRequest) -> Plan:
+        texts = _texts(body.inputs)
+
+        def answer(payloads: list[dict[str, Any]]) -> Any:
+            size, out = settings.max_texts_per_job, []
+            for n, payload in enumerate(payloads):  # TEI's offsets are bytes of the prompted text; none on specials
+                for text, tokens in zip(texts[n * size:(n + 1) * size], decode_output("tokenize", payload)):
+                    seen = (payload.get("prompt") or "") + text
+                    for t in tokens:
+                        if t["special"]:
+                            t["start"] = t["stop"] = None
+                        else:
+                            t["start"] = len(seen[:t["start"]].encode())
+                            t["stop"] = len(seen[:t["stop"]].encode())
+                    out.append(tokens)
+            return out
+
+        return Plan(client.submit_tokenize, texts, _options(add_special_tokens=body.add_special_tokens,
+                                                            prompt_name=body.prompt_name), answer)
+
     def plan_similarity(body: SimilarityRequest) -> Plan:
         params = body.parameters or SimilarityParameters()
         if not body.inputs.sentences:
@@ -508,6 +584,10 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
     async def predict(request: Request, body: PredictRequest) -> Response:
         return JSONResponse(await gateway.run(request, plan_predict(body)))
 
+    @app.post("/tokenize", summary="TEI: the tokens the model sees (byte offsets; truncated at its limit)")
+    async def tokenize(request: Request, body: TokenizeRequest) -> Response:
+        return JSONResponse(await gateway.run(request, plan_tokenize(body)))
+
     @app.post("/similarity", summary="TEI: cosine similarity of a sentence to others")
     async def similarity(request: Request, body: SimilarityRequest) -> Response:
         return JSONResponse(await gateway.run(request, plan_similarity(body)))
@@ -516,7 +596,8 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
     planners: dict[str, tuple[type[BaseModel], Callable[[Any], Plan]]] = {
         "embed": (EmbedRequest, plan_embed), "embed_sparse": (TextsRequest, plan_sparse),
         "embed_all": (TextsRequest, plan_all), "rerank": (RerankRequest, plan_rerank),
-        "predict": (PredictRequest, plan_predict), "similarity": (SimilarityRequest, plan_similarity)}
+        "predict": (PredictRequest, plan_predict), "similarity": (SimilarityRequest, plan_similarity),
+        "tokenize": (TokenizeRequest, plan_tokenize)}
 
     def job_plan(record: dict[str, Any]) -> Plan:
         model, planner = planners[record["kind"]]
