@@ -398,3 +398,15 @@ def test_the_gateway_never_imports_torch():
     code = ("import sys, embedq.gateway.app; "
             "sys.exit(1 if 'torch' in sys.modules or 'transformers' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode == 0
+
+
+def test_c_schemathesis_finds_no_server_error_and_no_schema_violation(gateway, tmp_path):
+    """schemathesis against the gateway's own OpenAPI document, every operation, generated requests sent to a
+    live gateway and worker."""
+    st = Path(sys.executable).with_name("st")
+    done = subprocess.run([str(st), "run", gateway.url + "/openapi.json", "--checks",
+                           "not_a_server_error,status_code_conformance,content_type_conformance,"
+                           "response_schema_conformance", "-n", "15", "--generation-deterministic",
+                           "--request-timeout", "120", "--no-color"],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]

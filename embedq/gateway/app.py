@@ -34,6 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 from pydantic import ValidationError as PydanticValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from embedq import __version__, errors, monitor
 from embedq.batching.traffic import BULK, ONLINE
@@ -105,6 +106,45 @@ def _is_openai(request: Request) -> bool:
 
 def _error_response(request: Request, status: int, error_type: str, message: str) -> JSONResponse:
     return (openai_error if _is_openai(request) else tei_error)(status, error_type, message)
+
+
+# -- documented responses -----------------------------------------------------------------------------------
+class TeiError(BaseModel):
+    """TEI's error body."""
+
+    error: str
+    error_type: str
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str
+
+
+class OpenAIError(BaseModel):
+    """TEI's OpenAI-route error body, plus OpenAI's nested ``error`` (what the openai SDK reads)."""
+
+    message: str
+    code: int
+    type: str
+    error: OpenAIErrorDetail
+
+
+_STATUSES = {400: "empty input", 401: "missing or wrong API key (when one is set)", 404: "no such job",
+             413: "request body or result too large", 422: "invalid request", 424: "the job failed in its worker, or "
+             "the model does not serve this route", 429: "the queue is full (Retry-After)", 499: "cancelled",
+             503: "no worker, or the broker is unreachable (Retry-After)", 504: "the deadline passed"}
+
+
+def _responses(model: type[BaseModel], *codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": model, "description": _STATUSES[code]} for code in codes}
+
+
+TEI_ERRORS = _responses(TeiError, 400, 401, 413, 422, 424, 429, 499, 503, 504)
+OPENAI_ERRORS = _responses(OpenAIError, 400, 401, 413, 422, 424, 429, 499, 503, 504)
+EMPTY_OK = {200: {"description": "healthy (empty body)", "content": {"text/plain": {}}}}
 
 
 # -- request bodies -----------------------------------------------------------------------------------------
@@ -451,6 +491,14 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
         status, error_type = http_status(exc)
         return _error_response(request, status, error_type, str(exc))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code in (404, 405):  # no such route: the framework's own answer
+            return JSONResponse({"error": str(exc.detail), "error_type": "NotFound"}, status_code=exc.status_code)
+        message = f"Input validation error: {exc.detail}" if exc.status_code < 500 else str(exc.detail)
+        return _error_response(request, exc.status_code, "Validation" if exc.status_code < 500 else "Backend",
+                               message)
+
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors())
@@ -561,34 +609,35 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
         return await gateway.run(request, embed_plan(_texts(body.input), answer, normalize=True,
                                                      dimensions=body.dimensions))
 
-    app.post("/v1/embeddings", summary="OpenAI embeddings")(openai_embeddings)
-    app.post("/embeddings", summary="OpenAI embeddings (without /v1)")(openai_embeddings)
+    app.post("/v1/embeddings", summary="OpenAI embeddings", responses=OPENAI_ERRORS)(openai_embeddings)
+    app.post("/embeddings", summary="OpenAI embeddings (without /v1)", responses=OPENAI_ERRORS)(openai_embeddings)
 
-    @app.post("/embed", summary="TEI: dense embeddings")
+    @app.post("/embed", summary="TEI: dense embeddings", responses=TEI_ERRORS)
     async def embed(request: Request, body: EmbedRequest) -> Response:
         return JSONResponse(await gateway.run(request, plan_embed(body)))
 
-    @app.post("/embed_sparse", summary="TEI: SPLADE sparse vectors")
+    @app.post("/embed_sparse", summary="TEI: SPLADE sparse vectors", responses=TEI_ERRORS)
     async def embed_sparse(request: Request, body: TextsRequest) -> Response:
         return JSONResponse(await gateway.run(request, plan_sparse(body)))
 
-    @app.post("/embed_all", summary="TEI: every token's last hidden state")
+    @app.post("/embed_all", summary="TEI: every token's last hidden state", responses=TEI_ERRORS)
     async def embed_all(request: Request, body: TextsRequest) -> Response:
         return JSONResponse(await gateway.run(request, plan_all(body)))
 
-    @app.post("/rerank", summary="TEI: a query against texts, best first")
+    @app.post("/rerank", summary="TEI: a query against texts, best first", responses=TEI_ERRORS)
     async def rerank(request: Request, body: RerankRequest) -> Response:
         return JSONResponse(await gateway.run(request, plan_rerank(body)))
 
-    @app.post("/predict", summary="TEI: sequence classification of texts or text pairs")
+    @app.post("/predict", summary="TEI: sequence classification of texts or text pairs", responses=TEI_ERRORS)
     async def predict(request: Request, body: PredictRequest) -> Response:
         return JSONResponse(await gateway.run(request, plan_predict(body)))
 
-    @app.post("/tokenize", summary="TEI: the tokens the model sees (byte offsets; truncated at its limit)")
+    @app.post("/tokenize", summary="TEI: the tokens the model sees (byte offsets; truncated at its limit)",
+              responses=TEI_ERRORS)
     async def tokenize(request: Request, body: TokenizeRequest) -> Response:
         return JSONResponse(await gateway.run(request, plan_tokenize(body)))
 
-    @app.post("/similarity", summary="TEI: cosine similarity of a sentence to others")
+    @app.post("/similarity", summary="TEI: cosine similarity of a sentence to others", responses=TEI_ERRORS)
     async def similarity(request: Request, body: SimilarityRequest) -> Response:
         return JSONResponse(await gateway.run(request, plan_similarity(body)))
 
@@ -603,7 +652,8 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
         model, planner = planners[record["kind"]]
         return planner(model.model_validate(record["body"]))
 
-    @app.post("/jobs", status_code=202, summary="Start a job of any kind; answers at once with its id")
+    @app.post("/jobs", status_code=202, summary="Start a job of any kind; answers at once with its id",
+              responses=TEI_ERRORS)
     async def create_job(request: Request, body: JobRequest) -> Response:
         if body.kind not in planners:
             raise errors.InvalidOption(f"unknown job kind {body.kind!r} (known: {', '.join(planners)})")
@@ -625,7 +675,8 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
             raise JobNotFound(f"no job {job_id!r} (unknown, deleted, or older than EMBEDQ_RESULT_TTL)")
         return json.loads(raw)
 
-    @app.get("/jobs/{job_id}", summary="A job's status, and its answer once done")
+    @app.get("/jobs/{job_id}", summary="A job's status, and its answer once done",
+             responses=_responses(TeiError, 401, 404, 503))
     async def get_job(job_id: str) -> Response:
         record = await job_record(job_id)
         results = gateway.results
@@ -641,14 +692,16 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
                                  "error": {"error": str(exc), "error_type": error_type}})
         return JSONResponse({"id": job_id, "status": "done", "result": job_plan(record).answer(payloads)})
 
-    @app.delete("/jobs/{job_id}", summary="Cancel a job (its work is dropped unrun) and delete its results")
+    @app.delete("/jobs/{job_id}", summary="Cancel a job (its work is dropped unrun) and delete its results",
+                responses=_responses(TeiError, 401, 404, 503))
     async def delete_job(job_id: str) -> Response:
         record = await job_record(job_id)
         cancelled = [await asyncio.to_thread(client.cancel, j) for j in record["jobs"]]
         await gateway.results.redis.delete(JOB_KEY.format(job_id), *[gateway.results.key(j) for j in record["jobs"]])
         return JSONResponse({"id": job_id, "status": "cancelled" if any(cancelled) else "deleted"})
 
-    @app.post("/", summary="TEI: the served model's own route (embed, rerank, predict or embed_sparse)")
+    @app.post("/", summary="TEI: the served model's own route (embed, rerank, predict or embed_sparse)",
+              responses=TEI_ERRORS)
     async def root(request: Request) -> Response:
         workers = await gateway.workers()
         kinds = set((workers[0].get("kinds") or []) if workers else [])
@@ -670,24 +723,29 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
             raise RequestValidationError(exc.errors()) from None
         return await route(request, body)
 
-    @app.get("/metrics", summary="Prometheus: the gateway's requests, latencies, disconnects (public)")
+    @app.get("/metrics", summary="Prometheus: the gateway's requests, latencies, disconnects (public)",
+             response_class=Response,
+             responses={200: {"description": "Prometheus text", "content": {"text/plain": {}}}})
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(generate_latest(meter.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/", summary="TEI: health (GET)")
-    @app.get("/ping", summary="SageMaker's health path")
+    @app.get("/", summary="TEI: health (GET)", response_class=Response,
+             responses={**EMPTY_OK, **_responses(TeiError, 503)})
+    @app.get("/ping", summary="SageMaker's health path", response_class=Response,
+             responses={**EMPTY_OK, **_responses(TeiError, 503)})
     async def ping() -> Response:
         return await health()
 
-    @app.get("/health", summary="200 when a worker serves the model, else 503")
+    @app.get("/health", summary="200 when a worker serves the model, else 503", response_class=Response,
+             responses={**EMPTY_OK, **_responses(TeiError, 503)})
     async def health() -> Response:
         if await gateway.workers():
-            return Response(status_code=200)
+            return Response(status_code=200, media_type="text/plain")
         return tei_error(503, "Unhealthy", "unhealthy")
 
-    @app.get("/info", summary="TEI's model and router information")
+    @app.get("/info", summary="TEI's model and router information", responses=_responses(TeiError, 401, 503))
     async def info() -> dict[str, Any]:
         workers = await gateway.workers()
         if not workers:
