@@ -261,6 +261,16 @@ def test_a_huggingface_hub_inference_client(gateway, worker, corpus):
         <= 1e-6
 
 
+def test_a_llama_index_text_embeddings_inference(gateway, worker, corpus):
+    from llama_index.embeddings.text_embeddings_inference import TextEmbeddingsInference
+
+    texts = corpus[900:912]
+    model = TextEmbeddingsInference(model_name="all-MiniLM-L6-v2", base_url=gateway.url, embed_batch_size=5)
+    got = np.array(model.get_text_embedding_batch(texts), dtype=np.float32)  # three requests of /embed
+    assert np.abs(got - worker.client.embed(texts)).max() <= 1e-6
+    assert np.abs(np.array(model.get_query_embedding(texts[0])) - got[0]).max() <= 1e-6
+
+
 def test_a_overload_is_429_and_the_openai_sdk_s_rate_limit_error(redis_server, tmp_path):
     """A gateway whose online queue holds one job at most (no worker drains it): the next request is refused
     with 429 and Retry-After; the openai SDK retries it (max_retries=2: three POSTs), then raises."""
@@ -367,9 +377,17 @@ def test_d_api_key_and_a_request_split_into_jobs(worker, corpus, tmp_path):
                 EMBEDQ_GATEWAY_PAYLOAD_LIMIT="20000", EMBEDQ_CORS_ALLOW_ORIGINS="https://app.example")
     try:
         texts = corpus[400:420]
+        routes = [r for r in httpx.get(g.url + "/openapi.json").json()["paths"]]  # /openapi.json is public
+        assert len(routes) >= 15
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             assert httpx.post(g.url + "/embed", json={"inputs": texts}, headers=headers).status_code == 401
-            assert httpx.get(g.url + "/info", headers=headers).status_code == 401
+            for route in routes:
+                path = route.replace("{job_id}", "0" * 32)
+                for method in ("GET", "POST", "DELETE"):
+                    public = path in ("/health", "/ping", "/metrics") or (path == "/" and method == "GET")
+                    status = httpx.request(method, g.url + path, json={}, headers=headers).status_code
+                    if not public:
+                        assert status == 401, (method, path, status)
         assert httpx.get(g.url + "/health").status_code in (200, 503)  # public
         r = httpx.post(g.url + "/embed", json={"inputs": texts}, headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200
@@ -386,8 +404,10 @@ def test_d_api_key_and_a_request_split_into_jobs(worker, corpus, tmp_path):
         assert big.status_code == 413 and big.json()["error_type"] == "Validation"
         metrics = httpx.get(g.url + "/metrics")  # public, and refusals are counted
         assert metrics.status_code == 200
-        assert 'embedq_gateway_requests_total{route="/embed",status="401"} 3.0' in metrics.text
-        assert 'embedq_gateway_requests_total{route="/embed",status="200"} 2.0' in metrics.text
+        counts = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.text.splitlines()
+                  if line.startswith("embedq_gateway_requests_total{")}
+        assert counts['embedq_gateway_requests_total{route="/embed",status="401"}'] == 3 + 3 * 3
+        assert counts['embedq_gateway_requests_total{route="/embed",status="200"}'] == 2
         assert httpx.get(g.url + "/no-such-path").status_code == 401
         assert 'route="other",status="401"' in httpx.get(g.url + "/metrics").text
     finally:

@@ -430,7 +430,8 @@ class BearerAuth:
         self.app, self.key = app, key
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in PUBLIC:
+        if scope["type"] == "http" and not (scope["path"] in PUBLIC or (scope["path"] == "/" and
+                                                                         scope.get("method") == "GET")):
             given = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self.key):

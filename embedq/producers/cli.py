@@ -166,7 +166,7 @@ def cmd_serve(ns: argparse.Namespace, settings: Settings) -> int:
     if key is None and ns.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"embedq serve: warning: no EMBEDQ_API_KEY, and listening on {ns.host}", file=sys.stderr)
     uvicorn.run(create_app(settings, api_key=key), host=ns.host, port=ns.port, log_level=ns.loglevel.lower(),
-                access_log=ns.access_log)
+                access_log=ns.access_log, lifespan="on")  # "on": a gateway that cannot start its waiter exits
     return 0
 
 
