@@ -37,12 +37,15 @@ class AsyncResults:
         self._waiting: dict[bytes, asyncio.Future[bytes]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._subscribed = asyncio.Event()
+        self._background: set[asyncio.Future[Any]] = set()
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._listen(), name="embedq-results-listen"),
                        asyncio.create_task(self._poll(), name="embedq-results-poll")]
 
     async def close(self) -> None:
+        if self._background:
+            await asyncio.wait(self._background, timeout=5)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -75,11 +78,19 @@ class AsyncResults:
                 raise errors.JobTimeout(f"job {job_id} has no result after {timeout}s") from None
         finally:
             self._waiting.pop(key, None)
-            with contextlib.suppress(Exception):
-                await self.pubsub.unsubscribe(key)
-        with contextlib.suppress(Exception):
-            await self.redis.delete(key)  # read once: a result does not stay in Redis for its TTL
+            self._later(self.pubsub.unsubscribe(key))
+        self._later(self.redis.delete(key))  # read once: it does not stay in Redis for its TTL (off the answer's path)
         return self.decode(raw)
+
+    def _later(self, coroutine: Any) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Future[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("cannot delete a read result (%s)", task.exception())
 
     def decode(self, raw: bytes) -> dict[str, Any]:
         meta = self.backend.decode_result(raw)
