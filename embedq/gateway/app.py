@@ -256,8 +256,7 @@ class Gateway:
         self.client = Client(settings, follow_results=False)
         self.results: AsyncResults | None = None
         self._registry: tuple[float, list[dict[str, Any]]] = (0.0, [])
-        self.disconnects = 0  # requests whose client went away before their answer
-        self.meter: GatewayMetrics | None = None
+        self.meter = GatewayMetrics()
 
     async def start(self) -> None:
         self.results = AsyncResults(self.client.app, self.settings.result_url or self.settings.broker_url)
@@ -312,9 +311,7 @@ class Gateway:
             while not waiting.done():
                 await asyncio.wait({waiting}, timeout=DISCONNECT_POLL)
                 if not waiting.done() and await request.is_disconnected():
-                    self.disconnects += 1  # nobody reads the answer: the jobs must not cost compute
-                    if self.meter is not None:
-                        self.meter.disconnects.inc()
+                    self.meter.disconnects.inc()  # nobody reads the answer: the jobs must not cost compute
                     raise errors.Cancelled("the client disconnected; its jobs were cancelled")
             outcomes = waiting.result()
         except BaseException:
@@ -462,7 +459,7 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
     """The ASGI app. ``api_key``: when set, every route but :data:`PUBLIC` needs ``Authorization: Bearer <key>``."""
     settings = settings or Settings()
     gateway = Gateway(settings)
-    gateway.meter = meter = GatewayMetrics()
+    meter = gateway.meter
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -474,7 +471,6 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
 
     app = FastAPI(title="embedq gateway", version=__version__, lifespan=lifespan,
                   description="TEI's and OpenAI's embedding APIs over embedq's queue.")
-    app.state.gateway = gateway
     key = api_key.encode() if api_key else None
 
     if key is not None:
@@ -613,42 +609,39 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
     app.post("/v1/embeddings", summary="OpenAI embeddings", responses=OPENAI_ERRORS)(openai_embeddings)
     app.post("/embeddings", summary="OpenAI embeddings (without /v1)", responses=OPENAI_ERRORS)(openai_embeddings)
 
-    @app.post("/embed", summary="TEI: dense embeddings", responses=TEI_ERRORS)
-    async def embed(request: Request, body: EmbedRequest) -> Response:
-        return JSONResponse(await gateway.run(request, plan_embed(body)))
+    # TEI's routes, /jobs and POST / from one table: path -> (job kind, request body, its plan, summary)
+    tei_routes: dict[str, tuple[str, type[BaseModel], Callable[[Any], Plan], str]] = {
+        "/embed": ("embed", EmbedRequest, plan_embed, "TEI: dense embeddings"),
+        "/embed_sparse": ("embed_sparse", TextsRequest, plan_sparse, "TEI: SPLADE sparse vectors"),
+        "/embed_all": ("embed_all", TextsRequest, plan_all, "TEI: every token's last hidden state"),
+        "/rerank": ("rerank", RerankRequest, plan_rerank, "TEI: a query against texts, best first"),
+        "/predict": ("predict", PredictRequest, plan_predict, "TEI: sequence classification of texts or text pairs"),
+        "/tokenize": ("tokenize", TokenizeRequest, plan_tokenize,
+                      "TEI: the tokens the model sees (byte offsets; truncated at its limit)"),
+        "/similarity": ("similarity", SimilarityRequest, plan_similarity,
+                        "TEI: cosine similarity of a sentence to others"),
+    }
+    planners = {kind: (model, planner) for kind, model, planner, _ in tei_routes.values()}
 
-    @app.post("/embed_sparse", summary="TEI: SPLADE sparse vectors", responses=TEI_ERRORS)
-    async def embed_sparse(request: Request, body: TextsRequest) -> Response:
-        return JSONResponse(await gateway.run(request, plan_sparse(body)))
+    def tei_endpoint(kind: str, model: type[BaseModel], planner: Callable[[Any], Plan]) -> Callable[..., Any]:
+        async def endpoint(request: Request, body: Any) -> Response:
+            return JSONResponse(await gateway.run(request, planner(body)))
 
-    @app.post("/embed_all", summary="TEI: every token's last hidden state", responses=TEI_ERRORS)
-    async def embed_all(request: Request, body: TextsRequest) -> Response:
-        return JSONResponse(await gateway.run(request, plan_all(body)))
+        endpoint.__name__ = kind
+        endpoint.__annotations__ = {"request": Request, "body": model, "return": Response}  # FastAPI reads the body
+        return endpoint
 
-    @app.post("/rerank", summary="TEI: a query against texts, best first", responses=TEI_ERRORS)
-    async def rerank(request: Request, body: RerankRequest) -> Response:
-        return JSONResponse(await gateway.run(request, plan_rerank(body)))
+    for path, (kind, model, planner, summary) in tei_routes.items():
+        app.post(path, summary=summary, responses=TEI_ERRORS)(tei_endpoint(kind, model, planner))
 
-    @app.post("/predict", summary="TEI: sequence classification of texts or text pairs", responses=TEI_ERRORS)
-    async def predict(request: Request, body: PredictRequest) -> Response:
-        return JSONResponse(await gateway.run(request, plan_predict(body)))
-
-    @app.post("/tokenize", summary="TEI: the tokens the model sees (byte offsets; truncated at its limit)",
-              responses=TEI_ERRORS)
-    async def tokenize(request: Request, body: TokenizeRequest) -> Response:
-        return JSONResponse(await gateway.run(request, plan_tokenize(body)))
-
-    @app.post("/similarity", summary="TEI: cosine similarity of a sentence to others", responses=TEI_ERRORS)
-    async def similarity(request: Request, body: SimilarityRequest) -> Response:
-        return JSONResponse(await gateway.run(request, plan_similarity(body)))
+    def parse(model: type[BaseModel], payload: Any) -> Any:
+        """A body read by hand (``/jobs``, ``POST /``) validated like a route's own, with the same 422."""
+        try:
+            return model.model_validate(payload)
+        except PydanticValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
 
     # -- async jobs: a web app that should not wait posts, then polls (or deletes) ------------------------------
-    planners: dict[str, tuple[type[BaseModel], Callable[[Any], Plan]]] = {
-        "embed": (EmbedRequest, plan_embed), "embed_sparse": (TextsRequest, plan_sparse),
-        "embed_all": (TextsRequest, plan_all), "rerank": (RerankRequest, plan_rerank),
-        "predict": (PredictRequest, plan_predict), "similarity": (SimilarityRequest, plan_similarity),
-        "tokenize": (TokenizeRequest, plan_tokenize)}
-
     def job_plan(record: dict[str, Any]) -> Plan:
         model, planner = planners[record["kind"]]
         return planner(model.model_validate(record["body"]))
@@ -659,11 +652,7 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
         if body.kind not in planners:
             raise errors.InvalidOption(f"unknown job kind {body.kind!r} (known: {', '.join(planners)})")
         model, planner = planners[body.kind]
-        try:
-            parsed = model.model_validate(body.body)
-        except PydanticValidationError as exc:
-            raise RequestValidationError(exc.errors()) from None
-        handles = await gateway.send(request, planner(parsed))
+        handles = await gateway.send(request, planner(parse(model, body.body)))
         job_id = uuid.uuid4().hex  # random: a job id cannot be guessed
         record = {"kind": body.kind, "body": body.body, "jobs": [h.id for h in handles], "created": time.time()}
         await gateway.results.redis.set(JOB_KEY.format(job_id), json.dumps(record), ex=settings.result_ttl)
@@ -710,19 +699,9 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
             payload = await request.json()
         except ValueError:
             raise errors.InvalidType("Input validation error: the body is not JSON") from None
-        route: Any = embed
-        model: type[BaseModel] = EmbedRequest
-        if "rerank" in kinds:
-            route, model = rerank, RerankRequest
-        elif "predict" in kinds:
-            route, model = predict, PredictRequest
-        elif "embed_sparse" in kinds:
-            route, model = embed_sparse, TextsRequest
-        try:
-            body = model.model_validate(payload)
-        except PydanticValidationError as exc:
-            raise RequestValidationError(exc.errors()) from None
-        return await route(request, body)
+        kind = next((k for k in ("rerank", "predict", "embed_sparse") if k in kinds), "embed")  # TEI's order
+        model, planner = planners[kind]
+        return JSONResponse(await gateway.run(request, planner(parse(model, payload))))
 
     @app.get("/metrics", summary="Prometheus: the gateway's requests, latencies, disconnects (public)",
              response_class=Response,
