@@ -36,11 +36,11 @@ def test_b_redis_restarts_mid_run_the_worker_recovers_and_no_job_is_lost(persist
     server = RedisServer(persist=persist).start()
     # a small window, so most jobs are still in the queue (not in the worker) when Redis goes
     # online_queue_limit=0: a deliberate flood (backpressure is tested in test_traffic.py)
-    # resend_after=5: a producer still waiting 5 s after sending sends its job again. With persistence nothing is
-    # lost, so only this resends, and the copies must be recognised; left at its default (2 × visibility_timeout
-    # = 20 s) whether any handle waited that long depended on the worker's speed (a faster runtime: none did).
+    # resend_after=1: a producer still waiting 1 s after sending sends its job again. With persistence nothing is
+    # lost, so only this resends, and the copies must be recognised. Every job sent before the restart has
+    # waited longer than that once Redis is back (it is down for more than 2 s).
     settings = Settings(broker_url=server.url, queue=_queue(), visibility_timeout=10, prefetch_window=200,
-                        online_queue_limit=0, resend_after=5.0)
+                        online_queue_limit=0, resend_after=1.0)
     worker = WorkerHandle(settings, tmp_path / "worker.log")
     client = Client(settings)
     texts = [f"{t[:300]} #{i}" for i, t in enumerate(corpus[:1200])]
@@ -57,7 +57,10 @@ def test_b_redis_restarts_mid_run_the_worker_recovers_and_no_job_is_lost(persist
         server.proc.wait(30)
         time.sleep(2)
         server.start()
-        vectors = [h.result(timeout=180) for h in handles[150:]]  # each completes (or would raise job_lost)
+        # The last job first: it waits behind every other, so it is still waiting a whole wait slice after the
+        # restart and is sent again. Waited in sending order, each handle kept pace with the worker and whether
+        # any waited long enough to resend depended on how fast the worker reconnected (the test was flaky).
+        vectors = [h.result(timeout=180) for h in reversed(handles[150:])][::-1]  # each completes (or job_lost)
         assert all(v.shape == (1, 384) and np.isfinite(v).all() for v in vectors)
         # the handles noticed the restart and sent their waiting jobs again (with persistence the copies
         # are recognised by the worker: already stored, or held)
