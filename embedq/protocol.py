@@ -140,6 +140,12 @@ class TokenizeOptions(JobOptions):
     prompt_name: str | None = None
 
 
+class DecodeOptions(JobOptions):
+    """``embedq.decode``: token ids back to text by the model's tokenizer (TEI's ``/decode``)."""
+
+    skip_special_tokens: bool = Field(default=True, description="False: special tokens ([CLS], </s>) are kept.")
+
+
 def short_options(options: Any) -> str:
     """A job's options as monitoring shows them: never a user's text (a custom prompt shows its length)."""
     if not isinstance(options, dict):
@@ -150,7 +156,7 @@ def short_options(options: Any) -> str:
 
 def task_reprs(texts: Sequence[Any], options: dict[str, Any], kind: str = "embed") -> dict[str, str]:
     """Celery's ``argsrepr``/``kwargsrepr`` for a job: what Celery and Flower show instead of the texts."""
-    what = {"rerank": "query, {} texts", "predict": "{} inputs"}.get(kind, "{} texts")
+    what = {"rerank": "query, {} texts", "predict": "{} inputs", "decode": "{} id lists"}.get(kind, "{} texts")
     return {"argsrepr": "[" + what.format(len(texts)) + "]", "kwargsrepr": short_options(options)}
 
 
@@ -393,8 +399,8 @@ def decode_hybrid(payload: dict[str, Any]) -> HybridEmbedding:
 
 
 # -- the table of job kinds --------------------------------------------------------------------
-#: One item of a job: a text, or a text pair (rerank's (query, text), predict's pairs).
-Item = str | tuple[str, str]
+#: One item of a job: a text, a text pair (rerank's (query, text), predict's pairs), or token ids (decode).
+Item = str | tuple[str, str] | tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -451,6 +457,32 @@ def _predict_items(args: Any, max_texts: int, max_chars: int) -> list[Item]:
     return items
 
 
+#: The largest token id a decode job may carry (TEI's ids are u32).
+MAX_TOKEN_ID = 2**32 - 1
+
+
+def _id_items(args: Any, max_texts: int, max_chars: int) -> list[Item]:
+    """A decode job's id lists: one list of ints is one input, a list of them a batch (TEI's ``ids``); each
+    at most ``max_chars`` ids long."""
+    values = _one_arg(args, "the list of token-id lists")
+    if isinstance(values, (list, tuple)) and values and all(isinstance(v, int) for v in values):
+        values = [values]  # one input, as TEI takes it
+    lists = _job_list(values, max_texts=max_texts, what="token-id lists", one="list of token ids", many="id lists")
+    items: list[Item] = []
+    for i, ids in enumerate(lists):
+        if not isinstance(ids, (list, tuple)):
+            raise errors.InvalidType(f"ids[{i}] is {type(ids).__name__}, not a list of token ids")
+        if not ids:
+            raise errors.EmptyText(f"ids[{i}] is empty")
+        if len(ids) > max_chars:
+            raise errors.TextTooLong(f"ids[{i}] has {len(ids)} ids; the limit is {max_chars}")
+        for j, token in enumerate(ids):  # bool is an int to Python, never a token id
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MAX_TOKEN_ID:
+                raise errors.InvalidType(f"ids[{i}][{j}] is {token!r}, not a token id (an integer 0..2^32-1)")
+        items.append(tuple(ids))
+    return items
+
+
 def _first_len(index: int) -> Callable[[Any], int]:
     def size(args: Any) -> int:
         try:
@@ -475,10 +507,11 @@ EMBED_HYBRID = TaskSpec("embed_hybrid", "embedq.embed_hybrid", HybridOptions, _t
                         "(texts)")
 TOKENIZE = TaskSpec("tokenize", "embedq.tokenize", TokenizeOptions, _text_items, _first_len(0),
                     ("ids", "offsets", "spans", "special"), "(texts)")
+DECODE = TaskSpec("decode", "embedq.decode", DecodeOptions, _id_items, _first_len(0), (), "(ids)")
 
 #: Every kind of job by Celery task name (the worker registers one task per entry).
 TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (EMBED, EMBED_SPARSE, EMBED_ALL, EMBED_HYBRID, RERANK,
-                                                             PREDICT, TOKENIZE)}
+                                                             PREDICT, TOKENIZE, DECODE)}
 #: The same specs by kind.
 KINDS: dict[str, TaskSpec] = {spec.kind: spec for spec in TASKS.values()}
 

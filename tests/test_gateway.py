@@ -338,6 +338,20 @@ def test_b_tokenize_as_tei_byte_offsets(gateway, worker):
         is None  # CORS is off unless configured
 
 
+def test_b_decode_as_tei(gateway, worker):
+    ids = [t["id"] for t in worker.client.tokenize(["Café crème brûlée"])[0]]
+    one = httpx.post(gateway.url + "/decode", json={"ids": ids})  # one list of ids: one text
+    assert one.status_code == 200 and one.json() == worker.client.decode([ids])
+    both = httpx.post(gateway.url + "/decode", json={"ids": [ids, ids[1:3]], "skip_special_tokens": False}).json()
+    assert both == worker.client.decode([ids, ids[1:3]], skip_special_tokens=False) and both[0].startswith("[CLS]")
+    assert httpx.post(gateway.url + "/decode", json={"ids": [ids], "skip_special_tokens": None}).json() == one.json()
+    bad = httpx.post(gateway.url + "/decode", json={"ids": [[-1]]})
+    assert bad.status_code == 422 and bad.json()["error_type"] == "Validation"
+    assert httpx.post(gateway.url + "/decode", json={"ids": []}).status_code == 400
+    job = httpx.post(gateway.url + "/jobs", json={"kind": "decode", "body": {"ids": ids}}).json()
+    assert _poll_job(gateway, job["id"])["result"] == one.json()
+
+
 def test_tei_error_bodies(gateway):
     empty = httpx.post(gateway.url + "/embed", json={"inputs": []})
     assert empty.status_code == 400 and empty.json()["error_type"] == "Empty"

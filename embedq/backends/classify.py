@@ -27,7 +27,7 @@ from embedq.backends.encoder import CLASSIFY, Encoder
 from embedq.backends.kernels import LinearKernel
 from embedq.backends.model import ModelBackend, base_info, check_modality
 from embedq.backends.modules import activation, read_json
-from embedq.backends.tokens import TokenizeHead, read_prompts
+from embedq.backends.tokens import TOKENIZER_KINDS, read_prompts, tokenizer_heads
 from embedq.protocol import Fingerprint, encode_result
 
 
@@ -128,8 +128,8 @@ def load_classifier(folder: Path, transformer_dir: Path, st_config: dict[str, An
     prompts, default_prompt_name = read_prompts(folder)
     info = base_info(folder, encoder, model_id=model_id, dimension=num_labels, pooling="classifier",
                      normalizes=False, prompts=prompts, default_prompt_name=default_prompt_name,
-                     kinds=(*head.kinds, "tokenize"), labels=labels)
+                     kinds=(*head.kinds, *TOKENIZER_KINDS), labels=labels)
     head.info = info
     heads: dict[str, Head] = dict.fromkeys(head.kinds, head)
-    heads["tokenize"] = TokenizeHead(encoder, info)
+    heads.update(tokenizer_heads(encoder, info))
     return ModelBackend(encoder, heads, info)

@@ -24,7 +24,7 @@ from embedq.backends.kernels import LinearKernel
 from embedq.backends.model import ModelBackend, base_info, check_modality, model_task, read_modules
 from embedq.backends.modules import DenseModule, PoolingConfig, check_normalize, normalize, pool, read_json
 from embedq.backends.multi import TokenEmbeddingsHead
-from embedq.backends.tokens import TokenizeHead, prepare_texts, read_prompts
+from embedq.backends.tokens import TOKENIZER_KINDS, prepare_texts, read_prompts, tokenizer_heads
 from embedq.protocol import Fingerprint, encode_result
 
 
@@ -151,11 +151,11 @@ class DenseBackend(ModelBackend):
         # BGE-M3 (FlagEmbedding's layout: sparse_linear.pt and colbert_linear.pt beside the weights): embed_hybrid
         m3 = m3_heads(folder, encoder) if is_m3_folder(folder) else []
         per_token = TokenEmbeddingsHead(encoder, pooling_config.embedding_dimension)
-        kinds = ("embed", "embed_all", "embed_hybrid", "tokenize") if m3 else ("embed", "embed_all", "tokenize")
+        kinds = ("embed", "embed_all", *(["embed_hybrid"] if m3 else []), *TOKENIZER_KINDS)
         info = base_info(folder, encoder, model_id=model_id if model_id is not None else str(path),
                          dimension=dimension, pooling=pooling_config.name, normalizes=normalizes, prompts=prompts,
                          default_prompt_name=default_prompt_name, kinds=kinds)
-        heads: dict[str, Head] = {"embed": head, "embed_all": per_token, "tokenize": TokenizeHead(encoder, info)}
+        heads: dict[str, Head] = {"embed": head, "embed_all": per_token, **tokenizer_heads(encoder, info)}
         for each in [head, per_token, *m3]:
             each.info = info
         if m3:

@@ -5,7 +5,7 @@
 * a sentence-transformers CrossEncoder folder (a Transformer with ``transformer_task`` =
   ``sequence-classification``), or a bare ``*ForSequenceClassification`` folder → ``predict``, and
   ``rerank`` when the classifier has one label;
-* every model also serves ``tokenize``.
+* every model also serves ``tokenize`` and ``decode`` (its tokenizer alone).
 """
 
 from __future__ import annotations

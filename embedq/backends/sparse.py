@@ -31,7 +31,7 @@ from embedq.backends.encoder import DTYPES, FILL_MASK, Encoder
 from embedq.backends.kernels import LinearKernel
 from embedq.backends.model import ModelBackend, base_info, check_modality
 from embedq.backends.modules import read_json
-from embedq.backends.tokens import TokenizeHead, prepare_texts, read_prompts
+from embedq.backends.tokens import TOKENIZER_KINDS, prepare_texts, read_prompts, tokenizer_heads
 from embedq.protocol import Fingerprint, encode_result
 
 #: Most bytes a micro-batch's vocabulary logits may take; the token budget is lowered to stay under it
@@ -166,8 +166,8 @@ def load_sparse(folder: Path, transformer_dir: Path, st_config: dict[str, Any], 
     head = SpladeHead(encoder, strategy, activation)
     prompts, default_prompt_name = read_prompts(folder)
     info = base_info(folder, encoder, model_id=model_id, dimension=vocab, pooling=head.pooling, normalizes=False,
-                     prompts=prompts, default_prompt_name=default_prompt_name, kinds=("embed_sparse", "tokenize"))
+                     prompts=prompts, default_prompt_name=default_prompt_name, kinds=("embed_sparse", *TOKENIZER_KINDS))
     head.info = info
-    backend = ModelBackend(encoder, {"embed_sparse": head, "tokenize": TokenizeHead(encoder, info)}, info)
+    backend = ModelBackend(encoder, {"embed_sparse": head, **tokenizer_heads(encoder, info)}, info)
     backend.max_batch_tokens = budget if budget < batch_tokens else None
     return backend

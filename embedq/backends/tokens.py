@@ -1,7 +1,9 @@
-"""The tokenize head (``embedq.tokenize``, TEI's ``/tokenize``): the tokens a model would be fed, as a job.
+"""The tokenizer's heads: ``embedq.tokenize`` (TEI's ``/tokenize``: the tokens a model would be fed) and
+``embedq.decode`` (TEI's ``/decode``: token ids back to text), as jobs.
 
 Producers never import a tokenizer, so tokenizing is a job like the others; it runs no model (its
-``prepare`` does the work and it puts no items in a micro-batch). Prompts resolve as for ``embed``.
+``prepare`` does the work and it puts no items in a micro-batch). Prompts resolve as for ``embed``. Every
+model serves both (:func:`tokenizer_heads`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,15 @@ def prepare_texts(encoder: Encoder, info: ModelInfo | None, texts: list[Any], op
     return Prepared(encoded, sum(len(e.ids) for e in encoded), {"prompt": prompt})
 
 
+#: The kinds every model serves with its tokenizer alone.
+TOKENIZER_KINDS = ("tokenize", "decode")
+
+
+def tokenizer_heads(encoder: Encoder, info: ModelInfo) -> dict[str, Head]:
+    """The heads of :data:`TOKENIZER_KINDS`, by kind."""
+    return {"tokenize": TokenizeHead(encoder, info), "decode": DecodeHead(encoder, info)}
+
+
 class TokenizeHead(Head):
     name = "tokenize"
     kinds = ("tokenize",)
@@ -82,3 +93,36 @@ class TokenizeHead(Head):
                              fingerprint, items=len(details), tokens=prepared.tokens,
                              extra={"tokens": [t for d in details for t in d.tokens],
                                     "prompt": prepared.state["prompt"]})
+
+
+class DecodeHead(Head):
+    """Token ids to text, as ``tokenizer.decode`` does (the model's own tokenizer; special tokens skipped unless
+    ``skip_special_tokens=False``). An id outside the vocabulary fails the job, never the worker."""
+
+    name = "decode"
+    kinds = ("decode",)
+
+    def __init__(self, encoder: Encoder, info: ModelInfo) -> None:
+        self.encoder = encoder
+        self.info = info
+
+    def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
+        tokenizer = self.encoder.tokenizer
+        vocabulary = len(tokenizer)
+        for i, ids in enumerate(items):
+            top = max(ids)
+            if top >= vocabulary:
+                raise errors.InvalidType(f"ids[{i}] holds {top}, outside the model's vocabulary of {vocabulary} "
+                                         "tokens")
+        texts = tokenizer.batch_decode([list(ids) for ids in items],
+                                       skip_special_tokens=options.skip_special_tokens)
+        return Prepared([], sum(len(ids) for ids in items), {"texts": texts})
+
+    def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]:
+        info = self.info
+        fingerprint = Fingerprint(kind="decode", model=info.model_id, weights_sha256=info.weights_sha256,
+                                  pooling="none", normalize=False, dimensions=0, dtype="str", prompt=None,
+                                  embedq_version=__version__)
+        texts = prepared.state["texts"]
+        return encode_result("decode", {}, fingerprint, items=len(texts), tokens=prepared.tokens,
+                             extra={"texts": texts})

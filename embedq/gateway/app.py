@@ -6,11 +6,11 @@ and awaited on :class:`~embedq.gateway.results.AsyncResults`: no thread is held 
 gateway keeps no state of its own, so any number of replicas can serve the same queues.
 
 Routes of this version: ``POST /v1/embeddings`` and ``/embeddings`` (OpenAI); TEI's ``POST /embed``,
-``/embed_sparse``, ``/embed_all``, ``/rerank``, ``/predict``, ``/similarity`` and ``/`` (the served model's own
-route, as TEI routes it), ``GET /info``, ``GET /health``, ``GET /metrics``; async jobs: ``POST /jobs``,
-``GET /jobs/{id}``, ``DELETE /jobs/{id}``. Error bodies are TEI's (``{"error", "error_type"}``,
-its status codes); the OpenAI routes answer TEI's OpenAI shape plus OpenAI's nested ``error`` object, which the
-openai SDK reads.
+``/embed_sparse``, ``/embed_all``, ``/rerank``, ``/predict``, ``/similarity``, ``/tokenize``, ``/decode`` and
+``/`` (and ``/invocations``: the served model's own route, as TEI routes it), ``GET /info``, ``GET /health``,
+``GET /metrics``; async jobs: ``POST /jobs``, ``GET /jobs/{id}``, ``DELETE /jobs/{id}``. Error bodies are TEI's
+(``{"error", "error_type"}``, its status codes); the OpenAI routes answer TEI's OpenAI shape plus OpenAI's
+nested ``error`` object, which the openai SDK reads.
 Headers: ``X-Embedq-Class: bulk`` sends a request's jobs to the bulk queue (default: online);
 ``X-Embedq-Deadline: <seconds>`` drops its jobs if they have not started by then.
 """
@@ -200,6 +200,11 @@ class TokenizeRequest(_Body):
     prompt_name: str | None = None
 
 
+class DecodeRequest(_Body):
+    ids: list[int] | list[list[int]]
+    skip_special_tokens: bool | None = True
+
+
 class RerankRequest(_TeiOptions):
     query: str
     texts: list[str]
@@ -227,8 +232,8 @@ class SimilarityRequest(_Body):
 
 
 class JobRequest(_Body):
-    """``POST /jobs``: the job's ``kind`` (embed, embed_sparse, embed_all, rerank, predict, similarity) and the
-    body its TEI route takes."""
+    """``POST /jobs``: the job's ``kind`` (embed, embed_sparse, embed_all, rerank, predict, tokenize, decode,
+    similarity) and the body its TEI route takes."""
 
     kind: str
     body: dict[str, Any]
@@ -590,6 +595,13 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
         return Plan(client.submit_tokenize, texts, _options(add_special_tokens=body.add_special_tokens,
                                                             prompt_name=body.prompt_name), answer)
 
+    def plan_decode(body: DecodeRequest) -> Plan:
+        ids = body.ids
+        lists = [ids] if ids and all(isinstance(i, int) for i in ids) else ids
+        skip = True if body.skip_special_tokens is None else body.skip_special_tokens
+        return Plan(client.submit_decode, lists, {"skip_special_tokens": skip},
+                    lambda payloads: [t for p in payloads for t in decode_output("decode", p)])
+
     def plan_similarity(body: SimilarityRequest) -> Plan:
         params = body.parameters or SimilarityParameters()
         if not body.inputs.sentences:
@@ -629,6 +641,7 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
         "/predict": ("predict", PredictRequest, plan_predict, "TEI: sequence classification of texts or text pairs"),
         "/tokenize": ("tokenize", TokenizeRequest, plan_tokenize,
                       "TEI: the tokens the model sees (byte offsets; truncated at its limit)"),
+        "/decode": ("decode", DecodeRequest, plan_decode, "TEI: token ids back to text (the model's tokenizer)"),
         "/similarity": ("similarity", SimilarityRequest, plan_similarity,
                         "TEI: cosine similarity of a sentence to others"),
     }

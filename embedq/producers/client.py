@@ -1,9 +1,11 @@
-"""The producer API: ``Client.embed``/``embed_sparse``/``rerank``/``predict``/``tokenize`` (blocking) and
-``Client.submit``/``submit_sparse``/``submit_rerank``/``submit_predict``/``submit_tokenize`` (a :class:`JobHandle`).
+"""The producer API: ``Client.embed``/``embed_sparse``/``rerank``/``predict``/``tokenize``/``decode`` (blocking) and
+``Client.submit``/``submit_sparse``/``submit_rerank``/``submit_predict``/``submit_tokenize``/``submit_decode``
+(a :class:`JobHandle`).
 
 A job is an ordinary Celery task message, so ``app.send_task("embedq.embed", args=[texts],
 kwargs=options)`` (or ``embedq.rerank`` with ``args=[query, texts]``, ``embedq.predict`` with
-``args=[inputs]``, ``embedq.tokenize`` with ``args=[texts]``) from any Celery client works too; this
+``args=[inputs]``, ``embedq.tokenize`` with ``args=[texts]``, ``embedq.decode`` with ``args=[[ids, ...]]``) from
+any Celery client works too; this
 class adds validation at the edge and decoding of the compact result.
 """
 
@@ -28,6 +30,7 @@ from embedq import cancellation, errors, monitor
 from embedq.batching.traffic import BULK, ONLINE, TRAFFIC_CLASSES
 from embedq.broker import BROKER_ERRORS, make_app, redis_client
 from embedq.protocol import (
+    DECODE,
     EMBED,
     EMBED_ALL,
     EMBED_HYBRID,
@@ -244,7 +247,8 @@ class JobHandle:
         * ``rerank``: ``[{"index", "score"(, "text")}]`` sorted by score, highest first;
         * ``predict``: per input, ``[{"label", "score"}]`` sorted by score, highest first;
         * ``tokenize``: per text, ``[{"id", "text", "special", "start", "stop"}]`` (offsets are
-          characters of the string the model saw: the prompt, if any, then the text).
+          characters of the string the model saw: the prompt, if any, then the text);
+        * ``decode``: per id list, its text.
 
         With ``forget`` (the default) the stored result is deleted from Redis once read.
         """
@@ -403,6 +407,15 @@ class Client:
         ``prompt_name``, ``add_special_tokens``, ``truncate``, ``truncation_side``)."""
         return self._send(TOKENIZE, [_as_list(texts)], options, queue=queue, traffic_class=traffic_class,
                           deadline=deadline)
+
+    def submit_decode(self, ids: Sequence[int] | Sequence[Sequence[int]], *, skip_special_tokens: bool = True,
+                      queue: str | None = None, traffic_class: str = ONLINE,
+                      deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
+        """Enqueue a decode: token ids (one list, or a list of lists) back to text by the worker's tokenizer
+        (TEI's ``/decode``). ``skip_special_tokens=False`` keeps [CLS], </s> and the like."""
+        lists = [list(ids)] if ids and all(isinstance(i, int) for i in ids) else [list(x) for x in ids]
+        return self._send(DECODE, [lists], {**options, "skip_special_tokens": skip_special_tokens}, queue=queue,
+                          traffic_class=traffic_class, deadline=deadline)
 
     def _send(self, spec: TaskSpec, args: list[Any], options: dict[str, Any], *, queue: str | None,
               traffic_class: str, deadline: float | dt.datetime | None, return_text: bool = False) -> JobHandle:
@@ -564,6 +577,11 @@ class Client:
         """Tokenize and wait: per text, its tokens as the model is fed them (TEI's ``/tokenize``)."""
         return self.submit_tokenize(texts, **options).result(timeout)
 
+    def decode(self, ids: Sequence[int] | Sequence[Sequence[int]], *,
+               timeout: float | None = DEFAULT_RESULT_TIMEOUT, **options: Any) -> list[str]:
+        """Decode and wait: per id list, its text (TEI's ``/decode``)."""
+        return self.submit_decode(ids, **options).result(timeout)
+
     def workers(self, timeout: float = 1.0) -> dict[str, dict[str, Any]]:
         """Live workers and their counters, by Celery node name."""
         return worker_stats(self.app, timeout)
@@ -588,7 +606,8 @@ def _as_list(texts: Any) -> Any:
 
 
 def decode_output(kind: str, payload: dict[str, Any], texts: Sequence[str] | None = None) -> Any:
-    """A sparse, rerank, predict or tokenize result, decoded (the last three in the shapes TEI's API returns)."""
+    """A sparse, rerank, predict, tokenize or decode result, decoded (the last four in the shapes TEI's API
+    returns)."""
     if kind == "embed_sparse":
         return decode_sparse(payload)
     if kind == "embed_hybrid":
@@ -613,4 +632,6 @@ def decode_output(kind: str, payload: dict[str, Any], texts: Sequence[str] | Non
         return [[{"id": int(ids[t]), "text": tokens[t], "special": bool(special[t]), "start": int(spans[t][0]),
                   "stop": int(spans[t][1])} for t in range(int(offsets[i]), int(offsets[i + 1]))]
                 for i in range(len(offsets) - 1)]
+    if kind == "decode":
+        return list(payload["texts"])
     raise errors.InvalidOption(f"unknown job kind {kind!r}")
