@@ -156,6 +156,23 @@ class Settings(BaseSettings):
         default=None, description="`embedq serve`: comma-separated origins browsers may call it from, or `*`; "
         "unset: no CORS headers.",
     )
+    webhook_allow: str | None = Field(
+        default=None, description="`embedq serve`: comma-separated URL prefixes a `POST /jobs` webhook may call "
+        "(e.g. `https://hooks.example.com/`); unset: webhooks are refused (a gateway that calls any URL a caller "
+        "names is a server-side request forgery).",
+    )
+    webhook_secret: SecretStr | None = Field(
+        default=None, description="`embedq serve`: key of the HMAC-SHA256 signature each webhook call carries "
+        "(`X-Embedq-Signature: t=<unix time>,v1=<hex of HMAC(key, '<t>.<body>')>`).",
+    )
+    webhook_attempts: int = Field(
+        default=5, ge=1, description="`embedq serve`: calls of a webhook before it is given up (a network error, "
+        "a 5xx or a 429 is tried again, with doubling pauses from 1 s).",
+    )
+    webhook_lease: float = Field(
+        default=30.0, gt=0, description="`embedq serve`: seconds a replica's claim on delivering a webhook lasts "
+        "unless renewed; the webhooks of a replica that died are taken over by another after this.",
+    )
     serializer: Literal["json", "msgpack"] = "json"
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (CPU).")
     linear_kernel: Literal["auto", "onednn", "torch", "onnxruntime"] = Field(

@@ -5,7 +5,11 @@ and a real worker, the vectors equal to ``Client.embed``, TEI's error bodies and
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -230,7 +234,7 @@ def test_e_a_disconnected_client_s_job_never_runs_and_a_deadline_expires(redis_s
         assert late.status_code == 504 and late.json()["error_type"] == "Timeout", late.text
         queued = httpx.post(g.url + "/jobs", json={"kind": "embed", "body": {"inputs": corpus[60:65]}}).json()
         assert httpx.delete(f"{g.url}/jobs/{queued['id']}").json()["status"] == "cancelled"
-        time.sleep(0.5)  # the disconnect is seen within DISCONNECT_POLL
+        time.sleep(0.5)  # the cancels are sent
         worker = WorkerHandle(Settings(broker_url=redis_server.url, queue=queue), tmp_path / "worker.log")
         probe = httpx.post(g.url + "/embed", json={"inputs": corpus[40:43]}, timeout=120)
         assert probe.status_code == 200
@@ -319,6 +323,119 @@ def test_async_jobs_post_poll_and_fail_alone(gateway, worker, corpus):
     assert missing.status_code == 404 and missing.json()["error_type"] == "NotFound"
     assert httpx.delete(f"{gateway.url}/jobs/{started.json()['id']}").json()["status"] == "deleted"
     assert httpx.get(f"{gateway.url}/jobs/{started.json()['id']}").status_code == 404
+
+
+class Receiver:
+    """A webhook receiver: a real HTTP server in a thread that answers each call with the next of ``statuses``
+    (then 200) and keeps every call's headers and body."""
+
+    def __init__(self, statuses: list[int]) -> None:
+        import http.server
+        import threading
+
+        calls, answers = [], list(statuses)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                calls.append((self.path, dict(self.headers), body))
+                self.send_response(answers.pop(0) if answers else 200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.calls = calls
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def wait(self, count: int, timeout: float = 60) -> list:
+        deadline = time.monotonic() + timeout
+        while len(self.calls) < count and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.calls
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_async_job_webhook_signed_retried_and_delivered_after_its_gateway_died(redis_server, corpus, tmp_path):
+    """A job posted with a webhook on a queue no worker serves yet; the gateway that took it is SIGKILLed.
+    Another replica takes the owed webhook over once the dead one's lease lapses; when a worker starts, the
+    webhook is called with the job's state, signed; a 500 is tried again. URLs outside the allowed prefix, and
+    webhooks on a gateway that allows none, are refused with 422."""
+    queue = f"embedq.test.gw-hook-{os.getpid()}"
+    receiver = Receiver([500])
+    env = {"EMBEDQ_WEBHOOK_ALLOW": receiver.url + "/hooks/", "EMBEDQ_WEBHOOK_SECRET": "s3cret",
+           "EMBEDQ_WEBHOOK_LEASE": "2"}
+    first = Gateway(redis_server.url, queue, tmp_path / "gw1.log", **env)
+    second = worker = None
+    try:
+        texts = corpus[1000:1004]
+        for url in ("http://127.0.0.1:1/hooks/x", receiver.url + "/elsewhere", receiver.url + ".evil.example/hooks/",
+                    "file:///etc/passwd"):
+            refused = httpx.post(first.url + "/jobs", json={"kind": "embed", "body": {"inputs": texts},
+                                                            "webhook": url})
+            assert refused.status_code == 422 and "webhook" in refused.json()["error"], url
+        job = httpx.post(first.url + "/jobs", json={"kind": "embed", "body": {"inputs": texts},
+                                                    "webhook": receiver.url + "/hooks/embedq?x=1"})
+        assert job.status_code == 202
+        job_id = job.json()["id"]
+        first.proc.send_signal(signal.SIGKILL)  # the replica holding the webhook dies
+        first.proc.wait(10)
+        second = Gateway(redis_server.url, queue, tmp_path / "gw2.log", **env)
+        worker = WorkerHandle(Settings(broker_url=redis_server.url, queue=queue), tmp_path / "worker.log")
+        calls = receiver.wait(2)
+        assert len(calls) == 2, calls  # the 500, then the delivery
+        path, headers, body = calls[-1]
+        assert path == "/hooks/embedq?x=1" and headers["X-Embedq-Job"] == job_id
+        stamp, mac = (part.split("=", 1)[1] for part in headers["X-Embedq-Signature"].split(","))
+        assert hmac.compare_digest(mac, hmac.new(b"s3cret", f"{stamp}.".encode() + body, hashlib.sha256).hexdigest())
+        sent = json.loads(body)
+        assert sent["id"] == job_id and sent["status"] == "done"
+        assert np.abs(np.array(sent["result"], dtype=np.float32) - worker.client.embed(texts)).max() <= 1e-6
+        state = httpx.get(f"{second.url}/jobs/{job_id}").json()
+        assert state["result"] == sent["result"]
+        assert state["webhook"]["state"] == "delivered" and state["webhook"]["attempts"] == 2
+        assert 'embedq_gateway_webhooks_total{outcome="delivered"} 1.0' in httpx.get(second.url + "/metrics").text
+        time.sleep(1.5)
+        assert len(receiver.calls) == 2  # delivered once
+    finally:
+        for each in (first, second):
+            if each is not None:
+                each.stop()
+        if worker is not None:
+            worker.stop()
+        receiver.close()
+
+
+@pytest.mark.parametrize(("url", "ok"), [
+    ("https://hooks.example.com/embedq/done?x=1", True),
+    ("https://hooks.example.com/embedq", False),  # not under the prefix's path
+    ("https://hooks.example.com.evil.example/embedq/", False),
+    ("https://hooks.example.com@evil.example/embedq/", False),  # userinfo: the host is evil.example
+    ("https://hooks.example.com:8443/embedq/", False),
+    ("http://hooks.example.com/embedq/", False),
+    ("https://HOOKS.example.com/embedq/x", True),  # host names are case-insensitive
+    ("http://10.0.0.7:9000/cb", True),
+    ("http://10.0.0.7:9000x/cb", False),
+    ("ftp://10.0.0.7:9000/cb", False),
+])
+def test_webhook_urls_are_checked_by_scheme_host_port_and_path(url, ok):
+    from embedq.gateway.webhooks import allowed
+
+    assert allowed(url, "https://hooks.example.com/embedq/, http://10.0.0.7:9000/") is ok
+    assert allowed(url, None) is False
+    assert allowed(url, "*") is (url.startswith("http") and "9000x" not in url)  # "*": any valid http(s) URL
+
+
+def test_webhooks_are_refused_unless_allowed(gateway):
+    refused = httpx.post(gateway.url + "/jobs", json={"kind": "embed", "body": {"inputs": ["x"]},
+                                                      "webhook": "https://hooks.example.com/x"})
+    assert refused.status_code == 422 and "EMBEDQ_WEBHOOK_ALLOW" in refused.json()["error"]
 
 
 def test_b_tokenize_as_tei_byte_offsets(gateway, worker):

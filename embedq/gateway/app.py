@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from embedq import __version__, errors, monitor
 from embedq.batching.traffic import BULK, ONLINE
 from embedq.gateway.results import AsyncResults
+from embedq.gateway.webhooks import Webhooks, check_url
 from embedq.producers.client import DEADLINE_GRACE, DEFAULT_RESULT_TIMEOUT, Client, decode_output
 from embedq.protocol import decode_result
 from embedq.settings import Settings
@@ -53,8 +54,6 @@ REGISTRY_TTL = 1.0
 RETRY_AFTER = 1
 #: The record of an async job (``POST /jobs``): its kind, its request body and its embedq job ids.
 JOB_KEY = "embedq.gateway.job.{}"
-#: Seconds between looks, while a request waits, at whether its client is still there.
-DISCONNECT_POLL = 0.25
 
 
 class JSONResponse(_StarletteJSON):
@@ -237,6 +236,7 @@ class JobRequest(_Body):
 
     kind: str
     body: dict[str, Any]
+    webhook: str | None = None  # called with the job's state once it is done (EMBEDQ_WEBHOOK_ALLOW)
 
 
 class JobNotFound(errors.ValidationError):
@@ -323,17 +323,21 @@ class Gateway:
         timeout = DEFAULT_RESULT_TIMEOUT if deadline is None else deadline + DEADLINE_GRACE
         waiting = asyncio.ensure_future(asyncio.gather(*(self.results.wait(h.id, timeout) for h in handles),
                                                        return_exceptions=True))
+        # The body has been read, so the server's next message for this request is its client leaving: one
+        # waiter per request, woken at once, instead of a look every so often.
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            while not waiting.done():
-                await asyncio.wait({waiting}, timeout=DISCONNECT_POLL)
-                if not waiting.done() and await request.is_disconnected():
-                    self.meter.disconnects.inc()  # nobody reads the answer: the jobs must not cost compute
-                    raise errors.Cancelled("the client disconnected; its jobs were cancelled")
+            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not waiting.done():
+                self.meter.disconnects.inc()  # nobody reads the answer: the jobs must not cost compute
+                raise errors.Cancelled("the client disconnected; its jobs were cancelled")
             outcomes = waiting.result()
         except BaseException:
             waiting.cancel()
             await asyncio.gather(*(self._forget(h) for h in handles))
             raise
+        finally:
+            gone.cancel()
         for outcome in outcomes:
             if isinstance(outcome, errors.JobTimeout) and deadline is not None:
                 await asyncio.gather(*(self._forget(h) for h in handles))
@@ -364,6 +368,8 @@ class GatewayMetrics:
         self.in_flight = Gauge("embedq_gateway_requests_in_flight", "Requests being answered.", registry=self.registry)
         self.disconnects = Counter("embedq_gateway_disconnects", "Requests whose client went away before the "
                                    "answer (their jobs cancelled).", registry=self.registry)
+        self.webhooks = Counter("embedq_gateway_webhooks", "Webhooks of async jobs, by outcome (delivered, "
+                                "failed).", ["outcome"], registry=self.registry)
 
 
 class MetricsMiddleware:
@@ -453,6 +459,12 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the request's client has gone (the ASGI server's ``http.disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _deadline(value: str | None) -> float | None:
     if value is None or value == "":
         return None
@@ -480,9 +492,18 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
+        assert gateway.results is not None
+        secret = settings.webhook_secret.get_secret_value().encode() if settings.webhook_secret else None
+        hooks = Webhooks(gateway.results.redis, secret=secret, attempts=settings.webhook_attempts,
+                         lease=settings.webhook_lease,
+                         record=stored_record, wait=wait_record, state=job_state, save=save_record,
+                         on_outcome=lambda outcome: meter.webhooks.labels(outcome).inc())
+        webhooks.append(hooks)
+        await hooks.start()
         try:
             yield
         finally:
+            await hooks.close()
             await gateway.close()
 
     app = FastAPI(title="embedq gateway", version=__version__, lifespan=lifespan,
@@ -670,46 +691,73 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
         model, planner = planners[record["kind"]]
         return planner(model.model_validate(record["body"]))
 
-    @app.post("/jobs", status_code=202, summary="Start a job of any kind; answers at once with its id",
-              responses=TEI_ERRORS)
+    webhooks: list[Webhooks] = []  # the lifespan's (one)
+
+    @app.post("/jobs", status_code=202, summary="Start a job of any kind; answers at once with its id (and calls "
+              "its webhook, if it names one, once it is done)", responses=TEI_ERRORS)
     async def create_job(request: Request, body: JobRequest) -> Response:
         if body.kind not in planners:
             raise errors.InvalidOption(f"unknown job kind {body.kind!r} (known: {', '.join(planners)})")
+        webhook = check_url(body.webhook, settings.webhook_allow) if body.webhook is not None else None
         model, planner = planners[body.kind]
         handles = await gateway.send(request, planner(parse(model, body.body)))
         job_id = uuid.uuid4().hex  # random: a job id cannot be guessed
-        record = {"kind": body.kind, "body": body.body, "jobs": [h.id for h in handles], "created": time.time()}
+        record: dict[str, Any] = {"kind": body.kind, "body": body.body, "jobs": [h.id for h in handles],
+                                  "created": time.time()}
+        if webhook is not None:
+            record["webhook"] = {"url": webhook, "state": "pending"}
         await gateway.results.redis.set(JOB_KEY.format(job_id), json.dumps(record), ex=settings.result_ttl)
+        if webhook is not None:
+            await webhooks[0].owe(job_id)
         return JSONResponse({"id": job_id, "status": "queued"}, status_code=202,
                             headers={"Location": f"/jobs/{job_id}"})
 
-    async def job_record(job_id: str) -> dict[str, Any]:
+    async def stored_record(job_id: str) -> dict[str, Any] | None:
         raw = await gateway.results.redis.get(JOB_KEY.format(job_id))
-        if raw is None:
-            raise JobNotFound(f"no job {job_id!r} (unknown, deleted, or older than EMBEDQ_RESULT_TTL)")
-        return json.loads(raw)
+        return None if raw is None else json.loads(raw)
 
-    @app.get("/jobs/{job_id}", summary="A job's status, and its answer once done",
-             responses=_responses(TeiError, 401, 404, 503))
-    async def get_job(job_id: str) -> Response:
-        record = await job_record(job_id)
+    async def save_record(job_id: str, record: dict[str, Any]) -> None:
+        await gateway.results.redis.set(JOB_KEY.format(job_id), json.dumps(record), keepttl=True)
+
+    async def job_record(job_id: str) -> dict[str, Any]:
+        record = await stored_record(job_id)
+        if record is None:
+            raise JobNotFound(f"no job {job_id!r} (unknown, deleted, or older than EMBEDQ_RESULT_TTL)")
+        return record
+
+    async def wait_record(record: dict[str, Any]) -> None:
+        """Until every embedq job of an async job has an outcome (kept in Redis for GET /jobs)."""
+        await asyncio.gather(*(gateway.results.wait(j, settings.result_ttl, forget=False) for j in record["jobs"]),
+                             return_exceptions=True)
+
+    async def job_state(job_id: str, record: dict[str, Any]) -> dict[str, Any]:
+        """What ``GET /jobs/{id}`` answers (and a webhook is sent)."""
         results = gateway.results
         stored = await results.redis.mget([results.key(j) for j in record["jobs"]])
+        hook = {"webhook": record["webhook"]} if "webhook" in record else {}
         if any(raw is None for raw in stored):
             done = sum(raw is not None for raw in stored)
-            return JSONResponse({"id": job_id, "status": "queued", "done_jobs": done, "jobs": len(stored)})
+            return {"id": job_id, "status": "queued", "done_jobs": done, "jobs": len(stored), **hook}
         try:
             payloads = [results.decode(raw) for raw in stored]
         except errors.EmbedqError as exc:
             status, error_type = http_status(exc)
-            return JSONResponse({"id": job_id, "status": "failed", "code": status,
-                                 "error": {"error": str(exc), "error_type": error_type}})
-        return JSONResponse({"id": job_id, "status": "done", "result": job_plan(record).answer(payloads)})
+            return {"id": job_id, "status": "failed", "code": status,
+                    "error": {"error": str(exc), "error_type": error_type}, **hook}
+        return {"id": job_id, "status": "done", "result": job_plan(record).answer(payloads), **hook}
+
+    @app.get("/jobs/{job_id}", summary="A job's status, and its answer once done",
+             responses=_responses(TeiError, 401, 404, 503))
+    async def get_job(job_id: str) -> Response:
+        return JSONResponse(await job_state(job_id, await job_record(job_id)))
 
     @app.delete("/jobs/{job_id}", summary="Cancel a job (its work is dropped unrun) and delete its results",
                 responses=_responses(TeiError, 401, 404, 503))
     async def delete_job(job_id: str) -> Response:
         record = await job_record(job_id)
+        if "webhook" in record:  # nothing is owed for a deleted job
+            webhooks[0].cancel(job_id)
+            await webhooks[0].settle(job_id)
         cancelled = [await asyncio.to_thread(client.cancel, j) for j in record["jobs"]]
         await gateway.results.redis.delete(JOB_KEY.format(job_id), *[gateway.results.key(j) for j in record["jobs"]])
         return JSONResponse({"id": job_id, "status": "cancelled" if any(cancelled) else "deleted"})

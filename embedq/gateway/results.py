@@ -34,10 +34,15 @@ class AsyncResults:
         self.backend = app.backend  # used only to name, decode and delete records: no I/O through it
         self.redis = aioredis.from_url(url)
         self.pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        self._waiting: dict[bytes, asyncio.Future[bytes]] = {}
+        self._waiting: dict[bytes, set[asyncio.Future[bytes]]] = {}  # a key may have several waiters
         self._tasks: list[asyncio.Task[None]] = []
         self._subscribed = asyncio.Event()
         self._background: set[asyncio.Future[Any]] = set()
+        # keys read (to delete) and keys no one waits for (to unsubscribe from), sent together once per turn of
+        # the event loop: the results of one micro-batch arrive together, and their requests end together
+        self._read: set[bytes] = set()
+        self._unwatched: set[bytes] = set()
+        self._tidy: asyncio.Future[Any] | None = None
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._listen(), name="embedq-results-listen"),
@@ -60,15 +65,18 @@ class AsyncResults:
         key = self.backend.get_key_for_task(job_id)
         return key if isinstance(key, bytes) else str(key).encode()
 
-    async def wait(self, job_id: str, timeout: float | None) -> dict[str, Any]:
-        """The job's result payload (the dict its worker stored), deleted from Redis once read; raises the job's
-        typed error, or :class:`~embedq.errors.JobTimeout` after ``timeout`` seconds."""
+    async def wait(self, job_id: str, timeout: float | None, *, forget: bool = True) -> dict[str, Any]:
+        """The job's result payload (the dict its worker stored), deleted from Redis once read unless not
+        ``forget``; raises the job's typed error, or :class:`~embedq.errors.JobTimeout` after ``timeout``
+        seconds."""
         key = self.key(job_id)
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._waiting[key] = future
+        waiters = self._waiting.setdefault(key, set())
+        waiters.add(future)
         try:
-            await self.pubsub.subscribe(key)
-            self._subscribed.set()
+            if len(waiters) == 1:
+                await self.pubsub.subscribe(key)
+                self._subscribed.set()
             stored = await self.redis.get(key)  # stored before the subscription took effect
             if stored is not None and not future.done():
                 future.set_result(stored)
@@ -77,20 +85,38 @@ class AsyncResults:
             except asyncio.TimeoutError:
                 raise errors.JobTimeout(f"job {job_id} has no result after {timeout}s") from None
         finally:
-            self._waiting.pop(key, None)
-            self._later(self.pubsub.unsubscribe(key))
-        self._later(self.redis.delete(key))  # read once: it does not stay in Redis for its TTL (off the answer's path)
+            waiters.discard(future)
+            if not waiters and self._waiting.get(key) is waiters:
+                del self._waiting[key]
+                self._unwatched.add(key)
+                self._schedule_tidy()
+        if forget:  # read once: it does not stay in Redis for its TTL (off the answer's path)
+            self._read.add(key)
+            self._schedule_tidy()
         return self.decode(raw)
 
-    def _later(self, coroutine: Any) -> None:
-        task = asyncio.ensure_future(coroutine)
-        self._background.add(task)
-        task.add_done_callback(self._done)
+    def _schedule_tidy(self) -> None:
+        if self._tidy is None:
+            self._tidy = asyncio.ensure_future(self._tidy_up())
+            self._background.add(self._tidy)
+            self._tidy.add_done_callback(self._done)
+
+    async def _tidy_up(self) -> None:
+        """One UNSUBSCRIBE and one DEL for the keys of every request that ended in this turn of the loop."""
+        await asyncio.sleep(0)
+        self._tidy = None
+        read, self._read = self._read, set()
+        unwatched = [k for k in self._unwatched if k not in self._waiting]  # not waited for again meanwhile
+        self._unwatched = set()
+        if unwatched:
+            await self.pubsub.unsubscribe(*unwatched)
+        if read:
+            await self.redis.delete(*read)
 
     def _done(self, task: asyncio.Future[Any]) -> None:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.warning("cannot delete a read result (%s)", task.exception())
+            log.warning("cannot delete read results or unsubscribe (%s)", task.exception())
 
     def decode(self, raw: bytes) -> dict[str, Any]:
         meta = self.backend.decode_result(raw)
@@ -102,9 +128,9 @@ class AsyncResults:
         raise errors.BackendError(f"unexpected job state {status!r}")
 
     def _deliver(self, key: bytes, raw: bytes) -> None:
-        future = self._waiting.get(key)
-        if future is not None and not future.done():
-            future.set_result(raw)
+        for future in self._waiting.get(key, ()):
+            if not future.done():
+                future.set_result(raw)
 
     async def _listen(self) -> None:
         while True:
