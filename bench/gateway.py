@@ -2,6 +2,7 @@
 
     python bench/gateway.py                                   # 64 clients, 1-text and 32-text requests
     python bench/gateway.py --n 512 --rounds 1                # quick
+    python bench/gateway.py --latency-only --rounds 5 --stacks auto,asyncio:h11   # uvloop+httptools or not
 
 One private redis-server, one worker (all-MiniLM-L6-v2, its runtime chosen by measurement), one ``embedq serve``
 process. For each request size, ``--concurrency`` clients send the corpus texts as requests of that size, all
@@ -45,12 +46,14 @@ from embedq.producers.embedded import RedisServer, free_port, start_worker, stop
 from embedq.settings import Settings  # noqa: E402
 
 
-def start_gateway(redis_url: str, queue: str, log: Path) -> tuple[subprocess.Popen, str]:
-
+def start_gateway(redis_url: str, queue: str, log: Path, stack: str = "auto") -> tuple[subprocess.Popen, str]:
+    """``embedq serve`` on a free port; ``stack``: uvicorn's ``loop:http`` (``auto``: what the extra installs)."""
+    loop, _, http = stack.partition(":")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_") or k.endswith("_CACHE")}
     env.update({"EMBEDQ_BROKER_URL": redis_url, "EMBEDQ_QUEUE": queue, "PYTHONPATH": str(ROOT)})
-    proc = subprocess.Popen([sys.executable, "-m", "embedq", "serve", "--port", str(port), "--loglevel", "warning"],
+    proc = subprocess.Popen([sys.executable, "-m", "embedq", "serve", "--port", str(port), "--loglevel", "warning",
+                             "--loop", loop or "auto", "--http", http or "auto"],
                             env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     return proc, _healthy(proc, f"http://127.0.0.1:{port}", log, "the gateway", 60)
 
@@ -152,6 +155,9 @@ def main() -> None:
     p.add_argument("--n-latency", type=int, default=200, help="one-text requests of the sequential latency run")
     p.add_argument("--rounds", type=int, default=2, help="client/gateway alternations per request size")
     p.add_argument("--infinity", action="store_true", help="also run Infinity's HTTP server on the same requests")
+    p.add_argument("--stacks", default="auto", help="comma-separated uvicorn loop:http stacks whose added latency "
+                   "is measured side by side, e.g. auto,asyncio:h11 (the throughput runs use the first)")
+    p.add_argument("--latency-only", action="store_true", help="measure the added latency only")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     texts = load_texts(args.n)
@@ -165,29 +171,42 @@ def main() -> None:
         worker = start_worker(settings, log_path=tmp / "worker.log")
         client = Client(settings)
         gateway = infinity = None
+        others: list[subprocess.Popen] = []
         try:
             wait_for_worker(client.app, worker, timeout=600, log_path=tmp / "worker.log")
-            gateway, url = start_gateway(redis_server.url, settings.queue_name, tmp / "gateway.log")
+            stacks = args.stacks.split(",")
+            gateway, url = start_gateway(redis_server.url, settings.queue_name, tmp / "gateway.log", stacks[0])
+            urls = {stacks[0]: url}
+            for stack in stacks[1:]:
+                proc, urls[stack] = start_gateway(redis_server.url, settings.queue_name,
+                                                  tmp / f"gateway-{stack.replace(':', '-')}.log", stack)
+                others.append(proc)
             sides = ["client", "gateway"]
             if args.infinity:
                 infinity, infinity_url = start_infinity(tmp / "infinity.log", os.cpu_count() or 1)
                 infinity_run(infinity_url, [texts[:32]] * 4, 4)
                 sides.append("infinity")
             client.embed(texts[:64])
-            gateway_run(url, [texts[:32]] * 4, 4)
+            for each in urls.values():
+                gateway_run(each, [texts[:32]] * 4, 4)
             # added latency where nothing queues: one client, one-text requests one after another
             one = [[t] for t in texts[:args.n_latency]]
-            lat: dict[str, list[float]] = {"client": [], "gateway": []}
+            lat: dict[str, list[float]] = {"client": [], **{stack: [] for stack in stacks}}
             for _ in range(args.rounds):
                 lat["client"] += client_run(client, one, 1)[1]
-                lat["gateway"] += gateway_run(url, one, 1)[1]
+                for stack, each in urls.items():
+                    lat[stack] += gateway_run(each, one, 1)[1]
             p50 = {k: float(np.percentile(v, 50) * 1e3) for k, v in lat.items()}
-            report["latency"] = {"requests": len(one) * args.rounds, **{f"{k}_p50_ms": v for k, v in p50.items()},
-                                 "added_p50_ms": p50["gateway"] - p50["client"]}
-            added = p50["gateway"] - p50["client"]
-            print(f"one client, one-text requests one at a time ({len(one) * args.rounds} each): p50 Client "
-                  f"{p50['client']:.2f} ms, gateway {p50['gateway']:.2f} ms -> added {added:+.2f} ms", flush=True)
-            for size, n in ((1, args.n_one), (32, args.n)):
+            report["latency"] = {"requests": len(one) * args.rounds, "client_p50_ms": p50["client"],
+                                 "gateway_p50_ms": p50[stacks[0]], "added_p50_ms": p50[stacks[0]] - p50["client"],
+                                 "stacks": {stack: {"p50_ms": p50[stack], "added_p50_ms": p50[stack] - p50["client"]}
+                                            for stack in stacks}}
+            for stack in stacks:
+                added = p50[stack] - p50["client"]
+                print(f"one client, one-text requests one at a time ({len(one) * args.rounds} each): p50 Client "
+                      f"{p50['client']:.2f} ms, gateway ({stack}) {p50[stack]:.2f} ms -> added {added:+.2f} ms",
+                      flush=True)
+            for size, n in ((1, args.n_one), (32, args.n)) if not args.latency_only else ():
                 requests = [texts[i:i + size] for i in range(0, n, size)]
                 best: dict[str, tuple[float, list[float]]] = {}
                 for _ in range(args.rounds):
@@ -230,7 +249,7 @@ def main() -> None:
                     print(f"   Infinity {inf['texts_per_s']:.1f} texts/s (p50 {inf['p50_ms']:.1f} ms): gateway / "
                           f"Infinity {row['gateway_over_infinity']:.2f}x", flush=True)
         finally:
-            for proc in (gateway, infinity):
+            for proc in (gateway, infinity, *others):
                 if proc is not None:
                     proc.terminate()
                     proc.wait(30)

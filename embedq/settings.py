@@ -156,6 +156,11 @@ class Settings(BaseSettings):
         default=None, description="`embedq serve`: comma-separated origins browsers may call it from, or `*`; "
         "unset: no CORS headers.",
     )
+    gateway_models: str | None = Field(
+        default=None, description="`embedq serve`: more models behind the same gateway, comma-separated, each "
+        "`name` (a model id: its workers' default queue) or `name=queue`; a request picks one by OpenAI's `model` "
+        "or the `X-Embedq-Model` header (default: EMBEDQ_MODEL).",
+    )
     webhook_allow: str | None = Field(
         default=None, description="`embedq serve`: comma-separated URL prefixes a `POST /jobs` webhook may call "
         "(e.g. `https://hooks.example.com/`); unset: webhooks are refused (a gateway that calls any URL a caller "

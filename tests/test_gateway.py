@@ -219,6 +219,42 @@ def test_b_rerank_predict_and_sparse_models_behind_the_gateway(redis_server, cor
             worker.stop()
 
 
+def test_several_models_behind_one_gateway(redis_server, worker, corpus, tmp_path):
+    """The shared MiniLM worker and a tiny BERT (another vector space) behind one gateway: OpenAI's ``model`` and
+    ``X-Embedq-Model`` pick the queue, each answer equals its own model's Client, an unknown name is a 404
+    (never another model's vectors), and /v1/models lists both."""
+    import openai
+
+    folder = tiny_models.bert_mlm(tmp_path / "tiny-bert")
+    tiny = WorkerHandle(Settings(broker_url=redis_server.url, queue=f"embedq.test.gw-tiny-{os.getpid()}",
+                                 model=str(folder), linear_kernel="torch"), tmp_path / "tiny-worker.log")
+    g = Gateway(redis_server.url, worker.settings.queue_name, tmp_path / "gw.log",
+                EMBEDQ_GATEWAY_MODELS=f"tiny-bert={tiny.settings.queue_name}")
+    try:
+        texts = corpus[1100:1103]
+        client = openai.OpenAI(base_url=g.url + "/v1", api_key="unused", max_retries=0)
+        small = client.embeddings.create(model="tiny-bert", input=texts)
+        assert small.model == "tiny-bert"
+        got = np.array([d.embedding for d in small.data], dtype=np.float32)
+        assert got.shape == (3, 32) and np.abs(got - tiny.client.embed(texts, normalize=True)).max() <= 1e-6
+        default = np.array([d.embedding for d in client.embeddings.create(model="all-MiniLM-L6-v2",
+                                                                             input=texts).data])
+        assert np.abs(default - worker.client.embed(texts)).max() <= 1e-6  # its repo id's last part names it
+        with pytest.raises(openai.NotFoundError, match="not served"):
+            client.embeddings.create(model="text-embedding-3-small", input=texts)
+        raw = httpx.post(g.url + "/embed", json={"inputs": texts, "normalize": False},
+                         headers={"X-Embedq-Model": "tiny-bert"}).json()
+        assert np.abs(np.array(raw) - tiny.client.embed(texts, normalize=False)).max() <= 1e-6
+        assert len(httpx.post(g.url + "/embed", json={"inputs": texts[:1]}).json()[0]) == 384  # no header
+        assert httpx.get(g.url + "/info", headers={"X-Embedq-Model": "tiny-bert"}).json()["served_model_name"] \
+            == "tiny-bert"
+        listed = httpx.get(g.url + "/v1/models").json()
+        assert {m["id"]: m["ready"] for m in listed["data"]} == {worker.settings.model: True, "tiny-bert": True}
+    finally:
+        g.stop()
+        tiny.stop()
+
+
 def test_e_a_disconnected_client_s_job_never_runs_and_a_deadline_expires(redis_server, corpus, tmp_path):
     """Requests to a queue no worker serves yet: one whose client gives up after 0.5 s, one with a 1 s deadline
     (504), an async job deleted before it ran. When a worker then starts on that queue, none reaches the model:

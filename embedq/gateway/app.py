@@ -68,7 +68,7 @@ class JSONResponse(_StarletteJSON):
 # -- errors -------------------------------------------------------------------------------------------------
 def http_status(exc: errors.EmbedqError) -> tuple[int, str]:
     """(HTTP status, TEI ``error_type``) of an embedq error, by TEI's mapping."""
-    if isinstance(exc, JobNotFound):
+    if isinstance(exc, (JobNotFound, ModelNotFound)):
         return 404, "NotFound"
     if isinstance(exc, (errors.EmptyInput, errors.EmptyText)):
         return 400, "Empty"
@@ -111,7 +111,7 @@ def openai_error(status: int, error_type: str, message: str) -> JSONResponse:
 
 
 def _is_openai(request: Request) -> bool:
-    return request.url.path in ("/v1/embeddings", "/embeddings")
+    return request.url.path in ("/v1/embeddings", "/embeddings", "/v1/models", "/models")
 
 
 def _error_response(request: Request, status: int, error_type: str, message: str) -> JSONResponse:
@@ -237,10 +237,15 @@ class JobRequest(_Body):
     kind: str
     body: dict[str, Any]
     webhook: str | None = None  # called with the job's state once it is done (EMBEDQ_WEBHOOK_ALLOW)
+    model: str | None = None  # of a gateway's several models (else X-Embedq-Model, else its own)
 
 
 class JobNotFound(errors.ValidationError):
     code = "job_not_found"
+
+
+class ModelNotFound(errors.ValidationError):
+    code = "model_not_found"
 
 
 def _texts(inputs: Any) -> list[str]:
@@ -264,11 +269,25 @@ class Plan:
     answer: Callable[[list[dict[str, Any]]], Any]
 
 
+def served_models(settings: Settings) -> dict[str, Settings]:
+    """The models a gateway serves, by the name a request gives (OpenAI's ``model``, ``X-Embedq-Model``): the
+    settings' own model, then each entry of ``EMBEDQ_GATEWAY_MODELS`` (``name`` or ``name=queue``; a bare name is
+    a model id and its queue the one a worker of that model consumes by default)."""
+    models = {settings.model: settings}
+    for entry in (e.strip() for e in (settings.gateway_models or "").split(",") if e.strip()):
+        name, _, queue = (part.strip() for part in entry.partition("="))
+        if not name:
+            raise errors.InvalidOption(f"EMBEDQ_GATEWAY_MODELS: an entry has no name ({entry!r})")
+        models[name] = settings.model_copy(update={"model": name, "queue": queue or None, "bulk_queue": None})
+    return models
+
+
 class Gateway:
     """The client, the result waiter and the registry reads one gateway process shares between requests."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.models = served_models(settings)
         self.client = Client(settings, follow_results=False)
         self.results: AsyncResults | None = None
         self._registry: tuple[float, list[dict[str, Any]]] = (0.0, [])
@@ -283,17 +302,33 @@ class Gateway:
             await self.results.close()
         self.client.close()
 
-    async def workers(self) -> list[dict[str, Any]]:
-        """Live workers serving this gateway's online queue (the registry, re-read at most once a second)."""
+    def target(self, request: Request, model: str | None = None) -> tuple[str, Settings]:
+        """The model a request is for, and its settings (its queues): ``model`` (OpenAI's field), else the
+        ``X-Embedq-Model`` header, else the gateway's own model. A gateway of one model takes any name (and
+        answers with it, as TEI does); a gateway of several refuses a name it does not serve (404)."""
+        name = model or request.headers.get("x-embedq-model") or self.settings.model
+        if name in self.models:
+            return name, self.models[name]
+        if len(self.models) == 1:
+            return name, self.settings
+        short = {k.rstrip("/").rsplit("/", 1)[-1]: k for k in self.models}  # "all-MiniLM-L6-v2" for a repo id
+        if name in short:
+            return name, self.models[short[name]]
+        raise ModelNotFound(f"The model `{name}` is not served here (served: {', '.join(self.models)})")
+
+    async def workers(self, target: Settings | None = None) -> list[dict[str, Any]]:
+        """Live workers serving ``target``'s online queue (default: the gateway's own model; the registry is
+        re-read at most once a second)."""
         at, records = self._registry
         if time.monotonic() - at > REGISTRY_TTL:
             records = await asyncio.to_thread(monitor.live_workers, self.client.redis())
             self._registry = (time.monotonic(), records)
-        queue = self.settings.queue_name
+        queue = (target or self.settings).queue_name
         return [r for r in records if r.get("ready") and queue in (r.get("queues") or [])]
 
-    async def send(self, request: Request, plan: Plan) -> list[Any]:
-        """``plan``'s items as jobs of at most ``max_texts_per_job`` items, sent: their handles, in order."""
+    async def send(self, request: Request, plan: Plan, model: str | None = None) -> list[Any]:
+        """``plan``'s items as jobs of at most ``max_texts_per_job`` items, sent to the queue of the request's
+        model (:meth:`target`): their handles, in order."""
         if not plan.items:
             raise errors.EmptyInput("Input validation error: `inputs` cannot be empty")
         cap = self.settings.max_client_batch_size
@@ -302,11 +337,12 @@ class Gateway:
                                        f"size {cap} (EMBEDQ_MAX_CLIENT_BATCH_SIZE)")
         traffic_class = BULK if request.headers.get("x-embedq-class", "").lower() == BULK else ONLINE
         deadline = _deadline(request.headers.get("x-embedq-deadline"))
+        queue = self.target(request, model)[1].queue_for(traffic_class)
         size = self.settings.max_texts_per_job
         handles: list[Any] = []
         try:
             for i in range(0, len(plan.items), size):
-                handles.append(await asyncio.to_thread(plan.submit, plan.items[i:i + size],
+                handles.append(await asyncio.to_thread(plan.submit, plan.items[i:i + size], queue=queue,
                                                        traffic_class=traffic_class, deadline=deadline,
                                                        **plan.options))
         except BaseException:
@@ -314,10 +350,10 @@ class Gateway:
             raise
         return handles
 
-    async def run(self, request: Request, plan: Plan) -> Any:
+    async def run(self, request: Request, plan: Plan, model: str | None = None) -> Any:
         """``plan`` sent and awaited: its answer."""
         assert self.results is not None
-        handles = await self.send(request, plan)
+        handles = await self.send(request, plan, model)
         deadline = _deadline(request.headers.get("x-embedq-deadline"))
         # past its deadline (and a grace for a job that started just in time) no result will come
         timeout = DEFAULT_RESULT_TIMEOUT if deadline is None else deadline + DEADLINE_GRACE
@@ -643,12 +679,13 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
                 data: list[Any] = [base64.b64encode(v.tobytes()).decode("ascii") for v in vectors]
             else:
                 data = list(vectors)
-            return {"object": "list", "model": body.model or settings.model,
+            return {"object": "list", "model": name,
                     "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                     "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)]}
 
+        name = gateway.target(request, body.model)[0]
         return JSONResponse(await gateway.run(request, embed_plan(_texts(body.input), answer, normalize=True,
-                                                                  dimensions=body.dimensions)))
+                                                                  dimensions=body.dimensions), body.model))
 
     app.post("/v1/embeddings", summary="OpenAI embeddings", responses=OPENAI_ERRORS)(openai_embeddings)
     app.post("/embeddings", summary="OpenAI embeddings (without /v1)", responses=OPENAI_ERRORS)(openai_embeddings)
@@ -700,10 +737,10 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
             raise errors.InvalidOption(f"unknown job kind {body.kind!r} (known: {', '.join(planners)})")
         webhook = check_url(body.webhook, settings.webhook_allow) if body.webhook is not None else None
         model, planner = planners[body.kind]
-        handles = await gateway.send(request, planner(parse(model, body.body)))
+        handles = await gateway.send(request, planner(parse(model, body.body)), body.model)
         job_id = uuid.uuid4().hex  # random: a job id cannot be guessed
         record: dict[str, Any] = {"kind": body.kind, "body": body.body, "jobs": [h.id for h in handles],
-                                  "created": time.time()}
+                                  "model": gateway.target(request, body.model)[0], "created": time.time()}
         if webhook is not None:
             record["webhook"] = {"url": webhook, "state": "pending"}
         await gateway.results.redis.set(JOB_KEY.format(job_id), json.dumps(record), ex=settings.result_ttl)
@@ -766,7 +803,7 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
               responses=TEI_ERRORS)
     @app.post("/invocations", summary="SageMaker's path of POST /", responses=TEI_ERRORS)
     async def root(request: Request) -> Response:
-        workers = await gateway.workers()
+        workers = await gateway.workers(gateway.target(request)[1])
         kinds = set((workers[0].get("kinds") or []) if workers else [])
         try:
             payload = await request.json()
@@ -798,11 +835,22 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
             return Response(status_code=200, media_type="text/plain")
         return tei_error(503, "Unhealthy", "unhealthy")
 
-    @app.get("/info", summary="TEI's model and router information", responses=_responses(TeiError, 401, 503))
-    async def info() -> dict[str, Any]:
-        workers = await gateway.workers()
+    @app.get("/v1/models", summary="OpenAI: the models this gateway serves (ready: a live worker serves it)",
+             responses=_responses(OpenAIError, 401))
+    @app.get("/models", summary="OpenAI: the models this gateway serves (without /v1)",
+             responses=_responses(OpenAIError, 401))
+    async def list_models() -> Response:
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "embedq",
+                 "ready": bool(await gateway.workers(target))} for name, target in gateway.models.items()]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/info", summary="TEI's model and router information (X-Embedq-Model: of which model)",
+             responses=_responses(TeiError, 401, 404, 503))
+    async def info(request: Request) -> dict[str, Any]:
+        name, target = gateway.target(request)
+        workers = await gateway.workers(target)
         if not workers:
-            raise errors.Unavailable(f"no live worker serves queue {settings.queue_name}")
+            raise errors.Unavailable(f"no live worker serves queue {target.queue_name}")
         w = workers[0]
         kinds = w.get("kinds") or []
         labels = w.get("labels") or []
@@ -814,8 +862,8 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
                                          "label2id": {v: i for i, v in enumerate(labels)}}}
         else:
             model_type = {"embedding": {"pooling": str(w.get("pooling", "")).replace("lasttoken", "last_token")}}
-        return {"model_id": w.get("model", settings.model), "model_sha": w.get("weights_sha256"),
-                "model_dtype": w.get("dtype"), "served_model_name": settings.model, "model_type": model_type,
+        return {"model_id": w.get("model", name), "model_sha": w.get("weights_sha256"),
+                "model_dtype": w.get("dtype"), "served_model_name": name, "model_type": model_type,
                 "max_concurrent_requests": settings.online_queue_limit or 0,
                 "max_input_length": w.get("max_seq_length"), "max_batch_tokens": w.get("max_batch_tokens"),
                 "max_batch_requests": None, "max_client_batch_size": settings.max_texts_per_job,

@@ -166,7 +166,8 @@ def cmd_serve(ns: argparse.Namespace, settings: Settings) -> int:
     if key is None and ns.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"embedq serve: warning: no EMBEDQ_API_KEY, and listening on {ns.host}", file=sys.stderr)
     uvicorn.run(create_app(settings, api_key=key), host=ns.host, port=ns.port, log_level=ns.loglevel.lower(),
-                access_log=ns.access_log, lifespan="on")  # "on": a gateway that cannot start its waiter exits
+                access_log=ns.access_log, lifespan="on",  # "on": a gateway that cannot start its waiter exits
+                loop=ns.loop, http=ns.http)
     return 0
 
 
@@ -241,14 +242,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_status)
 
     g = sub.add_parser("serve", help="the HTTP gateway: TEI's and OpenAI's embedding APIs over the queue",
-                       description="Serve POST /v1/embeddings, /embeddings (OpenAI) and /embed (TEI), GET /info and "
-                       "/health for the model of EMBEDQ_MODEL (its queue), through the broker of EMBEDQ_BROKER_URL. "
-                       "Stateless: run as many as you like. EMBEDQ_API_KEY turns on bearer auth.")
+                       description="Serve OpenAI's POST /v1/embeddings and TEI's routes (/embed, /rerank, /predict, "
+                       "/embed_sparse, /tokenize, /decode, ...), async /jobs, GET /info and /health for the model of "
+                       "EMBEDQ_MODEL (its queue) and those of EMBEDQ_GATEWAY_MODELS, through the broker of "
+                       "EMBEDQ_BROKER_URL. Stateless: run as many as you like. EMBEDQ_API_KEY turns on bearer auth.")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8080)
     g.add_argument("--model", help="the served model (EMBEDQ_MODEL): its queue, and the name /info reports")
     g.add_argument("--loglevel", default="INFO")
     g.add_argument("--access-log", action="store_true", help="log every request (never its Authorization header)")
+    g.add_argument("--loop", choices=["auto", "uvloop", "asyncio"], default="auto",
+                   help="uvicorn's event loop (auto: uvloop when installed, as the gateway extra does)")
+    g.add_argument("--http", choices=["auto", "httptools", "h11"], default="auto",
+                   help="uvicorn's HTTP parser (auto: httptools when installed)")
     g.set_defaults(func=cmd_serve)
 
     f = sub.add_parser("flower", help="start Flower (Celery's web monitor) against the configured broker",
