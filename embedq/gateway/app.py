@@ -529,7 +529,7 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
         assert gateway.results is not None
-        secret = settings.webhook_secret.get_secret_value().encode() if settings.webhook_secret else None
+        secret = (settings.webhook_secret.get_secret_value() if settings.webhook_secret else "").encode() or None
         hooks = Webhooks(gateway.results.redis, secret=secret, attempts=settings.webhook_attempts,
                          lease=settings.webhook_lease,
                          record=stored_record, wait=wait_record, state=job_state, save=save_record,
