@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from embedq.backends.cpu import guard_amx
 from embedq.producers.client import Client
-from embedq.producers.embedded import RedisServer, start_worker, stop_worker, wait_for_worker
+from embedq.producers.embedded import RedisServer, free_port, start_worker, stop_worker, wait_for_worker
 from embedq.settings import Settings
 
 # Tests load CPU models in this process too: protect it from VMs whose AMX faults (see embedq/backends/cpu.py)
 # before any test runs oneDNN.
 guard_amx()
 
-CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "corpus.jsonl"
+ROOT_DIR = Path(__file__).resolve().parents[1]
+CORPUS = ROOT_DIR.parent / "shared" / "data" / "corpus.jsonl"
 
 
 def load_corpus(n: int | None = None) -> list[str]:
@@ -95,3 +99,36 @@ def worker(redis_server, tmp_path_factory):
     handle = WorkerHandle(settings, tmp_path_factory.mktemp("logs") / "worker.log")
     yield handle
     handle.stop()
+
+
+class GatewayHandle:
+    """A real `embedq serve` process on a free port (its environment: the broker, the queue, ``env``)."""
+
+    def __init__(self, broker_url: str, queue: str, log: Path, **env: str) -> None:
+        import httpx
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_") or k.endswith("_CACHE")}
+        environ.update({"EMBEDQ_BROKER_URL": broker_url, "EMBEDQ_QUEUE": queue, "PYTHONPATH": str(ROOT_DIR), **env})
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, "-m", "embedq", "serve", "--port", str(self.port)],
+                                     env=environ, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the gateway exited ({self.proc.returncode}):\n{log.read_text()}")
+            try:
+                httpx.get(self.url + "/openapi.json", timeout=1)
+                return
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the gateway did not answer:\n{log.read_text()}") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()

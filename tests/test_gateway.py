@@ -19,9 +19,9 @@ import httpx
 import numpy as np
 import pytest
 import tiny_models
+from conftest import GatewayHandle as Gateway
 from conftest import WorkerHandle
 
-from embedq.producers.embedded import free_port
 from embedq.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -29,35 +29,6 @@ pytestmark = pytest.mark.integration
 os.environ.setdefault("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class Gateway:
-    def __init__(self, broker_url: str, queue: str, log: Path, **env: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        environ = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_") or k.endswith("_CACHE")}
-        environ.update({"EMBEDQ_BROKER_URL": broker_url, "EMBEDQ_QUEUE": queue, "PYTHONPATH": str(ROOT), **env})
-        self.log = log
-        self.proc = subprocess.Popen([sys.executable, "-m", "embedq", "serve", "--port", str(self.port)],
-                                     env=environ, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the gateway exited ({self.proc.returncode}):\n{log.read_text()}")
-            try:
-                httpx.get(self.url + "/openapi.json", timeout=1)
-                return
-            except httpx.HTTPError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the gateway did not answer:\n{log.read_text()}") from None
-                time.sleep(0.2)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 @pytest.fixture(scope="module")

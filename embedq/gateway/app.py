@@ -22,6 +22,7 @@ import base64
 import contextlib
 import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -46,12 +47,16 @@ from embedq.producers.client import DEADLINE_GRACE, DEFAULT_RESULT_TIMEOUT, Clie
 from embedq.protocol import decode_result
 from embedq.settings import Settings
 
+log = logging.getLogger(__name__)
+
 #: Routes anyone may call when an API key is set (TEI's public routes).
 PUBLIC = frozenset({"/health", "/ping", "/metrics", "/docs", "/openapi.json", "/docs/oauth2-redirect"})
 #: Seconds a read of the live-worker registry is reused (``/health``, ``/info``).
 REGISTRY_TTL = 1.0
 #: Seconds an overloaded client is told to wait (``Retry-After``).
 RETRY_AFTER = 1
+#: Seconds between looks, while requests wait, at whether Redis restarted or lost its data (then: resend).
+EPOCH_CHECK = 1.0
 #: The record of an async job (``POST /jobs``): its kind, its request body and its embedq job ids.
 JOB_KEY = "embedq.gateway.job.{}"
 
@@ -292,15 +297,37 @@ class Gateway:
         self.results: AsyncResults | None = None
         self._registry: tuple[float, list[dict[str, Any]]] = (0.0, [])
         self.meter = GatewayMetrics()
+        self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.results = AsyncResults(self.client.app, self.settings.result_url or self.settings.broker_url)
         await self.results.start()
+        self._watch = asyncio.create_task(self._watch_broker(), name="embedq-gateway-broker-epoch")
 
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
         if self.results is not None:
             await self.results.close()
         self.client.close()
+
+    async def _watch_broker(self) -> None:
+        """While requests wait: has Redis restarted or lost its data since their jobs were sent? Then the jobs
+        still waiting are sent again under their ids (``Client.resend_lost``; a worker that holds or has stored
+        a job takes the copy as the same job), as a blocking ``JobHandle.result`` does for its own."""
+        while True:
+            await asyncio.sleep(EPOCH_CHECK)
+            if not self.client.pending:
+                continue
+            try:
+                epoch = await asyncio.to_thread(self.client.epoch, refresh=True)
+                await asyncio.to_thread(self.client.resend_lost, epoch)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis is away: the next look tries again
+                log.warning("cannot check the broker for lost jobs (%s: %s)", type(exc).__name__, exc)
 
     def target(self, request: Request, model: str | None = None) -> tuple[str, Settings]:
         """The model a request is for, and its settings (its queues): ``model`` (OpenAI's field), else the
@@ -374,6 +401,8 @@ class Gateway:
             raise
         finally:
             gone.cancel()
+        for handle in handles:  # answered: nothing to send again if Redis restarts now
+            self.client.pending.discard(handle)
         for outcome in outcomes:
             if isinstance(outcome, errors.JobTimeout) and deadline is not None:
                 await asyncio.gather(*(self._forget(h) for h in handles))

@@ -5,12 +5,13 @@ from __future__ import annotations
 import signal
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 import trustme
-from conftest import WorkerHandle
+from conftest import GatewayHandle, WorkerHandle
 
 from embedq import errors
 from embedq.producers.client import Client
@@ -71,6 +72,39 @@ def test_b_redis_restarts_mid_run_the_worker_recovers_and_no_job_is_lost(persist
     finally:
         worker.stop()
         client.close()
+        server.stop()
+
+
+def test_gateway_requests_outlive_a_redis_restart_without_its_data(tmp_path, corpus):
+    """Forty HTTP requests wait on the gateway for a backlog of work when Redis is SIGKILLed and comes back empty:
+    the gateway sees the new epoch and sends the lost jobs again, and every request is answered with its own
+    texts' vectors (equal to a Client's), none with an error."""
+    import httpx
+
+    server = RedisServer(persist=False).start()
+    # a small window: most jobs are still in Redis (and lost with it) when it goes, not held by the worker
+    settings = Settings(broker_url=server.url, queue=_queue(), prefetch_window=4)
+    worker = WorkerHandle(settings, tmp_path / "worker.log")
+    gateway = GatewayHandle(server.url, settings.queue_name, tmp_path / "gateway.log")
+    requests = [[f"{t[:400]} #{i}-{j}" for j, t in enumerate(corpus[i * 8:(i + 1) * 8])] for i in range(40)]
+    try:
+        assert worker.client.embed(["warm"], timeout=120).shape == (1, 384)
+        with ThreadPoolExecutor(len(requests)) as pool:
+            answers = [pool.submit(httpx.post, gateway.url + "/embed", json={"inputs": texts}, timeout=180)
+                       for texts in requests]
+            time.sleep(0.5)  # 320 texts take the worker seconds: most requests are waiting
+            server.proc.send_signal(signal.SIGKILL)
+            server.proc.wait(30)
+            time.sleep(1)
+            server.start()
+            got = [a.result() for a in answers]
+        assert [r.status_code for r in got] == [200] * len(requests), [r.text[:200] for r in got]
+        assert "sending" in gateway.log.read_text()  # the waiting jobs were sent again
+        want = worker.client.embed([t for texts in requests for t in texts], timeout=180)
+        assert np.abs(np.concatenate([np.array(r.json(), dtype=np.float32) for r in got]) - want).max() <= 1e-6
+    finally:
+        gateway.stop()
+        worker.stop()
         server.stop()
 
 
