@@ -226,6 +226,55 @@ def test_several_models_behind_one_gateway(redis_server, worker, corpus, tmp_pat
         tiny.stop()
 
 
+def test_two_thousand_requests_wait_at_once_without_a_thread_each(redis_server, tmp_path):
+    """2,000 concurrent requests wait on one gateway for a queue no worker serves yet: the gateway holds them all
+    (its in-flight gauge) with a handful of OS threads; a worker then starts and every one is answered."""
+    import asyncio
+    import resource
+
+    n = 2000
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2 * n + 200:  # the gateway (a child: it inherits it) and this process each hold n sockets
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4 * n), hard))
+    queue = f"embedq.test.gw-many-{os.getpid()}"
+    g = Gateway(redis_server.url, queue, tmp_path / "gw.log", EMBEDQ_ONLINE_QUEUE_LIMIT="0")
+    worker = None
+    seen: dict[str, float] = {}
+
+    async def run() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        async with httpx.AsyncClient(base_url=g.url, limits=limits, timeout=300) as http, \
+                httpx.AsyncClient(base_url=g.url) as probe:
+            calls = [asyncio.ensure_future(http.post("/embed", json={"inputs": [f"text number {i}"]}))
+                     for i in range(n)]
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+                metrics = (await probe.get("/metrics")).text
+                waiting = next(float(line.split()[1]) for line in metrics.splitlines()
+                               if line.startswith("embedq_gateway_requests_in_flight "))
+                if waiting >= n:
+                    break
+            seen["in_flight"] = waiting
+            status = Path(f"/proc/{g.proc.pid}/status").read_text()
+            seen["threads"] = float(status.split("Threads:")[1].split()[0])
+            nonlocal worker
+            worker = await asyncio.to_thread(WorkerHandle, Settings(broker_url=redis_server.url, queue=queue),
+                                             tmp_path / "worker.log")
+            return await asyncio.gather(*calls)
+
+    try:
+        answers = asyncio.run(run())
+        assert seen["in_flight"] >= n, seen  # every request was waiting at once (plus the /metrics call)
+        assert seen["threads"] < 40, seen  # no OS thread per waiting request
+        assert [r.status_code for r in answers] == [200] * n
+        assert all(len(r.json()[0]) == 384 for r in answers)
+    finally:
+        g.stop()
+        if worker is not None:
+            worker.stop()
+
+
 def test_e_a_disconnected_client_s_job_never_runs_and_a_deadline_expires(redis_server, corpus, tmp_path):
     """Requests to a queue no worker serves yet: one whose client gives up after 0.5 s, one with a 1 s deadline
     (504), an async job deleted before it ran. When a worker then starts on that queue, none reaches the model:

@@ -37,10 +37,12 @@ from fastapi.responses import JSONResponse as _StarletteJSON
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 from pydantic import ValidationError as PydanticValidationError
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from embedq import __version__, errors, monitor
 from embedq.batching.traffic import BULK, ONLINE
+from embedq.broker import tls_options
 from embedq.gateway.results import AsyncResults
 from embedq.gateway.webhooks import Webhooks, check_url
 from embedq.producers.client import DEADLINE_GRACE, DEFAULT_RESULT_TIMEOUT, Client, decode_output
@@ -300,7 +302,9 @@ class Gateway:
         self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self.results = AsyncResults(self.client.app, self.settings.result_url or self.settings.broker_url)
+        url = self.settings.result_url or self.settings.broker_url
+        tls = tls_options(self.settings.model_copy(update={"broker_url": url})) or {}
+        self.results = AsyncResults(self.client.app, url, **tls)
         await self.results.start()
         self._watch = asyncio.create_task(self._watch_broker(), name="embedq-gateway-broker-epoch")
 
@@ -397,6 +401,7 @@ class Gateway:
             outcomes = waiting.result()
         except BaseException:
             waiting.cancel()
+            waiting.add_done_callback(_retrieve)  # its cancellation is expected: not "never retrieved"
             await asyncio.gather(*(self._forget(h) for h in handles))
             raise
         finally:
@@ -524,6 +529,11 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the request's client has gone (the ASGI server's ``http.disconnect``)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -589,6 +599,11 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
     async def embedq_error(request: Request, exc: errors.EmbedqError) -> JSONResponse:
         status, error_type = http_status(exc)
         return _error_response(request, status, error_type, str(exc))
+
+    @app.exception_handler(RedisError)
+    async def redis_error(request: Request, exc: RedisError) -> JSONResponse:  # the broker is away or refusing
+        log.warning("%s %s: Redis error (%s: %s)", request.method, request.url.path, type(exc).__name__, exc)
+        return _error_response(request, 503, "Unhealthy", f"the broker cannot be reached ({type(exc).__name__})")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

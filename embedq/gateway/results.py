@@ -23,16 +23,23 @@ log = logging.getLogger(__name__)
 
 #: Seconds between reads of every waited key (notifications can be lost; a record is never missed for long).
 POLL_SECONDS = 1.0
+#: Redis connections of one gateway process's commands (the pub/sub connection is one of them); a command
+#: waits for a free one (up to POOL_WAIT seconds) instead of failing when thousands of requests read at once.
+MAX_CONNECTIONS = 32
+POOL_WAIT = 30.0
 
 
 class AsyncResults:
     """Outcomes of jobs by id, awaited on one pub/sub connection (see the module's docstring)."""
 
-    def __init__(self, app: Celery, url: str) -> None:
+    def __init__(self, app: Celery, url: str, **options: Any) -> None:
+        """``options``: redis-py's connection arguments (TLS: ``ssl_ca_certs``, ...)."""
         import redis.asyncio as aioredis
 
         self.backend = app.backend  # used only to name, decode and delete records: no I/O through it
-        self.redis = aioredis.from_url(url)
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT,
+                                                        **options)
+        self.redis = aioredis.Redis(connection_pool=pool)
         self.pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
         self._waiting: dict[bytes, set[asyncio.Future[bytes]]] = {}  # a key may have several waiters
         self._tasks: list[asyncio.Task[None]] = []
