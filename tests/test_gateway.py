@@ -277,8 +277,8 @@ def test_two_thousand_requests_wait_at_once_without_a_thread_each(redis_server, 
 
 def test_e_a_disconnected_client_s_job_never_runs_and_a_deadline_expires(redis_server, corpus, tmp_path):
     """Requests to a queue no worker serves yet: one whose client gives up after 0.5 s, one with a 1 s deadline
-    (504), an async job deleted before it ran. When a worker then starts on that queue, none reaches the model:
-    its counters show only the request sent after it started."""
+    (504), one whose openai SDK says it waits 1 s (504), an async job deleted before it ran. When a worker then
+    starts on that queue, none reaches the model: its counters show only the request sent after it started."""
     queue = f"embedq.test.gw-late-{os.getpid()}"
     g = Gateway(redis_server.url, queue, tmp_path / "gw.log")
     worker = None
@@ -288,6 +288,10 @@ def test_e_a_disconnected_client_s_job_never_runs_and_a_deadline_expires(redis_s
         late = httpx.post(g.url + "/embed", json={"inputs": corpus[20:27]}, headers={"X-Embedq-Deadline": "1"},
                           timeout=30)
         assert late.status_code == 504 and late.json()["error_type"] == "Timeout", late.text
+        # the openai SDK's own timeout header is a deadline too (past it the SDK has given up, or retried)
+        sdk = httpx.post(g.url + "/v1/embeddings", json={"input": corpus[30:34], "model": "m"},
+                         headers={"x-stainless-read-timeout": "1.0"}, timeout=30)
+        assert sdk.status_code == 504 and sdk.json()["error"]["type"] == "Timeout", sdk.text
         queued = httpx.post(g.url + "/jobs", json={"kind": "embed", "body": {"inputs": corpus[60:65]}}).json()
         assert httpx.delete(f"{g.url}/jobs/{queued['id']}").json()["status"] == "cancelled"
         time.sleep(0.5)  # the cancels are sent

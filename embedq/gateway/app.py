@@ -367,7 +367,7 @@ class Gateway:
             raise errors.TooManyInputs(f"Input validation error: batch size {len(plan.items)} > maximum allowed batch "
                                        f"size {cap} (EMBEDQ_MAX_CLIENT_BATCH_SIZE)")
         traffic_class = BULK if request.headers.get("x-embedq-class", "").lower() == BULK else ONLINE
-        deadline = _deadline(request.headers.get("x-embedq-deadline"))
+        deadline = _deadline(request)
         queue = self.target(request, model)[1].queue_for(traffic_class)
         size = self.settings.max_texts_per_job
         handles: list[Any] = []
@@ -385,7 +385,7 @@ class Gateway:
         """``plan`` sent and awaited: its answer."""
         assert self.results is not None
         handles = await self.send(request, plan, model)
-        deadline = _deadline(request.headers.get("x-embedq-deadline"))
+        deadline = _deadline(request)
         # past its deadline (and a grace for a job that started just in time) no result will come
         timeout = DEFAULT_RESULT_TIMEOUT if deadline is None else deadline + DEADLINE_GRACE
         waiting = asyncio.ensure_future(asyncio.gather(*(self.results.wait(h.id, timeout) for h in handles),
@@ -540,15 +540,29 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _deadline(value: str | None) -> float | None:
+#: Headers in which clients say how long they will wait: the OpenAI SDKs' (Python: its read timeout; Node).
+CLIENT_TIMEOUT_HEADERS = ("x-stainless-read-timeout", "x-stainless-timeout")
+
+
+def _deadline(request: Request) -> float | None:
+    """Seconds the request's jobs may wait to start: ``X-Embedq-Deadline``, else the client's own timeout when it
+    sends it (past it the client has given up, and its SDK may be retrying: the first jobs would be wasted)."""
+    value = request.headers.get("x-embedq-deadline")
     if value is None or value == "":
+        for name in CLIENT_TIMEOUT_HEADERS:
+            try:
+                seconds = float(request.headers.get(name, ""))
+            except ValueError:  # absent or not a number: not ours to refuse
+                continue
+            if seconds > 0 and seconds == seconds:  # not NaN
+                return min(seconds, DEFAULT_RESULT_TIMEOUT)
         return None
     try:
         seconds = float(value)
     except ValueError:
         raise errors.InvalidOption(f"X-Embedq-Deadline must be seconds, got {value!r}") from None
-    if not seconds > 0:
-        raise errors.InvalidOption(f"X-Embedq-Deadline must be positive, got {value!r}")
+    if not seconds > 0 or seconds == float("inf"):
+        raise errors.InvalidOption(f"X-Embedq-Deadline must be positive seconds, got {value!r}")
     return seconds
 
 
