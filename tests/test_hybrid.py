@@ -107,7 +107,7 @@ def _check(got, want, outputs=("dense", "lexical", "colbert")):
 @pytest.mark.parametrize("kernel", ["auto", "torch", "onnxruntime"])
 def test_b_the_three_outputs_equal_flag_embedding(kernel, m3, corpus):
     backend = load_backend(str(m3), linear_kernel=kernel)
-    assert backend.info.kinds == ("embed", "embed_all", "embed_hybrid", "tokenize")
+    assert backend.info.kinds == ("embed", "embed_all", "embed_hybrid", "tokenize", "decode")
     if kernel == "onnxruntime":
         assert backend.info.linear_kernel == "onnxruntime"
     texts = _texts(corpus)

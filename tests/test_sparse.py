@@ -74,7 +74,7 @@ def _dense(vectors: list[SparseVector], width: int) -> np.ndarray:
 @pytest.mark.parametrize("name", ["max", "sum", "max-log1p_relu", "legacy"])
 def test_a_weights_equal_sparse_encoder(name, kernel, models, corpus):
     backend = load_backend(str(models[name]), linear_kernel=kernel)
-    assert backend.info.kinds == ("embed_sparse", "tokenize")
+    assert backend.info.kinds == ("embed_sparse", "tokenize", "decode")
     if kernel == "onnxruntime":
         assert backend.info.linear_kernel == "onnxruntime"
     texts = _texts(corpus)
@@ -86,15 +86,22 @@ def test_a_weights_equal_sparse_encoder(name, kernel, models, corpus):
     # |Δ| relative to the weight's scale (as the runtime probe measures): sum pooling adds up to 64 tokens'
     # weights, so ONNX Runtime's reordered fp32 (~3e-7 relative) shows as ~3e-5 on a weight of 50.
     assert (np.abs(dense - want) / np.maximum(1.0, np.abs(want))).max() <= 1e-5
-    if kernel == "torch":  # PyTorch's kernels: what SparseEncoder itself runs
+    if kernel == "torch" and name != "sum":  # PyTorch's kernels: what SparseEncoder itself runs
         assert np.abs(dense - want).max() <= 1e-5
+    elif kernel == "torch":
+        # Sum pooling adds up to 64 token weights, each from a micro-batch of another width than SparseEncoder's
+        # batch of 32, and the GEMM's blocking follows the width: on an AVX-512 CPU (machine A) |Δ| was 1.4e-5 on
+        # a weight of 9.2, 5.4e-6 relative at most (5.4e-6 absolute when all texts ran as one batch). So: the
+        # relative bound above, and every vector's cosine with SparseEncoder's at DESIGN.md's bar.
+        cosine = (dense * want).sum(1) / (np.linalg.norm(dense, axis=1) * np.linalg.norm(want, axis=1))
+        assert cosine.min() >= 0.99999
     assert 0 < np.mean([len(v) for v in got]) < 1000, "the tiny model's weights are sparse, as trained ones are"
 
 
 def test_a_a_bare_masked_lm_folder_with_pooling_splade_equals_its_sparse_encoder_twin(models, corpus):
     texts = _texts(corpus, 20)
     bare = load_backend(str(models["mlm"]), pooling="splade", linear_kernel="torch")
-    assert bare.info.kinds == ("embed_sparse", "tokenize") and bare.info.pooling == "splade-max"
+    assert bare.info.kinds == ("embed_sparse", "tokenize", "decode") and bare.info.pooling == "splade-max"
     twin = load_backend(str(models["max"]), linear_kernel="torch")
     got, theirs = _run(bare, texts), _run(twin, texts)
     want = _reference(models["mlm"], texts)  # SparseEncoder on the bare folder: MLM + max SPLADE pooling
@@ -102,7 +109,8 @@ def test_a_a_bare_masked_lm_folder_with_pooling_splade_equals_its_sparse_encoder
         assert a.indices.tolist() == b.indices.tolist() and np.array_equal(a.values, b.values)
     assert np.abs(_dense(got, want.shape[1]) - want).max() <= 1e-5
     # Without it the same folder is what SentenceTransformer makes of it: a mean-pooled embedding model.
-    assert load_backend(str(models["mlm"]), linear_kernel="torch").info.kinds == ("embed", "embed_all", "tokenize")
+    assert load_backend(str(models["mlm"]), linear_kernel="torch").info.kinds == ("embed", "embed_all", "tokenize",
+                                                                                   "decode")
     with pytest.raises(errors.UnsupportedModel, match="pooling=splade"):
         load_backend(str(tiny_models.bert_classifier(models["mlm"].parent / "cls")), pooling="splade")
 

@@ -284,10 +284,17 @@ def test_sigterm_finishes_the_batch_hands_the_buffer_back_and_exits_in_bounded_t
 def test_held_messages_are_not_redelivered_while_their_worker_lives(redis_server, tmp_path, corpus):
     """The buffer takes several visibility timeouts to drain; leases keep every held message its own."""
     settings = _settings(redis_server)
-    long_texts = sorted(corpus, key=len)[-400:]
+    longest = sorted(corpus, key=len)[-400:]
     worker = WorkerHandle(settings, tmp_path / "worker.log")
     client = Client(settings)
     try:
+        # As many one-text jobs as this machine's worker runs in three visibility timeouts (a fixed 400 drained
+        # within two on a fast CPU, and the test failed there): the rate measured on 64 of them first.
+        t0 = time.monotonic()
+        assert all(h.result(timeout=300).shape == (1, 384) for h in [client.submit([t]) for t in longest[:64]])
+        rate = 64 / (time.monotonic() - t0)
+        n = min(int(rate * 3 * settings.visibility_timeout) + 100, 20_000)
+        long_texts = [f"{longest[i % len(longest)]} #{i}" for i in range(n)]
         t0 = time.monotonic()
         handles = [client.submit([t]) for t in long_texts]
         assert all(h.result(timeout=300).shape == (1, 384) for h in handles)
