@@ -14,7 +14,7 @@ import copy
 import hashlib
 import inspect
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -358,6 +358,43 @@ class Encoder:
         return [Encoded(r, list(types[i]) if types is not None else None, 0) for i, r in enumerate(rows)]
 
     # -- inference ------------------------------------------------------------------------------------------
+    def layers(self) -> Any:
+        """The model's stack of transformer layers (the ``nn.ModuleList`` of ``num_hidden_layers`` blocks: BERT's
+        ``encoder.layer``, a decoder's ``layers``, ...), or None where there is none to find."""
+        if getattr(self, "_layers", False) is False:
+            count = int(getattr(self.model.config, "num_hidden_layers", 0) or 0)
+            stacks = [m for _, m in self.model.named_modules()
+                      if isinstance(m, torch.nn.ModuleList) and count and len(m) == count]
+            self._layers = stacks[0] if len(stacks) == 1 else None
+        return self._layers
+
+    @contextlib.contextmanager
+    def between_layers(self, callback: Callable[[], None]) -> Iterator[bool]:
+        """While inside: ``callback()`` runs before each layer of every forward pass on this thread's model,
+        except in forward passes ``callback`` itself starts (they run through, unhooked). Yields whether the
+        hook is in place: False where the runtime runs no PyTorch layers (ONNX Runtime) or none were found."""
+        stack = self.layers()
+        if stack is None or self.linear_kernel == "onnxruntime":
+            yield False
+            return
+        inside = [False]
+
+        def hook(module: Any, args: Any) -> None:
+            if inside[0]:
+                return
+            inside[0] = True
+            try:
+                callback()
+            finally:
+                inside[0] = False
+
+        handles = [layer.register_forward_pre_hook(hook) for layer in stack]
+        try:
+            yield True
+        finally:
+            for handle in handles:
+                handle.remove()
+
     def run(self, batch: Sequence[Encoded], forward: Any = None) -> tuple[Any, torch.Tensor]:
         """One padded forward pass: (the model's output, the attention mask). Call under inference_mode.
         ``forward``: another runtime than the encoder's own (the runtime tuner's candidates)."""
