@@ -252,11 +252,13 @@ def test_sigterm_finishes_the_batch_hands_the_buffer_back_and_exits_in_bounded_t
     settings = _settings(redis_server, shutdown_timeout=20)
     log = tmp_path / "worker.log"
     texts = _short_texts(corpus, 1500)
-    worker = WorkerHandle(settings, log)
     client = Client(settings)
     r = redis.Redis.from_url(redis_server.url)
+    # Every job queued before the worker starts: started first, a fast CPU ran the short texts as they were sent
+    # and held nothing when the SIGTERM came (handed back 0).
+    handles = [client.submit([t]) for t in texts]
+    worker = WorkerHandle(settings, log)
     try:
-        handles = [client.submit([t]) for t in texts]
         for handle in handles[:100]:
             handle.result(timeout=120, forget=False)
         t0 = time.monotonic()
