@@ -259,8 +259,13 @@ def test_sigterm_finishes_the_batch_hands_the_buffer_back_and_exits_in_bounded_t
     handles = [client.submit([t]) for t in texts]
     worker = WorkerHandle(settings, log)
     try:
-        for handle in handles[:100]:
-            handle.result(timeout=120, forget=False)
+        # The signal goes as soon as the worker has stored 100 results, read from Redis itself: waited through
+        # the Client's result consumer (1,500 subscriptions), the 100th came 5 s late in a full CI run, and the
+        # worker had run every job by then.
+        first = [f"celery-task-meta-{h.id}" for h in handles[:100]]
+        deadline = time.monotonic() + 120
+        while r.exists(*first) < len(first) and time.monotonic() < deadline:
+            time.sleep(0.005)
         t0 = time.monotonic()
         worker.proc.send_signal(signal.SIGTERM)
         rc = worker.proc.wait(60)
