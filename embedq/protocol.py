@@ -461,12 +461,17 @@ def _predict_items(args: Any, max_texts: int, max_chars: int) -> list[Item]:
 MAX_TOKEN_ID = 2**32 - 1
 
 
+def id_lists(ids: Any) -> Any:
+    """TEI's ``ids`` as a list of id lists: one list of ints is one input, a list of them a batch (anything else
+    is left for validation to refuse)."""
+    if isinstance(ids, (list, tuple)) and ids and all(isinstance(i, int) for i in ids):
+        return [list(ids)]
+    return ids
+
+
 def _id_items(args: Any, max_texts: int, max_chars: int) -> list[Item]:
-    """A decode job's id lists: one list of ints is one input, a list of them a batch (TEI's ``ids``); each
-    at most ``max_chars`` ids long."""
-    values = _one_arg(args, "the list of token-id lists")
-    if isinstance(values, (list, tuple)) and values and all(isinstance(v, int) for v in values):
-        values = [values]  # one input, as TEI takes it
+    """A decode job's id lists (:func:`id_lists`), each at most ``max_chars`` ids long."""
+    values = id_lists(_one_arg(args, "the list of token-id lists"))
     lists = _job_list(values, max_texts=max_texts, what="token-id lists", one="list of token ids", many="id lists")
     items: list[Item] = []
     for i, ids in enumerate(lists):

@@ -46,7 +46,7 @@ from embedq.broker import tls_options
 from embedq.gateway.results import AsyncResults
 from embedq.gateway.webhooks import Webhooks, check_url
 from embedq.producers.client import DEADLINE_GRACE, DEFAULT_RESULT_TIMEOUT, Client, decode_output
-from embedq.protocol import decode_result
+from embedq.protocol import decode_result, id_lists
 from embedq.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -711,8 +711,7 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
                                                             prompt_name=body.prompt_name), answer)
 
     def plan_decode(body: DecodeRequest) -> Plan:
-        ids = body.ids
-        lists = [ids] if ids and all(isinstance(i, int) for i in ids) else ids
+        lists = id_lists(body.ids)
         skip = True if body.skip_special_tokens is None else body.skip_special_tokens
         return Plan(client.submit_decode, lists, {"skip_special_tokens": skip},
                     lambda payloads: [t for p in payloads for t in decode_output("decode", p)])

@@ -48,6 +48,7 @@ from embedq.protocol import (
     decode_ragged,
     decode_result,
     decode_sparse,
+    id_lists,
     task_reprs,
 )
 from embedq.results import ResultStore
@@ -418,8 +419,8 @@ class Client:
                       deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
         """Enqueue a decode: token ids (one list, or a list of lists) back to text by the worker's tokenizer
         (TEI's ``/decode``). ``skip_special_tokens=False`` keeps [CLS], </s> and the like."""
-        lists = [list(ids)] if ids and all(isinstance(i, int) for i in ids) else [list(x) for x in ids]
-        return self._send(DECODE, [lists], {**options, "skip_special_tokens": skip_special_tokens}, queue=queue,
+        return self._send(DECODE, [[list(x) for x in id_lists(ids)]],
+                          {**options, "skip_special_tokens": skip_special_tokens}, queue=queue,
                           traffic_class=traffic_class, deadline=deadline)
 
     def _send(self, spec: TaskSpec, args: list[Any], options: dict[str, Any], *, queue: str | None,
