@@ -64,13 +64,22 @@ def tokenizer_heads(encoder: Encoder, info: ModelInfo) -> dict[str, Head]:
     return {"tokenize": TokenizeHead(encoder, info), "decode": DecodeHead(encoder, info)}
 
 
-class TokenizeHead(Head):
-    name = "tokenize"
-    kinds = ("tokenize",)
+class _TokenizerHead(Head):
+    """A head that runs the tokenizer alone: its encoder, its model's info, and its results' fingerprint."""
 
     def __init__(self, encoder: Encoder, info: ModelInfo) -> None:
         self.encoder = encoder
         self.info = info
+
+    def fingerprint(self, dtype: str, prompt: str | None) -> Fingerprint:
+        info = self.info
+        return Fingerprint(kind=self.name, model=info.model_id, weights_sha256=info.weights_sha256, pooling="none",
+                           normalize=False, dimensions=0, dtype=dtype, prompt=prompt, embedq_version=__version__)
+
+
+class TokenizeHead(_TokenizerHead):
+    name = "tokenize"
+    kinds = ("tokenize",)
 
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
         prompt = resolve_prompt(self.info, options.prompt, options.prompt_name)
@@ -85,26 +94,19 @@ class TokenizeHead(Head):
         ids = np.fromiter((i for d in details for i in d.ids), dtype=np.int64, count=int(offsets[-1]))
         special = np.fromiter((bool(s) for d in details for s in d.special), dtype=bool, count=int(offsets[-1]))
         spans = np.asarray([span for d in details for span in d.offsets], dtype=np.int64).reshape(-1, 2)
-        info = self.info
-        fingerprint = Fingerprint(kind="tokenize", model=info.model_id, weights_sha256=info.weights_sha256,
-                                  pooling="none", normalize=False, dimensions=0, dtype="int32",
-                                  prompt=prepared.state["prompt"], embedq_version=__version__)
+        fingerprint = self.fingerprint("int32", prepared.state["prompt"])
         return encode_result("tokenize", {"ids": ids, "offsets": offsets, "spans": spans, "special": special},
                              fingerprint, items=len(details), tokens=prepared.tokens,
                              extra={"tokens": [t for d in details for t in d.tokens],
                                     "prompt": prepared.state["prompt"]})
 
 
-class DecodeHead(Head):
+class DecodeHead(_TokenizerHead):
     """Token ids to text, as ``tokenizer.decode`` does (the model's own tokenizer; special tokens skipped unless
     ``skip_special_tokens=False``). An id outside the vocabulary fails the job, never the worker."""
 
     name = "decode"
     kinds = ("decode",)
-
-    def __init__(self, encoder: Encoder, info: ModelInfo) -> None:
-        self.encoder = encoder
-        self.info = info
 
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
         tokenizer = self.encoder.tokenizer
@@ -119,10 +121,6 @@ class DecodeHead(Head):
         return Prepared([], sum(len(ids) for ids in items), {"texts": texts})
 
     def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]:
-        info = self.info
-        fingerprint = Fingerprint(kind="decode", model=info.model_id, weights_sha256=info.weights_sha256,
-                                  pooling="none", normalize=False, dimensions=0, dtype="str", prompt=None,
-                                  embedq_version=__version__)
         texts = prepared.state["texts"]
-        return encode_result("decode", {}, fingerprint, items=len(texts), tokens=prepared.tokens,
+        return encode_result("decode", {}, self.fingerprint("str", None), items=len(texts), tokens=prepared.tokens,
                              extra={"texts": texts})
