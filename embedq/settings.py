@@ -61,6 +61,13 @@ class Settings(BaseSettings):
         "(one arrived in the last second): an online job waits behind at most one such batch. Online texts "
         "alone always use max_batch_tokens. None: 256 on CPU, 4096 on CUDA.",
     )
+    preempt: bool = Field(
+        default=True,
+        description="Online micro-batches run between two layers of a running bulk micro-batch, which then "
+        "resumes where it stopped (same result, bit for bit): an online job waits at most one layer. Where the "
+        "model cannot be stopped between layers (ONNX Runtime, no layer stack found) the worker says so once "
+        "and caps bulk micro-batches at online_batch_tokens while online jobs are about instead.",
+    )
     bulk_min_share: float = Field(
         default=0.1, ge=0.0, le=1.0,
         description="While online and bulk jobs both wait, the least share of the model's tokens bulk gets.",

@@ -77,11 +77,20 @@ class WorkerHandle:
             raise
 
     def stats(self) -> dict:
-        """This worker's counters (other tests' workers may share the broker)."""
+        """This worker's counters (other tests' workers may share the broker). After the first call it asks this
+        worker alone and returns as soon as it answers."""
+        node = getattr(self, "_node", None)
+        if node is not None:
+            replies = self.client.app.control.broadcast("embedq_stats", reply=True, timeout=5.0, limit=1,
+                                                        destination=[node]) or []
+            mine = [stats for reply in replies for name, stats in reply.items() if name == node]
+            assert mine, f"worker {node} did not answer"
+            return mine[0]
         replies = self.client.workers(2.0)
-        mine = [stats for node, stats in replies.items() if f"-{self.proc.pid}@" in node]
+        mine = [(node, stats) for node, stats in replies.items() if f"-{self.proc.pid}@" in node]
         assert len(mine) == 1, f"worker {self.proc.pid} did not answer; got {list(replies)}"
-        return mine[0]
+        self._node = mine[0][0]
+        return mine[0][1]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -1,17 +1,24 @@
 """Preemption between layers (issue 18), the encoder's part: a callback runs before each layer of a forward pass,
 and a whole other forward pass run from it leaves the interrupted one bit-identical (fp32), for every model
-family the project loads. The service does not use it yet; these tests are what it will build on."""
+family the project loads; and a real worker running online jobs inside a long bulk micro-batch."""
 
 from __future__ import annotations
 
 import random
+import re
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import tiny_models
+from conftest import WorkerHandle
 
+from embedq import errors
 from embedq.backends import load_backend
 from embedq.protocol import EmbedOptions, PredictOptions, SparseOptions
+from embedq.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -87,3 +94,75 @@ def test_c_a_forward_pass_run_between_two_layers_leaves_the_other_bit_identical(
     calls.clear()
     backend.forward(online)
     assert not calls, "the hooks are gone once the block ends"
+
+
+# -- the worker: online micro-batches run between two layers of a running bulk micro-batch ----------------------------
+
+PREEMPT_WORKER = [sys.executable, str(Path(__file__).with_name("preempt_worker.py"))]
+
+
+def _long_texts(corpus, n):
+    """``n`` texts of 256 tokens or more (MiniLM keeps 256): one bulk micro-batch of 128 costs 32,768 tokens."""
+    rng = random.Random(5)
+    return [" ".join(rng.sample(corpus, 12)) for _ in range(n)]
+
+
+def _wait_running(worker, batches_before, timeout=60.0):
+    """Until the worker has taken every buffered item into a micro-batch that has not ended yet."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        st = worker.stats()
+        if st["buffered"] == 0 and st["held_messages"] >= 1 and st["batches"] == batches_before:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the bulk micro-batch did not start: {st}")
+
+
+@pytest.fixture(scope="module")
+def preempt_worker(redis_server, tmp_path_factory):
+    queue = f"embedq.test.preempt.{tmp_path_factory.mktemp('q').name}"
+    settings = Settings(broker_url=redis_server.url, queue=queue, linear_kernel="torch", max_batch_tokens=32768)
+    handle = WorkerHandle(settings, tmp_path_factory.mktemp("logs") / "worker.log", command=PREEMPT_WORKER)
+    yield handle
+    handle.stop()
+
+
+def test_b_online_jobs_run_inside_a_long_bulk_micro_batch_which_stays_bit_identical(preempt_worker, corpus):
+    """Issue 18 b and 2: online jobs sent while one long bulk micro-batch runs are answered before it ends (they
+    ran between two of its layers); one that fails in the model fails alone, a bulk job cancelled meanwhile is not
+    run, and the bulk vectors equal (max |Δ| = 0, fp32) those of the same micro-batch run with no online traffic."""
+    w, client = preempt_worker, preempt_worker.client
+    bulk_texts = _long_texts(corpus, 128)
+    queries = [t for t in corpus if len(t) < 80][:3]
+    alone = client.submit(bulk_texts, traffic_class="bulk").result(300)  # no online traffic: the reference
+    want_queries = [client.submit([q]).result(60)[0] for q in queries]
+    before = w.stats()
+    assert before["max_batch_items"] == 128, "the bulk job ran as one micro-batch"
+
+    bulk = client.submit(bulk_texts, traffic_class="bulk")
+    _wait_running(w, before["batches"])
+    sent = time.monotonic()
+    online = [client.submit([q]) for q in queries]
+    bad = client.submit([f"{queries[0]} FAIL_IN_MODEL"])
+    queued = client.submit(bulk_texts[:8], traffic_class="bulk")  # waits for the running bulk batch
+    queued.cancel()
+    got = [h.result(60)[0] for h in online]
+    answered = time.monotonic() - sent
+    assert not bulk.ready(), "the online jobs were answered while the bulk micro-batch still ran"
+    with pytest.raises(errors.BackendError, match="failed in the model"):
+        bad.result(60)
+    with pytest.raises(errors.Cancelled):
+        queued.result(60)
+    got_bulk = bulk.result(300)
+    after = w.stats()
+
+    for g, want in zip(got, want_queries):
+        assert np.array_equal(g, want)
+    assert np.asarray(got_bulk).dtype == np.float32
+    assert float(np.abs(np.asarray(got_bulk) - np.asarray(alone)).max()) == 0.0
+    assert after["preemptions"] >= 1 and after["bulk_paused_seconds"] > 0
+    assert after["online_started"] - before["online_started"] >= len(queries)
+    paused = [int(m) for m in re.findall(r"bulk micro-batch paused before layer (\d+)", w.log())]
+    assert paused and all(1 <= layer <= 6 for layer in paused), paused
+    bulk_seconds = after["inference_seconds"] - before["inference_seconds"]  # pauses left out of its model time
+    assert answered < bulk_seconds, (answered, bulk_seconds)

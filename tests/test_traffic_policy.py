@@ -115,6 +115,41 @@ def test_with_one_class_waiting_the_share_count_restarts():
     assert s.next_batch()[0].key == ("o", "x")
 
 
+def test_preemptive_bulk_batches_take_the_full_budget_and_online_ones_stay_online():
+    clock = Clock()
+    s = _sched(clock)
+    s.preemptive = True
+    for i in range(500):
+        s.add(("b", i), 20, BULK)
+    s.add(("o", 0), 20, ONLINE)
+    online = s.next_batch()  # online first, alone: no bulk fill to lengthen it
+    assert [item.key for item in online] == [("o", 0)]
+    bulk = s.next_batch()  # online traffic is about (clock unchanged), yet bulk takes the full budget
+    assert all(item.key[0] == "b" for item in bulk) and batch_cost([i.length for i in bulk]) == 1020
+    assert s.next_online_batch() == []  # nothing online waits
+    s.add(("o", 1), 20, ONLINE)
+    s.add(("o", 2), 20, ONLINE)
+    assert [item.key for item in s.next_online_batch()] == [("o", 1), ("o", 2)]
+
+
+def test_preemptions_stop_while_bulk_is_owed_its_share():
+    clock = Clock()
+    s = _sched(clock, bulk_share=0.25)
+    s.preemptive = True
+    for i in range(100):
+        s.add(("b", i), 100, BULK)
+    running = s.next_batch()  # a bulk batch of 1,000 tokens runs; online items come while it does
+    assert batch_cost([i.length for i in running]) == 1000
+    taken = 0
+    for step in range(100):
+        s.add(("o", step), 100, ONLINE)
+        taken += sum(item.length for item in s.next_online_batch())
+    # online may take about 3x the running bulk batch (bulk keeps 25 %): until one batch takes it past that
+    assert taken == 3100
+    assert s.next_online_batch() == [] and s.waiting(ONLINE) == 69
+    assert s.next_batch()[0].key[0] == "b"  # and the next batch is bulk's
+
+
 def test_every_item_comes_out_exactly_once_within_budget():
     rng = random.Random(7)
     clock = Clock()

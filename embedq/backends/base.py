@@ -16,8 +16,10 @@ Only this subpackage imports torch.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +121,15 @@ class Backend(ABC):
 
     @abstractmethod
     def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]: ...
+
+    def preemption_blocker(self) -> str | None:
+        """None when :meth:`between_layers` can stop a forward pass between two layers; else why not."""
+        return "this backend runs no layer stack"
+
+    def between_layers(self, callback: Callable[[], None]) -> ContextManager[bool]:
+        """While inside, ``callback()`` runs before each layer of a forward pass on this thread (not inside
+        forward passes it starts itself); yields whether it does (see :meth:`preemption_blocker`)."""
+        return contextlib.nullcontext(False)
 
     def health(self) -> dict[str, Any]:
         return {"model": self.info.model_id, "device": self.info.device, "dtype": self.info.dtype,

@@ -368,13 +368,22 @@ class Encoder:
             self._layers = stacks[0] if len(stacks) == 1 else None
         return self._layers
 
+    def preemption_blocker(self) -> str | None:
+        """None when :meth:`between_layers` can stop this model's forward pass between two layers; else why not."""
+        if self.linear_kernel == "onnxruntime":
+            return "ONNX Runtime runs the model's graph whole"
+        if self.layers() is None:
+            return (f"its layer stack was not found (no single nn.ModuleList of num_hidden_layers="
+                    f"{getattr(self.model.config, 'num_hidden_layers', None)} blocks)")
+        return None
+
     @contextlib.contextmanager
     def between_layers(self, callback: Callable[[], None]) -> Iterator[bool]:
         """While inside: ``callback()`` runs before each layer of every forward pass on this thread's model,
         except in forward passes ``callback`` itself starts (they run through, unhooked). Yields whether the
         hook is in place: False where the runtime runs no PyTorch layers (ONNX Runtime) or none were found."""
         stack = self.layers()
-        if stack is None or self.linear_kernel == "onnxruntime":
+        if self.preemption_blocker() is not None:
             yield False
             return
         inside = [False]

@@ -11,7 +11,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,12 @@ class ModelBackend(Backend):
 
     def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]:
         return self.heads[kind].finish(kind, rows, prepared, options)
+
+    def preemption_blocker(self) -> str | None:
+        return self.encoder.preemption_blocker()
+
+    def between_layers(self, callback: Callable[[], None]) -> ContextManager[bool]:
+        return self.encoder.between_layers(callback)
 
     def health(self) -> dict[str, Any]:
         return {**super().health(), "max_seq_length": self.max_seq_length, "pooling": self.info.pooling}

@@ -14,6 +14,13 @@ micro-batch from the online items first, then fills what the token budget leaves
   bulk's share falls under ``bulk_share``, the next batch starts from the oldest bulk item (and online
   items fill it). The count restarts whenever one class has nothing waiting, so only contention counts.
 
+With ``preemptive`` set (the worker's model can stop between two layers, issue 18) the first rule gives way
+to a better one: an online job waits at most one *layer* of a bulk batch, because the service runs a
+micro-batch of online items between two layers of the bulk batch (:meth:`next_online_batch`). So a batch is
+of one class, bulk batches always take the full ``max_tokens`` (their efficient size) and online batches are
+never lengthened with bulk items. The bulk share still holds: while bulk is owed its share, no online batch
+is handed out for a preemption and the next batch is bulk's.
+
 :class:`Deadlines` orders buffered jobs by deadline so expired ones are dropped before they cost compute.
 Pure logic: no Celery, Redis or torch; the clock is injected.
 """
@@ -53,6 +60,8 @@ class TrafficScheduler:
             name: Scheduler(max_tokens=max_tokens, max_items=max_items, padded=padded) for name in TRAFFIC_CLASSES}
         self.served: dict[TrafficClass, int] = dict.fromkeys(TRAFFIC_CLASSES, 0)
         self._last_online = float("-inf")
+        #: bulk batches can be interrupted between layers: one class per batch, bulk at the full budget
+        self.preemptive = False
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.classes.values())
@@ -79,7 +88,24 @@ class TrafficScheduler:
 
     def bulk_budget(self) -> int:
         """Padded tokens a micro-batch with bulk items in it may cost now."""
+        if self.preemptive:
+            return self.max_tokens
         return self.online_tokens if self.online_active() else self.max_tokens
+
+    def bulk_owed(self) -> bool:
+        """While both classes contend: bulk has had less than its share of the tokens run."""
+        total = self.served[ONLINE] + self.served[BULK]
+        return bool(total) and self.served[BULK] < self.bulk_share * total
+
+    def next_online_batch(self) -> list[Item]:
+        """A micro-batch of online items alone, to run between two layers of a running bulk batch (counted as
+        contention); empty when no online item waits or bulk is owed its share."""
+        online = self.classes[ONLINE]
+        if not online or self.bulk_owed():
+            return []
+        batch = online.next_batch()
+        self.served[ONLINE] += sum(item.length for item in batch)
+        return batch
 
     def next_batch(self) -> list[Item]:
         """Remove and return the next micro-batch (empty when nothing is buffered)."""
@@ -88,9 +114,15 @@ class TrafficScheduler:
             self.served = dict.fromkeys(TRAFFIC_CLASSES, 0)
             if online:
                 return online.next_batch()
-            return bulk.next_batch(max_tokens=self.bulk_budget())
-        total = self.served[ONLINE] + self.served[BULK]
-        first = BULK if total and self.served[BULK] < self.bulk_share * total else ONLINE
+            batch = bulk.next_batch(max_tokens=self.bulk_budget())
+            if self.preemptive:  # online items that come while it runs preempt it: that is contention
+                self.served[BULK] += sum(item.length for item in batch)
+            return batch
+        first = BULK if self.bulk_owed() else ONLINE
+        if self.preemptive:  # one class per batch
+            batch = self.classes[first].next_batch()
+            self.served[first] += sum(item.length for item in batch)
+            return batch
         second = BULK if first == ONLINE else ONLINE
         if first == ONLINE:  # online at the full budget; bulk only while the batch stays short
             batch = online.next_batch()

@@ -53,6 +53,11 @@ CATALOG: dict[str, tuple[str, str]] = {
     "items_per_second": ("gauge", "Texts embedded per second, over the last minute."),
     "model_load_seconds": ("gauge", "Seconds the model took to load."),
     "worker_info": ("gauge", "Always 1; the labels say what this worker serves."),
+    "bulk_paused_seconds": ("counter", "Seconds bulk micro-batches spent paused between two layers while online "
+                            "micro-batches ran."),
+    "online_wait_seconds": ("counter", "Seconds online jobs waited from the worker's receipt to their first "
+                            "micro-batch, summed (divide by online_started; buffer_seconds has the distribution)."),
+    "preempt_seconds": ("histogram", "Duration of one preemption: a bulk micro-batch paused between two layers."),
     "batch_items": ("histogram", "Texts per micro-batch."),
     "batch_tokens": ("histogram", "Padded tokens per micro-batch (what max_batch_tokens bounds)."),
     "batch_real_tokens": ("histogram", "Real tokens per micro-batch."),
@@ -71,7 +76,7 @@ _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 _WAIT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 BUCKETS = {"batch_items": _POW2, "batch_tokens": _TOKENS, "batch_real_tokens": _TOKENS,
            "inference_seconds": _FAST, "tokenize_seconds": _FAST, "queue_seconds": _WAIT,
-           "buffer_seconds": _WAIT, "job_seconds": _WAIT}
+           "buffer_seconds": _WAIT, "job_seconds": _WAIT, "preempt_seconds": _FAST}
 #: Histograms labelled by traffic class.
 BY_CLASS = frozenset({"queue_seconds", "buffer_seconds", "job_seconds"})
 
@@ -191,6 +196,8 @@ class _Collector:
                 for value, n in sorted(st[attr].items()):
                     family.add_metric([value], n)
                 yield family
+            for name in ("bulk_paused_seconds", "online_wait_seconds"):
+                yield _counter(name, st[name])
             window = m.window_state()
             yield _gauge("jobs_in_flight", window.get("held_messages", 0))
             yield _gauge("items_in_flight", window.get("held_texts", 0))

@@ -9,6 +9,14 @@ token cost. One inference thread takes micro-batches from the scheduler and runs
 So neither tokenizing new jobs nor writing results stands between two forward passes, and the consumer
 thread stays free to send heartbeats during long batches. A job with no items to run (``tokenize``) goes
 straight to the results thread.
+
+**Preemption (issue 18).** A bulk micro-batch runs with a hook before each of the model's layers
+(``backend.between_layers``). When online items wait there, the inference thread runs micro-batches of them to
+completion (their own forward passes, their own results) and then lets the bulk batch go on with its hidden
+states untouched: an online job waits at most one layer of a bulk batch, bulk batches keep their full size and
+nothing is computed twice or differently (tests/test_preempt.py: bit-identical in fp32). The time a bulk batch
+spends paused is not counted as its model time. Where the model cannot stop between layers the scheduler's
+online cap bounds the wait instead (``TrafficScheduler``), and the worker says so once at start.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from typing import Any
 from embedq import errors
 from embedq.backends.base import Backend, Prepared, row_is_finite
 from embedq.batching import Scheduler, batch_cost
-from embedq.batching.traffic import ONLINE, Deadlines, TrafficClass, TrafficScheduler
+from embedq.batching.traffic import BULK, ONLINE, Deadlines, TrafficClass, TrafficScheduler
 from embedq.protocol import EMBED, TaskSpec, result_size
 from embedq.settings import Settings
 from embedq.workers import memory
@@ -92,6 +100,19 @@ class EmbeddingService:
             online_tokens=min(settings.online_tokens, self.batch_tokens),
             bulk_share=settings.bulk_min_share,
         )
+        # Preemption between layers: on unless turned off or the model cannot stop between two layers.
+        self.preemption_blocker = (backend.preemption_blocker() if settings.preempt
+                                   else "turned off (EMBEDQ_PREEMPT=false)")
+        self.preemptive = self.scheduler.preemptive = self.preemption_blocker is None
+        if self.preemptive:
+            log.info("online micro-batches preempt bulk micro-batches between layers (bulk budget %d tokens)",
+                     self.batch_tokens)
+        else:
+            log.warning("%s: online jobs cannot preempt bulk micro-batches: %s. While online jobs are about, "
+                        "micro-batches with bulk texts are capped at %d padded tokens instead (online_batch_tokens)",
+                        self.info.model_id, self.preemption_blocker, self.scheduler.online_tokens)
+        # The running bulk micro-batch (inference thread only): seconds paused so far, layers started.
+        self._paused, self._layer = 0.0, 0
         self.deadlines = Deadlines()
         self._cond = threading.Condition()
         self._stopping = False
@@ -219,25 +240,19 @@ class EmbeddingService:
                         break
                     wake = self.deadlines.next_deadline()
                     self._cond.wait(None if wake is None else max(wake - time.monotonic(), 0.0) + 0.001)
-                now = time.monotonic()
                 if self._suspects:
                     suspect = self._suspects.popleft()
-                    starting = [suspect] if suspect.started is None else []
-                    if starting:
-                        suspect.started = now
+                    starting = self._start([suspect])
                 else:
                     batch = self.scheduler.next_batch()
-                    starting = list({item.key[0]: None for item in batch if item.key[0].started is None})
-                    for job in starting:
-                        job.started = now
-            if self.on_started is not None:
-                for job in starting:
-                    self.on_started(job)
+                    starting = self._start(item.key[0] for item in batch)
+            self._started(starting)
             try:
                 if suspect is not None:
                     self._run_alone(suspect)
                 else:
-                    self._run([item.key for item in batch])
+                    keys = [item.key for item in batch]
+                    self._run(keys, preemptible=self.preemptive and all(j.traffic_class == BULK for j, _ in keys))
             except Exception:  # never let the inference thread die
                 log.exception("micro-batch bookkeeping failed")
             if self._trimmer is not None:  # outside the lock: a trim takes milliseconds
@@ -245,6 +260,60 @@ class EmbeddingService:
                     self._trimmer.after_batch()
                 else:
                     self._trimmer.idle()
+
+    def _start(self, jobs: Any) -> list[Job]:
+        """Under the lock: mark the jobs among ``jobs`` whose first micro-batch starts now; returns them."""
+        now = time.monotonic()
+        starting = [job for job in dict.fromkeys(jobs) if job.started is None]
+        waited = 0.0
+        online = 0
+        for job in starting:
+            job.started = now
+            if job.traffic_class == ONLINE:
+                online += 1
+                waited += now - job.received
+        if online:
+            self.stats.add(online_started=online)
+            self.stats.time("online_wait_seconds", waited)
+        return starting
+
+    def _started(self, starting: list[Job]) -> None:
+        if self.on_started is not None:
+            for job in starting:
+                self.on_started(job)
+
+    def _between_layers(self) -> None:
+        """Inference thread, before a layer of a running bulk micro-batch: if online items wait, run micro-batches
+        of them to completion, then return (the bulk batch goes on). Never raises into the model."""
+        self._layer += 1
+        if not self.scheduler.waiting(ONLINE) or self._stopping:  # unlocked read: the common case costs nothing
+            return
+        t0 = time.perf_counter()
+        ran = 0
+        try:
+            while True:
+                with self._cond:
+                    if self._stopping:
+                        break
+                    self._expire(time.monotonic())
+                    batch = self.scheduler.next_online_batch()
+                    if not batch:
+                        break
+                    starting = self._start(item.key[0] for item in batch)
+                self._started(starting)
+                ran += 1
+                self._run([item.key for item in batch])
+        except Exception:  # the bulk batch must go on whatever happened to the online one
+            log.exception("a preempting micro-batch failed")
+        if ran:
+            paused = time.perf_counter() - t0
+            self._paused += paused
+            log.info("bulk micro-batch paused before layer %d: %d online micro-batch(es) in %.1f ms", self._layer,
+                     ran, paused * 1e3)
+            self.stats.add(preemptions=1, preempting_batches=ran)
+            self.stats.time("bulk_paused_seconds", paused)
+            if self.metrics is not None:
+                self.metrics.observe("preempt_seconds", paused)
 
     def _expire(self, now: float) -> None:
         """Under the lock: fail every buffered job whose deadline has passed and that has not started."""
@@ -272,21 +341,31 @@ class EmbeddingService:
         if self.on_isolated_run is not None:
             self.on_isolated_run(job, False)
 
-    def _run(self, keys: list[tuple[Job, int]]) -> None:
+    def _run(self, keys: list[tuple[Job, int]], preemptible: bool = False) -> None:
+        """One micro-batch through the model. ``preemptible``: a bulk batch online batches may pause between
+        two layers (its model time leaves out the pauses)."""
         keys = [(job, i) for job, i in keys if not job.done]
         if not keys:
             return
         batch = [job.prepared.items[i] for job, i in keys]
         lengths = [len(item.ids) for item in batch]
         cost = batch_cost(lengths, padded=self.backend.is_padded)
+        if preemptible:  # (not in a preempting batch: that one runs inside the bulk batch's pause)
+            self._paused, self._layer = 0.0, 0
         t0 = time.perf_counter()
         try:
-            rows = self.backend.forward(batch)
+            if preemptible:
+                with self.backend.between_layers(self._between_layers):
+                    rows = self.backend.forward(batch)
+            else:
+                rows = self.backend.forward(batch)
             bad = [not row_is_finite(row) for row in rows]
         except Exception as exc:
             rows, bad = None, None
             failure: Exception = exc
         elapsed = time.perf_counter() - t0
+        if preemptible:
+            elapsed -= self._paused
         real = sum(lengths)
         by_class: dict[str, int] = {}
         by_kind: dict[str, int] = {}
@@ -294,8 +373,9 @@ class EmbeddingService:
             by_class[job.traffic_class] = by_class.get(job.traffic_class, 0) + 1
             by_kind[job.kind] = by_kind.get(job.kind, 0) + 1
         self.stats.batch(items=len(keys), real=real, padded=cost, seconds=elapsed, by_class=by_class, by_kind=by_kind)
-        log.info("micro-batch: %d items, %d real / %d padded tokens, %.1f ms (%s)", len(keys), real, cost,
-                 elapsed * 1e3, ", ".join(f"{n} {k}" for k, n in by_kind.items()))
+        log.info("micro-batch: %d items, %d real / %d padded tokens, %.1f ms (%s)%s", len(keys), real, cost,
+                 elapsed * 1e3, ", ".join(f"{n} {k}" for k, n in by_kind.items()),
+                 f", paused {self._paused * 1e3:.1f} ms" if preemptible and self._paused else "")
         if self.metrics is not None:
             self.metrics.observe_batch(len(keys), real, cost, elapsed)
         if rows is None:

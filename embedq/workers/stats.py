@@ -30,6 +30,9 @@ COUNTERS: dict[str, str] = {
     "already_stored": "Redelivered jobs whose result was already stored (not run again).",
     "isolated_runs": "Crash suspects run alone.",
     "dead_letters": "Jobs dead-lettered after killing workers max_attempts times.",
+    "preemptions": "Times a bulk micro-batch was paused between two layers to run online micro-batches.",
+    "preempting_batches": "Online micro-batches run while a bulk micro-batch was paused.",
+    "online_started": "Online jobs whose first micro-batch started.",
 }
 #: Labelled counters: attribute -> (Prometheus name, label, help).
 LABELLED: dict[str, tuple[str, str, str]] = {
@@ -43,7 +46,7 @@ LABELLED: dict[str, tuple[str, str, str]] = {
 #: Largest values seen (gauges of the run so far).
 PEAKS = ("max_batch_cost", "max_batch_items")
 #: Seconds spent (floats).
-TIMERS = ("inference_seconds", "results_seconds")
+TIMERS = ("inference_seconds", "results_seconds", "bulk_paused_seconds", "online_wait_seconds")
 
 
 class Stats:

@@ -18,10 +18,10 @@ MARKER = "POISON"
 _run = service.EmbeddingService._run
 
 
-def _run_or_die(self: service.EmbeddingService, keys: list) -> None:
+def _run_or_die(self: service.EmbeddingService, keys: list, *args: object, **kwargs: object) -> None:
     if any(isinstance(job.texts, list) and MARKER in job.texts[i] for job, i in keys):
         os.kill(os.getpid(), signal.SIGKILL)
-    _run(self, keys)
+    _run(self, keys, *args, **kwargs)
 
 
 service.EmbeddingService._run = _run_or_die
