@@ -61,6 +61,32 @@ def _texts(corpus, n, seed):
     return [" ".join(t.split()[:rng.randint(1, 60)]) for t in rng.sample(corpus, n)]
 
 
+def _equal(got, want) -> bool:
+    return len(got) == len(want) and all(
+        all(np.array_equal(a, b) for a, b in zip(g, w)) if isinstance(g, tuple) else np.array_equal(g, w)
+        for g, w in zip(got, want))
+
+
+def _preempt_halfway(backend, bulk, online):
+    """The bulk batch run with an online one run to completion at its middle preemption point: (bulk rows, online
+    rows, points met, hooked), and the bulk rows of the same path with no preemption."""
+    encoder = backend.encoder
+    with encoder.between_layers(lambda: None):
+        unpreempted = backend.forward(bulk)
+    calls: list[int] = []
+    got_online: list = []
+    middle = len(encoder.preemption_points()) // 2
+
+    def between() -> None:
+        calls.append(len(calls))
+        if len(calls) == middle + 1:  # halfway through the bulk batch: the online one, to completion
+            got_online.extend(backend.forward(online))
+
+    with encoder.between_layers(between) as hooked:
+        got_bulk = backend.forward(bulk)
+    return got_bulk, got_online, calls, hooked, unpreempted
+
+
 @pytest.mark.parametrize("kernel", ["torch", "auto"])
 @pytest.mark.parametrize("name", ["minilm", "bert-cross-encoder", "xlmr-cross-encoder", "splade", "bge-m3",
                                   "qwen2-decoder"])
@@ -71,29 +97,62 @@ def test_c_a_forward_pass_run_between_two_layers_leaves_the_other_bit_identical(
     bulk = backend.prepare(kind, _texts(corpus, 24, seed=1), options).items  # padded: lengths differ
     online = backend.prepare(kind, _texts(corpus, 3, seed=2), options).items
     want_bulk, want_online = backend.forward(bulk), backend.forward(online)
-    calls: list[int] = []
-    got_online: list = []
-
-    def between() -> None:
-        calls.append(len(calls))
-        if len(calls) == layers // 2 + 1:  # halfway through the bulk batch: the online one, to completion
-            got_online.extend(backend.forward(online))
-
-    with encoder.between_layers(between) as hooked:
-        got_bulk = backend.forward(bulk)
-    if not hooked:  # ONNX Runtime runs the graph whole: no layer to stop at (the worker will fall back to its cap)
-        assert encoder.linear_kernel == "onnxruntime" and not calls and not got_online
-        assert all(np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(got_bulk, want_bulk))
+    got_bulk, got_online, calls, hooked, unpreempted = _preempt_halfway(backend, bulk, online)
+    if not hooked:  # ONNX Runtime chosen and no layered runtime nearly as fast: the worker falls back to its cap
+        assert encoder.linear_kernel == "onnxruntime" and encoder.preemption_blocker() is not None
+        assert not calls and not got_online and _equal(got_bulk, want_bulk)
         return
-    assert calls == list(range(layers)), "one call before each layer, none from the nested pass"
-    assert len(got_online) == len(online)
-    for got, want in ((got_bulk, want_bulk), (got_online, want_online)):
-        assert all(np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(got, want))  # max |Δ| = 0
-    with encoder.between_layers(between):
-        pass
+    points = encoder.preemption_points()
+    assert len(calls) == len(points) >= 3 * layers, "a point before each layer and its weighted modules"
+    assert sum(point in encoder.layers() for point in points) == layers
+    assert _equal(got_online, want_online)  # the preempting batch: as if run alone, on the chosen runtime
+    assert _equal(got_bulk, unpreempted)  # the preempted one: max |Δ| = 0 against the same path unpreempted
+    if encoder.preempt_runtime is None:  # one runtime for both: the path is the plain forward pass
+        assert _equal(got_bulk, want_bulk)
     calls.clear()
     backend.forward(online)
     assert not calls, "the hooks are gone once the block ends"
+
+
+def test_c_onnx_runtime_keeps_a_layered_runtime_for_bulk_batches(families, corpus):
+    """Where ONNX Runtime runs the model (graph whole), bulk batches inside ``between_layers`` run on PyTorch's
+    layers (preemptible), and the online batches run inside them on ONNX Runtime: each path bit-identical to its
+    runtime run alone; without the layered runtime the encoder says why it cannot be preempted."""
+    folder = families["minilm"][0]
+    ort = load_backend(folder, linear_kernel="onnxruntime")
+    reference = load_backend(folder, linear_kernel="torch")
+    bulk = ort.prepare("embed", _texts(corpus, 24, seed=3), EmbedOptions()).items
+    online = ort.prepare("embed", _texts(corpus, 3, seed=4), EmbedOptions()).items
+    assert "ONNX Runtime" in ort.preemption_blocker()
+    with ort.between_layers(lambda: None) as hooked:
+        assert not hooked
+    assert ort.encoder.layered_for_bulk("torch") and ort.preemption_blocker() is None
+    got_bulk, got_online, calls, hooked, unpreempted = _preempt_halfway(ort, bulk, online)
+    assert hooked and calls and got_online
+    assert _equal(got_online, ort.forward(online))  # ONNX Runtime (outside the block: the chosen runtime)
+    assert _equal(got_bulk, reference.forward(bulk)) and _equal(got_bulk, unpreempted)  # PyTorch's layers
+    cosine = [float(np.dot(a, b) / np.linalg.norm(a) / np.linalg.norm(b))
+              for a, b in zip(got_bulk, ort.forward(bulk))]
+    assert min(cosine) >= 0.99999  # either runtime is within the fidelity bar of the other
+
+
+def test_the_layered_runtime_for_bulk_is_chosen_by_the_measurements():
+    from embedq.backends.runtime import PREEMPT_KEEP, Choice, Trial, preemptible_alternative
+
+    def trial(name, seconds, online=0.03, faithful=True, dropped=None):
+        return Trial(name, delta=1e-7, faithful=faithful, seconds=seconds, online_seconds=online, batches=7,
+                     dropped=dropped)
+
+    ort = trial("onnxruntime", 1.25)  # 1.22 s on the token-budget batches
+    assert preemptible_alternative({"torch": [trial("torch", 1.30), ort]}) == "torch"  # 0.96x
+    assert preemptible_alternative({"torch": [trial("torch", 1.22 / PREEMPT_KEEP + 0.05), ort]}) is None
+    assert preemptible_alternative({"torch": [trial("torch", 1.40), ort],
+                                    "onednn": [trial("onednn", 1.30), trial("onnxruntime", 1.27)]}) == "onednn"
+    assert preemptible_alternative({"torch": [trial("torch", 1.2, faithful=False), ort]}) is None
+    assert preemptible_alternative({"torch": [trial("torch", 1.0, dropped=1.5), ort]}) is None  # not timed to the end
+    assert preemptible_alternative({"onnxruntime": [trial("onnxruntime", 1.0), ort]}) is None  # not layered
+    assert Choice("onnxruntime", duels={"torch": [trial("torch", 1.30), ort]}).bulk_runtime == "torch"
+    assert Choice("torch").bulk_runtime is None
 
 
 # -- the worker: online micro-batches run between two layers of a running bulk micro-batch ----------------------------

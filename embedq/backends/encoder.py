@@ -13,6 +13,7 @@ import contextlib
 import copy
 import hashlib
 import inspect
+import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from embedq import errors
 from embedq.backends.base import Encoded
 from embedq.backends.kernels import LinearKernel, pack_linears
 from embedq.backends.modules import read_json
+
+log = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -211,6 +214,11 @@ class Encoder:
         self.takes_token_type_ids = "token_type_ids" in params and "token_type_ids" in tokenizer.model_input_names
         self._position_ids = "position_ids" in params
         self._forward: Any = self.model
+        # Bulk micro-batches that may be preempted run here when the chosen runtime cannot stop between layers
+        # (runtime.preemptible_alternative); None: they run on the chosen one.
+        self._preempt_forward: Any = None
+        self.preempt_runtime: str | None = None
+        self._override: Any = None  # the forward pass run() uses inside between_layers (not in its callback)
         self.runtime_choice: Any = None  # runtime.Choice when linear_kernel=auto chose by measurement
         if linear_kernel == "auto" and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
             from embedq.backends.runtime import choose
@@ -218,11 +226,41 @@ class Encoder:
             self.runtime_choice, candidate = choose(self, weights=weights_sha256(folder), tokens=batch_tokens,
                                                     online_tokens=online_tokens)
             self._forward, self.linear_kernel = candidate.forward, self.runtime_choice.runtime
+            self._preemptible_runtime()
         elif linear_kernel == "onnxruntime":
             self._forward = self._onnx(folder, task)
             self.linear_kernel = "onnxruntime"
         else:  # an operator's choice (or a GPU / float16, where PyTorch's own kernels run)
             self.linear_kernel = pack_linears(self.model, linear_kernel)
+
+    def _preemptible_runtime(self) -> None:
+        """When ``auto`` chose a runtime that runs the graph whole, keep a layered one for bulk micro-batches if the
+        measurements say it is nearly as fast on them (runtime.preemptible_alternative), checked for fidelity."""
+        name = self.runtime_choice.bulk_runtime
+        if name is not None:
+            self.layered_for_bulk(name)
+
+    def layered_for_bulk(self, name: str) -> bool:
+        """Run preemptible bulk micro-batches (inside :meth:`between_layers`) on the layered runtime ``name``
+        (``torch`` or ``onednn``) while the chosen runtime runs the graph whole; checked for fidelity first.
+        Returns whether it is in place."""
+        from embedq.backends.runtime import LAYERED, Candidate, check
+
+        if name not in LAYERED or self.linear_kernel in LAYERED:
+            raise errors.InvalidOption(f"a layered runtime for bulk batches is {LAYERED}, beside onnxruntime")
+        candidate = self.make_runtime(name)
+        if candidate is None:
+            return False
+        trial = check(self, [candidate], Candidate("torch", self.model))[0]
+        if not trial.faithful:
+            log.warning("runtime: %s for preemptible bulk micro-batches is not faithful here (%s)", name,
+                        trial.describe())
+            return False
+        candidate.enter()
+        self._preempt_forward, self.preempt_runtime = candidate.forward, name
+        log.info("runtime: bulk micro-batches that online ones may preempt run on %s (nearly as fast on token-budget "
+                 "batches, and it stops between layers); the rest on %s", name, self.linear_kernel)
+        return True
 
     def make_runtime(self, name: str) -> Any:
         """A :class:`~embedq.backends.runtime.Candidate` running this model with runtime ``name``; None where
@@ -370,19 +408,34 @@ class Encoder:
 
     def preemption_blocker(self) -> str | None:
         """None when :meth:`between_layers` can stop this model's forward pass between two layers; else why not."""
-        if self.linear_kernel == "onnxruntime":
-            return "ONNX Runtime runs the model's graph whole"
+        if self.linear_kernel == "onnxruntime" and self._preempt_forward is None:
+            return "ONNX Runtime runs the model's graph whole (and no layered runtime is nearly as fast here)"
         if self.layers() is None:
             return (f"its layer stack was not found (no single nn.ModuleList of num_hidden_layers="
                     f"{getattr(self.model.config, 'num_hidden_layers', None)} blocks)")
         return None
 
+    def preemption_points(self) -> list[Any]:
+        """The modules a forward pass may stop before: each layer of the stack, and inside it each leaf module that
+        holds weights (the projections and norms), so a pause waits at most about one matrix product, not a whole
+        layer. Found anew on each call (the oneDNN runtime swaps the Linear modules)."""
+        points: list[Any] = []
+        for layer in self.layers() or ():
+            points.append(layer)
+            for module in layer.modules():
+                if module is not layer and not any(True for _ in module.children()) and (
+                        any(True for _ in module.parameters(recurse=False))
+                        or any(True for _ in module.buffers(recurse=False))):
+                    points.append(module)
+        return points
+
     @contextlib.contextmanager
     def between_layers(self, callback: Callable[[], None]) -> Iterator[bool]:
-        """While inside: ``callback()`` runs before each layer of every forward pass on this thread's model,
-        except in forward passes ``callback`` itself starts (they run through, unhooked). Yields whether the
-        hook is in place: False where the runtime runs no PyTorch layers (ONNX Runtime) or none were found."""
-        stack = self.layers()
+        """While inside: ``callback()`` runs before each preemption point (:meth:`preemption_points`: each layer,
+        and each weight-holding module in it) of every forward pass on this thread's model, except in forward
+        passes ``callback`` itself starts (they run through, unhooked, on the chosen runtime). Forward passes inside
+        run on the layered runtime kept for them where the chosen one runs the graph whole. Yields whether the
+        hooks are in place: False where no layered runtime runs this model or no layer stack was found."""
         if self.preemption_blocker() is not None:
             yield False
             return
@@ -392,15 +445,19 @@ class Encoder:
             if inside[0]:
                 return
             inside[0] = True
+            override, self._override = self._override, None  # the callback's passes: the chosen runtime
             try:
                 callback()
             finally:
                 inside[0] = False
+                self._override = override
 
-        handles = [layer.register_forward_pre_hook(hook) for layer in stack]
+        handles = [point.register_forward_pre_hook(hook) for point in self.preemption_points()]
+        self._override = self._preempt_forward
         try:
             yield True
         finally:
+            self._override = None
             for handle in handles:
                 handle.remove()
 
@@ -431,7 +488,7 @@ class Encoder:
             if self.left_padding and self._position_ids and min(lengths) < width:
                 # Positions as the unpadded text would have them (left padding only).
                 inputs["position_ids"] = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-            return (forward or self._forward)(**inputs, return_dict=True), attention_mask
+            return (forward or self._override or self._forward)(**inputs, return_dict=True), attention_mask
 
 
 def _lowercase(tokenizer: Any) -> None:

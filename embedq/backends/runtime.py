@@ -26,6 +26,16 @@ model and on the process' memory settings, by a third of the throughput either w
 
 The choice and every candidate's timing are logged; an operator who sets ``linear_kernel`` to ``torch``,
 ``onednn`` or ``onnxruntime`` gets that runtime and no measurement at all.
+
+**Preemption (issue 18).** ONNX Runtime runs the graph whole, so a bulk micro-batch on it cannot stop between two
+layers for an online one. When it is the choice, each faithful runtime that runs PyTorch's layers (``torch``,
+``onednn``) is timed head to head against it on the token-budget batches (a duel of two: with three candidates
+taking turns, oneDNN's layer swaps slowed the PyTorch batches next to them by a third on a 2-core AVX2 machine, the
+same batches PyTorch ran as fast as ONNX Runtime in a duel). If one keeps at least :data:`PREEMPT_KEEP` of ONNX
+Runtime's speed there (:func:`preemptible_alternative`), the encoder runs bulk micro-batches on it (they can be
+preempted) and everything else, online micro-batches included, on ONNX Runtime, where small batches are fastest.
+Both are checked for fidelity against the same PyTorch model, so a text's vector is within the fidelity bar
+whichever ran it. The duels are cached with the choice.
 """
 
 from __future__ import annotations
@@ -59,8 +69,18 @@ log = logging.getLogger(__name__)
 #: DESIGN.md's 1e-5 in float32; in bfloat16, two bf16 ulps (8 mantissa bits).
 FIDELITY = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 RUNTIMES = ("torch", "onednn", "onnxruntime")
+#: Called with the chosen runtime as soon as it is known, before the duels. The worker settles its memory policy
+#: there (workers/memory.settle: ONNX Runtime's heap settings), so the layered runtimes duel under the allocator
+#: settings their bulk batches will run under: PyTorch's many temporaries cost a third more under the mmap settings
+#: (measured on 2 cores, AVX2: 1.81 s against 1.36 s for the same batches).
+on_chosen: Callable[[str], None] | None = None
+#: Runtimes that run PyTorch's layer modules (a forward pass on them can stop between two layers).
+LAYERED = ("torch", "onednn")
+#: The least share of the chosen runtime's speed on token-budget batches a layered runtime must keep to run bulk
+#: micro-batches in its place (what issue 18 asks bulk to keep while online traffic is about).
+PREEMPT_KEEP = 0.85
 #: Bumped when what is timed changes, so older cached choices are measured again.
-TUNER_VERSION = 2
+TUNER_VERSION = 6
 #: Widths of the token-budget batches timed (each capped at the model's max_seq_length) and of the online ones.
 BULK_WIDTHS = (41, 77, 123, 199)
 ONLINE_SHAPES = ((1, 13), (2, 29), (4, 22))
@@ -121,6 +141,18 @@ class Choice:
     cached: bool = False
     path: str | None = None
     tokens: int = 0  # real tokens in the timed batches, per candidate
+    #: layered runtime -> [its trial, the chosen runtime's trial], timed head to head (only where ``runtime``
+    #: runs the graph whole)
+    duels: dict[str, list[Trial]] = field(default_factory=dict)
+
+    @property
+    def bulk_runtime(self) -> str | None:
+        """The layered runtime preemptible bulk micro-batches run on (None: they run on ``runtime``)."""
+        return preemptible_alternative(self.duels)
+
+    def describe_duels(self) -> str:
+        return "; ".join(f"{name} against {self.runtime} on token-budget batches: {_bulk(a):.3f} s against "
+                         f"{_bulk(b):.3f} s" for name, (a, b) in self.duels.items())
 
     def describe(self) -> str:
         how = "cached choice" if self.cached else "measured"
@@ -131,6 +163,39 @@ def pick(trials: Sequence[Trial]) -> str:
     """The fastest faithful candidate timed on every batch; ``torch`` (the reference itself) when none was."""
     timed = [t for t in trials if t.error is None and t.faithful and t.complete]
     return min(timed, key=lambda t: t.seconds).name if timed else "torch"  # type: ignore[arg-type,return-value]
+
+
+def _bulk(t: Trial) -> float:
+    """Seconds on the token-budget batches alone."""
+    return float(t.seconds or 0.0) - float(t.online_seconds or 0.0)
+
+
+def preemptible_alternative(duels: dict[str, list[Trial]]) -> str | None:
+    """The layered runtime whose duel against the chosen one went best, if it kept :data:`PREEMPT_KEEP` of the
+    chosen runtime's speed on the token-budget batches (faithful and timed on every batch)."""
+    speeds = {name: _bulk(theirs) / _bulk(mine) for name, (mine, theirs) in duels.items()
+              if name in LAYERED and mine.faithful and mine.complete and theirs.complete and _bulk(mine) > 0}
+    if not speeds:
+        return None
+    best = max(speeds, key=speeds.__getitem__)
+    return best if speeds[best] >= PREEMPT_KEEP else None
+
+
+def duel(encoder: Encoder, candidates: Sequence[Candidate], trials: Sequence[Trial], chosen: str, tokens: int,
+         online_tokens: int) -> dict[str, list[Trial]]:
+    """Where ``chosen`` runs the graph whole: each faithful layered candidate timed head to head against it."""
+    if chosen in LAYERED:
+        return {}
+    by_name = {c.name: c for c in candidates}
+    faithful = {t.name for t in trials if t.error is None and t.faithful}
+    if chosen not in by_name or chosen not in faithful:
+        return {}
+    out = {}
+    for name in [n for n in LAYERED if n in by_name and n in faithful]:
+        pair = [Trial(name, faithful=True), Trial(chosen, faithful=True)]
+        measure(encoder, [by_name[name], by_name[chosen]], pair, tokens, online_tokens)
+        out[name] = pair
+    return out
 
 
 # -- the machine and the cache ----------------------------------------------------------------------------------
@@ -167,6 +232,7 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 def _write(path: Path, choice: Choice) -> None:
     data = {"runtime": choice.runtime, "trials": [asdict(t) for t in choice.trials], "tokens": choice.tokens,
+            "duels": {name: [asdict(t) for t in pair] for name, pair in choice.duels.items()},
             "cpu": cpu_summary(), "threads": torch.get_num_threads(),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
@@ -341,11 +407,15 @@ def choose(encoder: Encoder, *, weights: str, tokens: int = 2048, online_tokens:
             if trial.faithful:
                 trials = [Trial(**{k: v for k, v in t.items() if k in Trial.__dataclass_fields__})
                           for t in cached.get("trials", []) if isinstance(t, dict) and t.get("name")]
+                duels = {name: [Trial(**{k: v for k, v in t.items() if k in Trial.__dataclass_fields__})
+                                 for t in pair]
+                         for name, pair in (cached.get("duels") or {}).items() if isinstance(pair, list)}
                 choice = Choice(cached["runtime"], trials, cached=True, path=str(path),
-                                tokens=int(cached.get("tokens", 0)))
+                                tokens=int(cached.get("tokens", 0)), duels=duels)
                 candidates[0].enter()
-                log.info("runtime: %s, the cached choice for this machine and model (%s); measured: %s",
-                         choice.runtime, path, "; ".join(t.describe() for t in trials))
+                log.info("runtime: %s, the cached choice for this machine and model (%s); measured: %s%s",
+                         choice.runtime, path, "; ".join(t.describe() for t in trials),
+                         f"; {choice.describe_duels()}" if duels else "")
                 return choice, candidates[0]
             log.warning("runtime: the cached choice %s no longer reproduces PyTorch (%s); measuring again",
                         cached["runtime"], trial.describe())
@@ -359,12 +429,15 @@ def choose(encoder: Encoder, *, weights: str, tokens: int = 2048, online_tokens:
     real = measure(encoder, candidates, trials, tokens, online_tokens)
     trials += unavailable
     runtime = pick(trials)
-    choice = Choice(runtime, trials, cached=False, path=None if extra else str(path), tokens=real)
+    if on_chosen is not None:
+        on_chosen(runtime)
+    duels = duel(encoder, candidates, trials, runtime, tokens, online_tokens)
+    choice = Choice(runtime, trials, cached=False, path=None if extra else str(path), tokens=real, duels=duels)
     if not extra:
         _write(path, choice)
     chosen = next((c for c in candidates if c.name == runtime), reference)
     chosen.enter()
-    log.info("runtime: %s, measured in %.1f s on %s real tokens per candidate (%s, %d threads): %s",
+    log.info("runtime: %s, measured in %.1f s on %s real tokens per candidate (%s, %d threads): %s%s",
              runtime, time.perf_counter() - t0, real, cpu_summary(), torch.get_num_threads(),
-             "; ".join(t.describe() for t in trials))
+             "; ".join(t.describe() for t in trials), f"; {choice.describe_duels()}" if duels else "")
     return choice, chosen

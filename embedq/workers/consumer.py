@@ -124,9 +124,10 @@ class Worker:
         with a clear error and a non-zero exit instead of a consumer that dies inside Celery.
         """
         if self.service is None:
-            from embedq.backends import load_backend  # the worker process only: imports torch
+            from embedq.backends import load_backend, runtime  # the worker process only: imports torch
 
             settings = self.settings
+            runtime.on_chosen = partial(memory.settle, settings.memory_policy)
             metrics = self.metrics = WorkerMetrics()
             t0 = time.perf_counter()
             backend = load_backend(
@@ -137,7 +138,8 @@ class Worker:
             metrics.model_load_seconds = time.perf_counter() - t0
             log.info("loaded %s on %s (%s, runtime %s) in %.1fs", backend.info.model_id, backend.info.device,
                      backend.info.dtype, backend.info.linear_kernel, metrics.model_load_seconds)
-            if backend.info.linear_kernel == "onnxruntime":
+            if backend.info.linear_kernel == "onnxruntime" and (
+                    not settings.preempt or backend.preemption_blocker() is not None):  # no layered runtime in use
                 # ONNX Runtime runs the model on its own thread pool (torch_threads threads); PyTorch is left
                 # with the heads' small ops, and its idle OpenMP workers would compete with ONNX Runtime's for
                 # every core (bench/peers.py on 2 cores: 0.85x the raw ONNX Runtime loop with PyTorch's 2

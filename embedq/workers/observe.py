@@ -85,7 +85,8 @@ def identity(worker: Worker | None) -> dict[str, Any]:
                    runtime_choice=info.runtime_choice or "forced", memory_policy=service.memory_policy,
                    kinds=list(info.kinds), dimension=info.dimension, max_seq_length=info.max_seq_length,
                    pooling=info.pooling, labels=list(info.labels), weights_sha256=info.weights_sha256,
-                   max_batch_tokens=settings.batch_tokens)
+                   max_batch_tokens=settings.batch_tokens,
+                   preemption=service.preemption)
     return out
 
 

@@ -105,8 +105,8 @@ class EmbeddingService:
                                    else "turned off (EMBEDQ_PREEMPT=false)")
         self.preemptive = self.scheduler.preemptive = self.preemption_blocker is None
         if self.preemptive:
-            log.info("online micro-batches preempt bulk micro-batches between layers (bulk budget %d tokens)",
-                     self.batch_tokens)
+            log.info("online micro-batches preempt bulk micro-batches: %s (bulk budget %d tokens)",
+                     self.preemption, self.batch_tokens)
         else:
             log.warning("%s: online jobs cannot preempt bulk micro-batches: %s. While online jobs are about, "
                         "micro-batches with bulk texts are capped at %d padded tokens instead (online_batch_tokens)",
@@ -131,6 +131,14 @@ class EmbeddingService:
         self._writer.start()
         self._thread.start()
         return self
+
+    @property
+    def preemption(self) -> str:
+        """How online micro-batches get ahead of bulk ones on this worker, in words (``embedq status``)."""
+        if not self.preemptive:
+            return f"off: {self.preemption_blocker}"
+        layered = getattr(getattr(self.backend, "encoder", None), "preempt_runtime", None)
+        return f"between layers (bulk micro-batches on {layered})" if layered else "between layers"
 
     @property
     def stopping(self) -> bool:
