@@ -229,6 +229,8 @@ def test_b_metrics_move_by_exactly_what_the_jobs_did(stack):
     assert d("embedq_class_jobs_received_total", **online) == 12
     assert d("embedq_class_items_embedded_total", **online) == 30
     assert d("embedq_jobs_cancelled_total") == 0
+    assert d("embedq_online_started_total") == 10  # the failing two never reached a micro-batch
+    assert d("embedq_online_wait_seconds_total") > 0 and d("embedq_preemptions_total") == 0  # nothing bulk ran
     bucket = ("embedq_batch_items_bucket", (("le", "+Inf"),))
     assert after[bucket] - before.get(bucket, 0) == batches
     assert _v(after, "embedq_items_in_flight") == 0 and _v(after, "embedq_jobs_in_flight") == 0
@@ -315,6 +317,9 @@ def test_c_status_lists_queue_depths_and_the_live_worker(stack):
     cells = _cells(worker_row)
     assert cells[1].endswith("all-MiniLM-L6-v2") and cells[2:4] == ["cpu", "float32"], cells
     assert "recent throughput" in text and "dead letters: 0" in text
+    assert "Online and bulk" in text
+    traffic_row = [line for line in text.splitlines() if f"-{worker.proc.pid}@" in line][1]
+    assert _cells(traffic_row)[2] == "0", traffic_row  # preemptions: no bulk job ran on this worker
 
     snap = json.loads(_status(stack, "--json").stdout)
     assert snap["queues"][IDLE_QUEUE] == {"waiting": 3, "unacked": 0, "depth": 3}
@@ -323,6 +328,8 @@ def test_c_status_lists_queue_depths_and_the_live_worker(stack):
     assert record["counters"]["items_succeeded"] >= 2
     assert record["rates"]["items_per_s"] > 0  # texts were embedded within the last minute
     assert record["metrics_port"] == stack["settings"].metrics_port
+    assert record["preemption"].startswith(("between layers", "off: ONNX Runtime"))
+    assert record["counters"]["online_started"] >= 1 and record["timers"]["online_wait_seconds"] > 0
 
 
 def test_status_on_an_unreachable_broker_fails_fast_and_clearly(stack):

@@ -221,7 +221,30 @@ def test_b_online_jobs_run_inside_a_long_bulk_micro_batch_which_stays_bit_identi
     assert float(np.abs(np.asarray(got_bulk) - np.asarray(alone)).max()) == 0.0
     assert after["preemptions"] >= 1 and after["bulk_paused_seconds"] > 0
     assert after["online_started"] - before["online_started"] >= len(queries)
-    paused = [int(m) for m in re.findall(r"bulk micro-batch paused before layer (\d+)", w.log())]
-    assert paused and all(1 <= layer <= 6 for layer in paused), paused
+    # MiniLM: 6 layers, each with 8 points (the layer, 6 projections, 2 norms)
+    paused = [int(m) for m in re.findall(r"bulk micro-batch paused at preemption point (\d+)", w.log())]
+    assert paused and all(1 <= point <= 6 * 9 for point in paused), paused
     bulk_seconds = after["inference_seconds"] - before["inference_seconds"]  # pauses left out of its model time
     assert answered < bulk_seconds, (answered, bulk_seconds)
+
+    # embedq status shows them (from the worker's record in the registry, refreshed every few seconds)
+    from rich.console import Console
+
+    from embedq import monitor
+    from embedq.broker import redis_client
+    from embedq.producers.status import render
+
+    redis = redis_client(w.settings)
+    end = time.monotonic() + 4 * monitor.REPORT_INTERVAL
+    while True:
+        snap = monitor.snapshot(redis, w.settings.queues)
+        mine = [r for r in snap.workers if r.get("pid") == w.proc.pid]
+        if (mine and mine[0]["counters"]["preemptions"] >= after["preemptions"]) or time.monotonic() > end:
+            break
+        time.sleep(0.5)
+    redis.close()
+    assert mine[0]["preemption"] == "between layers" and mine[0]["timers"]["bulk_paused_seconds"] > 0
+    console = Console(width=250, record=True)
+    console.print(render(snap, "redis://test"))
+    row = [line for line in console.export_text().splitlines() if f"-{w.proc.pid}@" in line][1]
+    assert f" {after['preemptions']:,} " in row and "between layers" in row, row

@@ -147,8 +147,12 @@ class Choice:
 
     @property
     def bulk_runtime(self) -> str | None:
-        """The layered runtime preemptible bulk micro-batches run on (None: they run on ``runtime``)."""
-        return preemptible_alternative(self.duels)
+        """The layered runtime preemptible bulk micro-batches run on (None: they run on ``runtime``). Only duels
+        against the chosen runtime count (a cache file edited to name another runtime keeps old duels)."""
+        if self.runtime in LAYERED:
+            return None
+        return preemptible_alternative({name: pair for name, pair in self.duels.items()
+                                        if len(pair) == 2 and pair[1].name == self.runtime})
 
     def describe_duels(self) -> str:
         return "; ".join(f"{name} against {self.runtime} on token-budget batches: {_bulk(a):.3f} s against "

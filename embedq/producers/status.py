@@ -65,6 +65,8 @@ def render(snap: monitor.Snapshot, broker: str) -> Group:
         )
     lines = [Text(f"broker {broker}", style="dim"), queues, workers]
     if snap.workers:
+        lines.append(_traffic_table(snap))
+    if snap.workers:
         lines.append(Text(f"recent throughput (last {window:.0f}s): {_rate(totals['jobs_per_s'])} jobs/s, "
                           f"{_rate(totals['items_per_s'])} texts/s, {_rate(totals['tokens_per_s'])} tokens/s"))
     else:
@@ -72,6 +74,23 @@ def render(snap: monitor.Snapshot, broker: str) -> Group:
                           f"disappears within {monitor.WORKER_TTL}s)", style="bold red"))
     lines.append(Text(f"dead letters: {snap.dead_letters:,}", style="bold red" if snap.dead_letters else ""))
     return Group(*lines)
+
+
+def _traffic_table(snap: monitor.Snapshot) -> Table:
+    """Online against bulk on each worker: how online jobs get ahead (preemption between layers, or the cap), how
+    often bulk micro-batches were paused and for how long, and how long online jobs waited to start."""
+    table = Table(title="Online and bulk", title_justify="left")
+    for name in ("worker", "online ahead of bulk", "preemptions", "bulk paused", "online jobs",
+                 "online wait (mean)"):
+        table.add_column(name, justify="left" if name in ("worker", "online ahead of bulk") else "right",
+                         no_wrap=name != "online ahead of bulk", overflow="fold")
+    for w in snap.workers:
+        counters, timers = w.get("counters", {}), w.get("timers", {})
+        started = counters.get("online_started", 0)
+        wait = timers.get("online_wait_seconds", 0.0) / started if started else 0.0
+        table.add_row(w.get("hostname", "?"), str(w.get("preemption", "?")), f"{counters.get('preemptions', 0):,}",
+                      f"{timers.get('bulk_paused_seconds', 0.0):,.1f}s", f"{started:,}", f"{wait * 1e3:,.1f} ms")
+    return table
 
 
 def take(settings: Settings, queues: list[str]) -> monitor.Snapshot:

@@ -18,7 +18,7 @@ from celery.worker.request import Request
 from embedq import __version__
 from embedq.protocol import TASKS, short_options
 from embedq.settings import Settings
-from embedq.workers.stats import COUNTERS
+from embedq.workers.stats import COUNTERS, TIMERS
 
 if TYPE_CHECKING:
     from embedq.workers.consumer import Worker
@@ -102,6 +102,7 @@ def worker_record(worker: Worker) -> dict[str, Any]:
         record["errors_by_code"] = st["errors_by_code"]
         record["jobs_by_class"] = st["jobs_by_class"]
         record["jobs_by_kind"] = st["jobs_by_kind"]
+        record["timers"] = {k: round(st[k], 3) for k in TIMERS}
     if worker.metrics is not None:
         record["rates"] = worker.metrics.rates.current()
     return record

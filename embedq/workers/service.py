@@ -111,7 +111,7 @@ class EmbeddingService:
             log.warning("%s: online jobs cannot preempt bulk micro-batches: %s. While online jobs are about, "
                         "micro-batches with bulk texts are capped at %d padded tokens instead (online_batch_tokens)",
                         self.info.model_id, self.preemption_blocker, self.scheduler.online_tokens)
-        # The running bulk micro-batch (inference thread only): seconds paused so far, layers started.
+        # The running bulk micro-batch (inference thread only): seconds paused so far, preemption points met.
         self._paused, self._layer = 0.0, 0
         self.deadlines = Deadlines()
         self._cond = threading.Condition()
@@ -316,8 +316,8 @@ class EmbeddingService:
         if ran:
             paused = time.perf_counter() - t0
             self._paused += paused
-            log.info("bulk micro-batch paused before layer %d: %d online micro-batch(es) in %.1f ms", self._layer,
-                     ran, paused * 1e3)
+            log.info("bulk micro-batch paused at preemption point %d: %d online micro-batch(es) in %.1f ms",
+                     self._layer, ran, paused * 1e3)
             self.stats.add(preemptions=1, preempting_batches=ran)
             self.stats.time("bulk_paused_seconds", paused)
             if self.metrics is not None:
