@@ -155,6 +155,45 @@ def test_the_layered_runtime_for_bulk_is_chosen_by_the_measurements():
     assert Choice("torch").bulk_runtime is None
 
 
+@pytest.mark.parametrize("how", ["onnxruntime", "turned-off"])
+def test_c_a_service_that_cannot_preempt_says_so_once_and_falls_back_to_the_cap(how, families, corpus, caplog):
+    """A forced ONNX Runtime (no layered runtime kept) or EMBEDQ_PREEMPT=false: one warning naming why, and the
+    scheduler's online cap instead; jobs of both classes still run (a real model, no Celery)."""
+    import logging
+    import threading
+
+    from embedq.batching.traffic import BULK
+    from embedq.workers.service import EmbeddingService, Job
+
+    folder = families["minilm"][0]
+    backend = load_backend(folder, linear_kernel="onnxruntime" if how == "onnxruntime" else "torch")
+    settings = Settings(preempt=how != "turned-off")
+    done: dict = {}
+    finished = threading.Event()
+
+    def on_done(job, outcome):
+        done[job.id] = outcome
+        if len(done) == 2:
+            finished.set()
+
+    with caplog.at_level(logging.INFO, logger="embedq.workers.service"):
+        service = EmbeddingService(backend, settings, on_done=on_done).start()
+    try:
+        warnings = [r.getMessage() for r in caplog.records if "cannot preempt" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert ("ONNX Runtime runs the model's graph whole" if how == "onnxruntime" else "EMBEDQ_PREEMPT=false") \
+            in warnings[0] and "capped at 256 padded tokens" in warnings[0]
+        assert not service.preemptive and not service.scheduler.preemptive
+        assert service.preemption.startswith("off: ")
+        service.submit(Job("bulk", [_texts(corpus, 40, seed=6)], traffic_class=BULK))  # args: [texts]
+        service.submit(Job("online", [_texts(corpus, 1, seed=7)]))
+        assert finished.wait(120)
+        assert all(isinstance(out, dict) for out in done.values()), done
+        assert service.stats.preemptions == 0
+    finally:
+        service.stop()
+
+
 # -- the worker: online micro-batches run between two layers of a running bulk micro-batch ----------------------------
 
 PREEMPT_WORKER = [sys.executable, str(Path(__file__).with_name("preempt_worker.py"))]
