@@ -387,7 +387,7 @@ class EmbeddingService:
         if self.metrics is not None:
             self.metrics.observe_batch(len(keys), real, cost, elapsed)
         if rows is None:
-            self._isolate(keys, failure)
+            self._isolate(keys, failure, preemptible)
             return
         good = [(key, row) for key, row, b in zip(keys, rows, bad) if not b]
         self._store_rows([k for k, _ in good], [r for _, r in good])
@@ -395,16 +395,17 @@ class EmbeddingService:
             if b:
                 self.fail(job, errors.BackendError(f"inputs[{i}] produced a non-finite output"))
 
-    def _isolate(self, keys: list[tuple[Job, int]], exc: Exception) -> None:
-        """A failing micro-batch: split it and retry the halves so only the culprit fails."""
+    def _isolate(self, keys: list[tuple[Job, int]], exc: Exception, preemptible: bool = False) -> None:
+        """A failing micro-batch: split it and retry the halves so only the culprit fails (a bulk batch's halves
+        stay preemptible)."""
         if len(keys) == 1:
             job, i = keys[0]
             log.warning("inputs[%d] of job %s failed in the model: %s", i, job.id, type(exc).__name__)
             self.fail(job, errors.BackendError(f"inputs[{i}] failed in the model: {type(exc).__name__}"))
             return
         mid = len(keys) // 2
-        self._run(keys[:mid])
-        self._run(keys[mid:])
+        self._run(keys[:mid], preemptible)
+        self._run(keys[mid:], preemptible)
 
     def _store_rows(self, keys: list[tuple[Job, int]], rows: list[Any]) -> None:
         for (job, i), row in zip(keys, rows):
