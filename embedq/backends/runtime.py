@@ -397,6 +397,11 @@ def candidates_for(encoder: Encoder, names: Sequence[str] = RUNTIMES) -> tuple[l
     return out, unavailable
 
 
+def _trial(data: dict[str, Any]) -> Trial:
+    """A Trial read back from the cache file (fields it does not know are left out)."""
+    return Trial(**{k: v for k, v in data.items() if k in Trial.__dataclass_fields__})
+
+
 def choose(encoder: Encoder, *, weights: str, tokens: int = 2048, online_tokens: int = 256,
            extra: Sequence[Candidate] = (), use_cache: bool = True) -> tuple[Choice, Candidate]:
     """Pick the runtime for ``encoder`` (see the module's docstring): (the choice, its candidate, entered).
@@ -411,10 +416,8 @@ def choose(encoder: Encoder, *, weights: str, tokens: int = 2048, online_tokens:
         if candidates:
             trial = check(encoder, candidates, reference)[0]
             if trial.faithful:
-                trials = [Trial(**{k: v for k, v in t.items() if k in Trial.__dataclass_fields__})
-                          for t in cached.get("trials", []) if isinstance(t, dict) and t.get("name")]
-                duels = {name: [Trial(**{k: v for k, v in t.items() if k in Trial.__dataclass_fields__})
-                                 for t in pair]
+                trials = [_trial(t) for t in cached.get("trials", []) if isinstance(t, dict) and t.get("name")]
+                duels = {name: [_trial(t) for t in pair]
                          for name, pair in (cached.get("duels") or {}).items() if isinstance(pair, list)}
                 choice = Choice(cached["runtime"], trials, cached=True, path=str(path),
                                 tokens=int(cached.get("tokens", 0)), duels=duels)
