@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -32,6 +32,9 @@ def model_slug(model: str) -> str:
     """A queue-safe short name for a model id or path (``all-minilm-l6-v2``)."""
     base = model.rstrip("/").split("/")[-1]
     return re.sub(r"[^a-z0-9_.-]+", "-", base.lower()).strip("-") or "model"
+
+
+Pooling = Literal["splade", "cls", "mean", "max", "lasttoken", "weightedmean", "mean_sqrt_len_tokens"]
 
 
 class Settings(BaseSettings):
@@ -196,11 +199,21 @@ class Settings(BaseSettings):
         "prepacked weights; onnxruntime: the whole forward pass in ONNX Runtime with its transformer fusions "
         "(CPU, float32, encoders; exported once into EMBEDQ_ONNX_CACHE; needs the onnx extra). On a GPU: torch.",
     )
-    pooling: Literal["splade"] | None = Field(
+    pooling: Pooling | None = Field(
         default=None,
-        description="None: the model folder says what it serves. splade: serve a bare *ForMaskedLM folder as a "
-        "SPLADE model (embed_sparse; TEI's --pooling splade) instead of a mean-pooled embedding model. A "
-        "sentence-transformers SparseEncoder folder is SPLADE without it.",
+        description="None: the model folder says what it serves (always right for a sentence-transformers folder). "
+        "splade: serve a bare *ForMaskedLM folder as a SPLADE model (embed_sparse; TEI's --pooling splade) instead "
+        "of a mean-pooled embedding model; a SparseEncoder folder is SPLADE without it. cls, mean, max, lasttoken "
+        "(TEI's last-token), weightedmean, mean_sqrt_len_tokens: override an embedding model's pooling (TEI's "
+        "--pooling); another pooling is another vector space, so the fingerprint names it and an index made "
+        "without it refuses the new vectors (docs/FIDELITY.md).",
+    )
+    trust_remote_code: bool = Field(
+        default=False,
+        description="Run the code a model folder ships (config.json's auto_map: Jina, Nomic, GTE-new models). "
+        "Off: such a folder is refused with a clear error (without its code, transformers may load a stock "
+        "architecture and serve other vectors silently). On: only modules inside the folder are run, never "
+        "downloaded ones; their source is part of the weights hash.",
     )
     memory_policy: Literal["auto", "trim", "mmap", "glibc"] = Field(
         default="auto",
@@ -213,6 +226,15 @@ class Settings(BaseSettings):
     malloc_trim_interval: float = Field(
         default=5.0, gt=0, description="Seconds of work between two malloc_trim calls (memory_policy=trim).",
     )
+
+    @field_validator("pooling", mode="before")
+    @classmethod
+    def _tei_pooling_names(cls, value: Any) -> Any:
+        """TEI's spellings (``last-token``) beside sentence-transformers' (``lasttoken``)."""
+        if isinstance(value, str):
+            value = value.strip().lower()
+            return {"last-token": "lasttoken", "last_token": "lasttoken", "": None}.get(value, value)
+        return value
 
     @field_validator("broker_url", "result_backend")
     @classmethod

@@ -58,6 +58,7 @@ def load_backend(
     batch_tokens: int = 2048,
     online_tokens: int = 256,
     pooling: str | None = None,
+    trust_remote_code: bool = False,
 ) -> Backend:
     """Load ``model`` (an id or a local folder) with the heads its folder calls for (embed, rerank/predict;
     every model tokenizes; SPLADE: embed_sparse): see :mod:`embedq.backends.model`. ``linear_kernel="auto"`` on a
@@ -72,7 +73,7 @@ def load_backend(
 
     return load_model(path, model_id=model, device=device, dtype=dtype, torch_threads=torch_threads,
                       linear_kernel=linear_kernel, batch_tokens=batch_tokens, online_tokens=online_tokens,
-                      pooling=pooling)
+                      pooling=pooling, trust_remote_code=trust_remote_code)
 
 
 def __getattr__(name: str):

@@ -107,7 +107,7 @@ class ClassifierHead(Head):
 def load_classifier(folder: Path, transformer_dir: Path, st_config: dict[str, Any], modules: list[tuple[str, Path]],
                     *, model_id: str, device: str = "cpu", dtype: str = "float32", torch_threads: int | None = None,
                     linear_kernel: LinearKernel = "auto", batch_tokens: int = 2048,
-                    online_tokens: int = 256) -> ModelBackend:
+                    online_tokens: int = 256, trust_remote_code: bool = False) -> ModelBackend:
     if len(modules) > 1:
         raise errors.UnsupportedModel(
             f"a sequence-classification Transformer followed by {[k for k, _ in modules[1:]]} is not supported")
@@ -117,7 +117,8 @@ def load_classifier(folder: Path, transformer_dir: Path, st_config: dict[str, An
             f"Transformer module_output_name={st_config['module_output_name']!r} is not supported")
     encoder = Encoder(transformer_dir, st_config, task=CLASSIFY, device=device, dtype=dtype,
                       torch_threads=torch_threads, linear_kernel=linear_kernel, allow_chat_template=bool(modules),
-                      batch_tokens=batch_tokens, online_tokens=online_tokens)
+                      batch_tokens=batch_tokens, online_tokens=online_tokens,
+                      trust_remote_code=trust_remote_code)
     config = encoder.config
     num_labels = int(getattr(config, "num_labels", 0) or 0)
     if num_labels < 1:

@@ -9,6 +9,7 @@ itself is not imported. A trailing Normalize module is applied per job in ``fini
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,30 @@ from embedq.backends.encoder import FEATURES, Encoder
 from embedq.backends.hybrid import is_m3_folder, m3_heads
 from embedq.backends.kernels import LinearKernel
 from embedq.backends.model import ModelBackend, base_info, check_modality, model_task, read_modules
-from embedq.backends.modules import DenseModule, PoolingConfig, check_normalize, normalize, pool, read_json
+from embedq.backends.modules import (
+    POOLING_MODES,
+    DenseModule,
+    PoolingConfig,
+    check_normalize,
+    normalize,
+    pool,
+    read_json,
+)
 from embedq.backends.multi import TokenEmbeddingsHead
 from embedq.backends.tokens import TOKENIZER_KINDS, prepare_texts, read_prompts, tokenizer_heads
 from embedq.protocol import Fingerprint, encode_result
+
+log = logging.getLogger(__name__)
+
+
+def ends_with_eos(encoder: Encoder) -> bool:
+    """Whether the tokenizer ends a text with its EOS token, as last-token models are trained (Qwen3-Embedding,
+    gte-Qwen2, e5-mistral with ``add_eos_token``); no EOS token at all counts as yes (nothing to append)."""
+    eos = encoder.tokenizer.eos_token_id
+    if eos is None:
+        return True
+    ids = encoder.tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bool(ids) and ids[-1] == eos
 
 
 class DenseHead(Head):
@@ -106,7 +127,10 @@ class DenseBackend(ModelBackend):
 
     def __init__(self, path: str | Path, *, model_id: str | None = None, device: str = "cpu",
                  dtype: str = "float32", torch_threads: int | None = None,
-                 linear_kernel: LinearKernel = "auto", batch_tokens: int = 2048, online_tokens: int = 256) -> None:
+                 linear_kernel: LinearKernel = "auto", batch_tokens: int = 2048, online_tokens: int = 256,
+                 pooling: str | None = None, trust_remote_code: bool = False) -> None:
+        if pooling is not None and pooling not in POOLING_MODES:
+            raise errors.InvalidOption(f"pooling must be one of {POOLING_MODES}, not {pooling!r}")
         folder = Path(path).resolve()
         transformer_dir, st_config, pooling_config, steps = _dense_modules(folder)
         has_modules = (folder / "modules.json").is_file()
@@ -116,7 +140,8 @@ class DenseBackend(ModelBackend):
                 f"Transformer module_output_name={st_config['module_output_name']!r} is not supported")
         encoder = Encoder(transformer_dir, st_config, task=FEATURES, device=device, dtype=dtype,
                           torch_threads=torch_threads, linear_kernel=linear_kernel, allow_chat_template=has_modules,
-                          batch_tokens=batch_tokens, online_tokens=online_tokens)
+                          batch_tokens=batch_tokens, online_tokens=online_tokens,
+                          trust_remote_code=trust_remote_code)
         config = encoder.config
         hidden = getattr(config, "hidden_size", None)
         if pooling_config is None:
@@ -128,6 +153,16 @@ class DenseBackend(ModelBackend):
         elif isinstance(hidden, int) and hidden != pooling_config.embedding_dimension:
             raise errors.UnsupportedModel(
                 f"Pooling embedding_dimension {pooling_config.embedding_dimension} != model hidden size {hidden}")
+        if pooling is not None and pooling_config.modes != (pooling,):
+            # An operator's override (EMBEDQ_POOLING, TEI's --pooling): another vector space than the folder's.
+            # Allowed, as TEI allows it, but said, and the fingerprint's pooling names it.
+            log.warning("pooling=%s overrides %s's own %s pooling: its vectors are not the model's own space",
+                        pooling, folder, pooling_config.name)
+            pooling_config = PoolingConfig(pooling_config.embedding_dimension, (pooling,),
+                                           pooling_config.include_prompt)
+        if pooling_config.modes[-1] == "lasttoken" and not ends_with_eos(encoder):
+            log.warning("%s pools the last token but its tokenizer does not end a text with the EOS token; if the "
+                        "model was trained with EOS appended, its vectors differ from the model card's", folder)
         self.pooling_config = pooling_config
 
         # -- the steps after pooling; a trailing Normalize is left to finish ---------------------------

@@ -37,7 +37,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 # Files that define the embedding space (weights, configs, tokenizer vocabularies).
-_HASHED_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".txt", ".model")
+# ``.py``: a model that ships its own code (``auto_map``, loaded only with EMBEDQ_TRUST_REMOTE_CODE) is that code too.
+_HASHED_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".txt", ".model", ".py")
 _CHUNK = 1 << 20
 SENTENCE_BERT_CONFIGS = (
     "sentence_bert_config.json",
@@ -82,6 +83,43 @@ def clean_kwargs(kwargs: Any) -> dict[str, Any]:
     if not isinstance(kwargs, dict):
         return {}
     return {k: v for k, v in kwargs.items() if k not in _TRUST_KEYS}
+
+
+def remote_code(folder: Path) -> list[str]:
+    """The ``auto_map`` references of the folder's ``config.json`` and ``tokenizer_config.json``: the model's own
+    code, which transformers runs only with ``trust_remote_code`` (``["modeling_x.XModel", ...]``)."""
+    refs: list[str] = []
+    for name in ("config.json", "tokenizer_config.json"):
+        auto_map = read_json(folder / name).get("auto_map")
+        if isinstance(auto_map, dict):
+            for value in auto_map.values():
+                refs += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, str)]
+    return sorted(set(refs))
+
+
+def check_remote_code(folder: Path, trust: bool) -> bool:
+    """Whether transformers must be told ``trust_remote_code=True`` for ``folder``; refuses what must not load.
+
+    A folder with ``auto_map`` (Jina, Nomic, GTE-new) is refused unless the operator opted in: without the
+    model's code, transformers either fails or, worse, loads the stock class of a ``model_type`` it knows (a
+    Jina BERT read as a plain BERT) and serves another vector space without a word. With the opt-in, only code
+    inside the folder may run: a reference to another repository (``org/repo--module.Class``) would be
+    downloaded and is refused."""
+    refs = remote_code(folder)
+    if not refs:
+        return False
+    if not trust:
+        raise errors.UnsupportedModel(
+            f"{folder} ships its own model code (auto_map: {', '.join(refs)}): without it transformers would fail "
+            "or load a stock architecture that computes other vectors. Read the code, then set "
+            "EMBEDQ_TRUST_REMOTE_CODE=true to run it (only code inside the model folder is ever run)")
+    for ref in refs:
+        module = ref.rsplit(".", 1)[0]
+        if "--" in ref or not (folder / (module.replace(".", "/") + ".py")).is_file():
+            raise errors.UnsupportedModel(
+                f"{folder}: auto_map names {ref!r}, code that is not inside the model folder (embedq never downloads "
+                "code or weights); copy the module into the folder and point auto_map at it")
+    return True
 
 
 def sentence_bert_config(folder: Path) -> dict[str, Any]:
@@ -133,7 +171,7 @@ class Encoder:
     def __init__(self, folder: Path, st_config: dict[str, Any], *, task: str = FEATURES, device: str = "cpu",
                  dtype: str = "float32", torch_threads: int | None = None,
                  linear_kernel: LinearKernel = "auto", allow_chat_template: bool = False,
-                 batch_tokens: int = 2048, online_tokens: int = 256) -> None:
+                 batch_tokens: int = 2048, online_tokens: int = 256, trust_remote_code: bool = False) -> None:
         from transformers import (
             AutoConfig,
             AutoModel,
@@ -166,10 +204,11 @@ class Encoder:
         max_seq_length = st_config.get("max_seq_length")
         if max_seq_length is not None and "model_max_length" not in tok_kwargs:
             tok_kwargs["model_max_length"] = int(max_seq_length)
+        trust = check_remote_code(folder, trust_remote_code)
         try:
-            config = AutoConfig.from_pretrained(str(folder), **config_kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(str(folder), **tok_kwargs)
-        except (OSError, ValueError, KeyError) as exc:
+            config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust, **config_kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust, **tok_kwargs)
+        except (OSError, ValueError, KeyError, ImportError) as exc:
             raise errors.UnsupportedModel(f"cannot load the transformer in {folder}: {exc}") from exc
         if not getattr(tokenizer, "is_fast", False):
             raise errors.UnsupportedModel(f"{folder}: embedq needs a fast tokenizer")
@@ -206,7 +245,8 @@ class Encoder:
             config.use_cache = False
         auto = {CLASSIFY: AutoModelForSequenceClassification, FILL_MASK: AutoModelForMaskedLM}.get(task, AutoModel)
         try:
-            model = auto.from_pretrained(str(folder), config=config, dtype=self.dtype, **model_kwargs)
+            model = auto.from_pretrained(str(folder), config=config, dtype=self.dtype, trust_remote_code=trust,
+                                         **model_kwargs)
         except (OSError, ValueError, KeyError) as exc:
             raise errors.UnsupportedModel(f"cannot load the transformer in {folder}: {exc}") from exc
         self.model = model.to(self.device).eval()

@@ -148,7 +148,7 @@ def splade_config(modules: list[tuple[str, Path]]) -> tuple[str, str]:
 def load_sparse(folder: Path, transformer_dir: Path, st_config: dict[str, Any], modules: list[tuple[str, Path]],
                 *, model_id: str, device: str = "cpu", dtype: str = "float32", torch_threads: int | None = None,
                 linear_kernel: LinearKernel = "auto", batch_tokens: int = 2048,
-                online_tokens: int = 256) -> ModelBackend:
+                online_tokens: int = 256, trust_remote_code: bool = False) -> ModelBackend:
     strategy, activation = splade_config(modules)
     check_modality(st_config, "logits")
     if st_config.get("module_output_name", "token_embeddings") != "token_embeddings":
@@ -162,7 +162,8 @@ def load_sparse(folder: Path, transformer_dir: Path, st_config: dict[str, Any], 
     budget, online = min(batch_tokens, cap), min(online_tokens, cap)
     encoder = Encoder(transformer_dir, st_config, task=FILL_MASK, device=device, dtype=dtype,
                       torch_threads=torch_threads, linear_kernel=linear_kernel,
-                      allow_chat_template=bool(modules), batch_tokens=budget, online_tokens=online)
+                      allow_chat_template=bool(modules), batch_tokens=budget, online_tokens=online,
+                      trust_remote_code=trust_remote_code)
     head = SpladeHead(encoder, strategy, activation)
     prompts, default_prompt_name = read_prompts(folder)
     info = base_info(folder, encoder, model_id=model_id, dimension=vocab, pooling=head.pooling, normalizes=False,

@@ -134,6 +134,7 @@ class Worker:
                 settings.model, device=settings.device, dtype=settings.dtype, torch_threads=settings.torch_threads,
                 linear_kernel=settings.linear_kernel, batch_tokens=settings.batch_tokens,
                 online_tokens=settings.online_tokens, pooling=settings.pooling,
+                trust_remote_code=settings.trust_remote_code,
             )
             metrics.model_load_seconds = time.perf_counter() - t0
             log.info("loaded %s on %s (%s, runtime %s) in %.1fs", backend.info.model_id, backend.info.device,
