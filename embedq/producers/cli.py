@@ -1,4 +1,4 @@
-"""The ``embedq`` command: ``worker``, ``index``, ``embed``, ``status`` and ``flower``."""
+"""The ``embedq`` command: ``worker``, ``index``, ``embed``, ``verify``, ``status``, ``serve`` and ``flower``."""
 
 from __future__ import annotations
 
@@ -117,6 +117,40 @@ def cmd_embed(ns: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_verify(ns: argparse.Namespace, settings: Settings) -> int:
+    from embedq.backends import resolve_model_path
+    from embedq.producers import verify
+
+    if ns.model:
+        settings = settings.model_copy(update={"model": ns.model})
+    folder = Path(ns.reference) if ns.reference else resolve_model_path(settings.model)
+    if not folder.is_dir():
+        raise errors.InvalidOption(f"--reference {folder} is not a model folder")
+    ids, texts = verify.read_texts(ns.texts, input_format=ns.input_format, text_field=ns.text_field,
+                                   id_field=ns.id_field, limit=ns.limit)
+    reference = verify.Reference(folder.resolve(), trust_remote_code=ns.trust_remote_code or settings.trust_remote_code)
+    prompt = reference.prompt(ns.prompt, ns.prompt_name)
+    api = ns.api or ("openai" if "/v1" in (ns.endpoint or "") or (ns.endpoint or "").endswith("/embeddings")
+                     else "tei")
+    if ns.endpoint:
+        key = ns.api_key or (settings.api_key.get_secret_value() if settings.api_key else None)
+        served = verify.served_by_endpoint(ns.endpoint, texts, api=api, model=ns.endpoint_model or settings.model,
+                                           api_key=key, prompt=ns.prompt, prompt_name=ns.prompt_name,
+                                           normalize=reference.normalizes, timeout=ns.timeout)
+    else:
+        with _broker(settings, quiet=ns.json) as live:
+            served = verify.served_by_queue(live, texts, prompt=ns.prompt, prompt_name=ns.prompt_name, normalize=None,
+                                            timeout=ns.timeout)
+    report = verify.compare(reference, served, ids, texts, prompt=prompt,
+                            normalized_by_api=bool(ns.endpoint) and api == "openai",
+                            min_cosine=ns.min_cosine, max_delta=ns.max_delta)
+    if ns.json:
+        print(json.dumps(report.as_dict()))
+    else:
+        print(report.render(show=ns.show))
+    return 0 if report.passed else 1
+
+
 def cmd_status(ns: argparse.Namespace, settings: Settings) -> int:
     from embedq.producers.status import show_status
 
@@ -230,6 +264,40 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drop the job unrun if it has not started within SECONDS (error: expired)")
     _add_embedding_options(e)
     e.set_defaults(func=cmd_embed)
+
+    v = sub.add_parser(
+        "verify", help="check a server's vectors against sentence-transformers on the same model folder",
+        description="Embed TEXTS (a file the indexer reads, or a built-in sample) through embedq's queue (or, with "
+        "--endpoint, any TEI- or OpenAI-style HTTP endpoint: embedq's gateway, a TEI server, a hosted API) and "
+        "with sentence-transformers on the model folder (float32, batch_size=1), and print each text's cosine and "
+        "max |delta|, a summary, and what the served vectors match instead when they fail. Thresholds: cosine >= "
+        "0.99999 and max |delta| <= 1e-5 when the server computes in float32; cosine >= 0.999 in float16/bfloat16 "
+        "or when it does not say. Exit code: 0 pass, 1 fail, 2 could not run.")
+    v.add_argument("texts", nargs="?", help="a .jsonl/.csv/.tsv/.parquet/.txt file or - (default: a built-in "
+                   "sample of queries, passages, non-ASCII, code and a text over every model's limit)")
+    v.add_argument("--model", help="the served model (EMBEDQ_MODEL): its queue, and the reference folder")
+    v.add_argument("--reference", metavar="FOLDER", help="the model folder sentence-transformers loads (default: "
+                   "the folder of --model)")
+    v.add_argument("--endpoint", metavar="URL", help="an HTTP endpoint instead of the queue: a base URL, or the "
+                   "route itself (.../embed, .../v1/embeddings)")
+    v.add_argument("--api", choices=["tei", "openai"], help="the endpoint's API (default: openai when the URL has "
+                   "/v1 or ends in /embeddings, else tei)")
+    v.add_argument("--endpoint-model", help="the model name an OpenAI-style endpoint is asked for (default: --model)")
+    v.add_argument("--api-key", help="bearer token for the endpoint (default: EMBEDQ_API_KEY)")
+    v.add_argument("--prompt", help="text prepended to every input (as sentence-transformers' prompt=)")
+    v.add_argument("--prompt-name", help="a prompt defined by the model (default: its default_prompt_name)")
+    v.add_argument("--input-format", choices=["jsonl", "csv", "tsv", "parquet", "text"])
+    v.add_argument("--text-field", default="text")
+    v.add_argument("--id-field")
+    v.add_argument("--limit", type=_positive(int), default=200, help="texts to compare at most (default 200)")
+    v.add_argument("--min-cosine", type=float, help="fail below this cosine (default: by the served dtype)")
+    v.add_argument("--max-delta", type=float, help="fail above this max |delta| (default: 1e-5 in float32)")
+    v.add_argument("--trust-remote-code", action="store_true",
+                   help="let sentence-transformers run the folder's own code (EMBEDQ_TRUST_REMOTE_CODE)")
+    v.add_argument("--timeout", type=_positive(float), default=300.0, help="seconds to wait for the vectors")
+    v.add_argument("--show", type=int, default=20, help="per-text lines printed, worst first (0: all)")
+    v.add_argument("--json", action="store_true", help="print one JSON object (every text) instead")
+    v.set_defaults(func=cmd_verify)
 
     s = sub.add_parser("status", help="queues and their depths, live workers, recent throughput",
                        description="Read the broker's queues (waiting + unacknowledged messages) and the live-worker "
