@@ -211,10 +211,10 @@ def _decoder_tokenizer(corpus: list[str], specials: list[str], *, bos: str | Non
         _template(tok, f"{head}$A {eos}", f"{head}$A {eos} $B {eos}", *([bos] if bos else []), eos)
     elif bos:
         _template(tok, f"{bos} $A", f"{bos} $A $B", bos)
+    # padding_side as a constructor argument: set afterwards, transformers 5 does not save it
     tokenizer = getattr(transformers, cls_name)(tokenizer_object=tok, eos_token=eos, pad_token=pad,
-                                                unk_token=None, model_max_length=32768,
+                                                unk_token=None, model_max_length=32768, padding_side=padding_side,
                                                 **({"bos_token": bos} if bos else {}), **extra)
-    tokenizer.padding_side = padding_side
     tokenizer.model_input_names = ["input_ids", "attention_mask"]
     return tokenizer
 
