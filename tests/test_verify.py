@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 
@@ -36,7 +37,7 @@ def gateway(worker, tmp_path_factory):
 @pytest.fixture(scope="module")
 def misconfigured(redis_server, tmp_path_factory, corpus):
     """A worker whose server disagrees with the model card: the multilingual-e5-like family (mean pooling, a
-    ``query: `` default prompt) served from a copy without its prompts and with EMBEDQ_POOLING=cls."""
+    ``query: `` default prompt) served from a copy without its prompts and with ``embedq worker --pooling CLS``."""
     root = tmp_path_factory.mktemp("misconfigured")
     folder = save(FAMILIES["xlm-roberta"], root / "e5", corpus[:2000])
     copy = shutil.copytree(folder, root / "e5-served")
@@ -44,8 +45,9 @@ def misconfigured(redis_server, tmp_path_factory, corpus):
     config["prompts"], config["default_prompt_name"] = {}, None
     (copy / "config_sentence_transformers.json").write_text(json.dumps(config))
     settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.{root.name}", model=str(copy),
-                        pooling="cls", linear_kernel="torch")
-    handle = WorkerHandle(settings, root / "worker.log")
+                        linear_kernel="torch")
+    handle = WorkerHandle(settings, root / "worker.log",  # the override as TEI spells it, on the command line
+                          command=[sys.executable, "-m", "embedq", "worker", "--pooling", "CLS"])
     yield handle, folder, copy
     handle.stop()
 
@@ -103,6 +105,8 @@ def test_verify_refuses_what_it_cannot_run(monkeypatch, capsys, tmp_path, worker
     code = main(["verify", "--reference", str(tmp_path / "missing")])
     assert code == 2
     assert "is not a model folder" in capsys.readouterr().err
+    assert main(["worker", "--pooling", "median"]) == 2
+    assert "unknown --pooling 'median'" in capsys.readouterr().err
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     code, _ = _verify(monkeypatch, capsys, worker.settings, str(empty))

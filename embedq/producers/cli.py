@@ -62,7 +62,14 @@ def _broker(settings: Settings, *, quiet: bool):
 
 
 def cmd_worker(ns: argparse.Namespace, settings: Settings) -> int:
-    update = {k: v for k, v in {"device": ns.device, "dtype": ns.dtype, "model": ns.model}.items() if v}
+    update = {k: v for k, v in {"device": ns.device, "dtype": ns.dtype, "model": ns.model,
+                                "trust_remote_code": ns.trust_remote_code}.items() if v}
+    if ns.pooling:  # through the validator: TEI's spelling (last-token) is accepted
+        try:
+            update["pooling"] = Settings.model_validate({"pooling": ns.pooling}).pooling
+        except ValueError:
+            print(f"embedq worker: unknown --pooling {ns.pooling!r}", file=sys.stderr)
+            return 2
     settings = settings.model_copy(update=update)
     if not settings.broker_url:
         print("embedq worker: set EMBEDQ_BROKER_URL (e.g. redis://127.0.0.1:6379/0)", file=sys.stderr)
@@ -217,6 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--device", help="cpu or cuda:N (EMBEDQ_DEVICE)")
     w.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="(EMBEDQ_DTYPE)")
     w.add_argument("--model", help="model id or local folder (EMBEDQ_MODEL)")
+    w.add_argument("--pooling", help="override an embedding model's pooling, as TEI's --pooling: cls, mean, "
+                   "last-token, max, weightedmean, mean_sqrt_len_tokens; or splade for a bare masked-LM folder "
+                   "(EMBEDQ_POOLING). Another pooling is another embedding space: its fingerprint says so")
+    w.add_argument("--trust-remote-code", action="store_true",
+                   help="run the code a model folder ships (auto_map), from the folder only (EMBEDQ_TRUST_REMOTE_CODE)")
     w.add_argument("--hostname", help="Celery node name")
     w.add_argument("--loglevel", default="INFO")
     w.set_defaults(func=cmd_worker)
