@@ -136,34 +136,32 @@ def distilbert(folder: Path, corpus: list[str]):
     return DistilBertModel(config), tokenizer
 
 
-def roberta(folder: Path, corpus: list[str]):
-    from transformers import RobertaConfig, RobertaModel
+def _roberta_like(corpus: list[str], kind: str, tokenizer_model: str):
+    """RoBERTa, CamemBERT or XLM-RoBERTa (``kind``: the transformers class prefix): RoBERTa's special tokens and
+    position offset (padding_idx + 1), with a byte-level BPE or unigram vocabulary."""
+    import transformers
 
-    tokenizer = _roberta_specials(_bytelevel(corpus, _ROBERTA_SPECIALS), "RobertaTokenizerFast")
-    config = _encoder_config(RobertaConfig, len(tokenizer), pad_token_id=1, bos_token_id=0, eos_token_id=2,
-                             type_vocab_size=1)
+    if tokenizer_model == "bpe":
+        tok = _bytelevel(corpus, _ROBERTA_SPECIALS)
+    else:
+        tok = _unigram(corpus, _ROBERTA_SPECIALS, "<unk>")
+    tokenizer = _roberta_specials(tok, f"{kind}TokenizerFast")
+    config = _encoder_config(getattr(transformers, f"{kind}Config"), len(tokenizer), pad_token_id=1,
+                             bos_token_id=0, eos_token_id=2, type_vocab_size=1)
     config.max_position_embeddings = MAX_POSITIONS + 2
-    return RobertaModel(config, add_pooling_layer=False), tokenizer
+    return getattr(transformers, f"{kind}Model")(config, add_pooling_layer=False), tokenizer
+
+
+def roberta(folder: Path, corpus: list[str]):
+    return _roberta_like(corpus, "Roberta", "bpe")
 
 
 def camembert(folder: Path, corpus: list[str]):
-    from transformers import CamembertConfig, CamembertModel
-
-    tokenizer = _roberta_specials(_unigram(corpus, _ROBERTA_SPECIALS, "<unk>"), "CamembertTokenizerFast")
-    config = _encoder_config(CamembertConfig, len(tokenizer), pad_token_id=1, bos_token_id=0, eos_token_id=2,
-                             type_vocab_size=1)
-    config.max_position_embeddings = MAX_POSITIONS + 2
-    return CamembertModel(config, add_pooling_layer=False), tokenizer
+    return _roberta_like(corpus, "Camembert", "unigram")
 
 
 def xlm_roberta(folder: Path, corpus: list[str]):
-    from transformers import XLMRobertaConfig, XLMRobertaModel
-
-    tokenizer = _roberta_specials(_unigram(corpus, _ROBERTA_SPECIALS, "<unk>"), "XLMRobertaTokenizerFast")
-    config = _encoder_config(XLMRobertaConfig, len(tokenizer), pad_token_id=1, bos_token_id=0, eos_token_id=2,
-                             type_vocab_size=1)
-    config.max_position_embeddings = MAX_POSITIONS + 2
-    return XLMRobertaModel(config, add_pooling_layer=False), tokenizer
+    return _roberta_like(corpus, "XLMRoberta", "unigram")
 
 
 def mpnet(folder: Path, corpus: list[str]):
