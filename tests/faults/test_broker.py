@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import time
@@ -88,30 +89,40 @@ def test_gateway_requests_outlive_a_redis_restart_without_its_data(tmp_path, cor
     worker = WorkerHandle(settings, tmp_path / "worker.log")
     gateway = GatewayHandle(server.url, settings.queue_name, tmp_path / "gateway.log")
     requests = [[f"{t[:400]} #{i}-{j}" for j, t in enumerate(corpus[i * 8:(i + 1) * 8])] for i in range(40)]
+    stopped = False
     try:
         assert worker.client.embed(["warm"], timeout=120).shape == (1, 384)
+        # The worker is paused while the requests arrive, so every job is still in Redis when it dies (a fast machine
+        # answered some requests before the last ones reached the gateway, and the 40 were never in flight at once).
+        os.killpg(worker.proc.pid, signal.SIGSTOP)
+        stopped = True
         with ThreadPoolExecutor(len(requests)) as pool:
             answers = [pool.submit(httpx.post, gateway.url + "/embed", json={"inputs": texts}, timeout=180)
                        for texts in requests]
             # Every request has reached the gateway (and, a moment later, sent its job) before Redis dies: one still
             # on its way when it does is answered 503 at once, which is right, but not what this test is about (on
             # a 2-core machine 40 requests took longer than a fixed 0.5 s to be sent, and some were 503).
+            # (41: the 40 and the /metrics request that reads the gauge, which counts itself)
             end = time.monotonic() + 60
-            while not re.search(r"^embedq_gateway_requests_in_flight 40\.0$", httpx.get(gateway.url + "/metrics").text,
+            while not re.search(r"^embedq_gateway_requests_in_flight 41\.0$", httpx.get(gateway.url + "/metrics").text,
                                 re.M):
                 assert time.monotonic() < end, "the 40 requests did not all reach the gateway"
                 time.sleep(0.05)
-            time.sleep(0.5)  # 320 texts take the worker seconds: most requests are waiting
+            time.sleep(0.5)  # their jobs are sent
             server.proc.send_signal(signal.SIGKILL)
             server.proc.wait(30)
             time.sleep(1)
             server.start()
+            os.killpg(worker.proc.pid, signal.SIGCONT)
+            stopped = False
             got = [a.result() for a in answers]
         assert [r.status_code for r in got] == [200] * len(requests), [r.text[:200] for r in got]
         assert "sending" in gateway.log.read_text()  # the waiting jobs were sent again
         want = worker.client.embed([t for texts in requests for t in texts], timeout=180)
         assert np.abs(np.concatenate([np.array(r.json(), dtype=np.float32) for r in got]) - want).max() <= 1e-6
     finally:
+        if stopped:
+            os.killpg(worker.proc.pid, signal.SIGCONT)
         gateway.stop()
         worker.stop()
         server.stop()
