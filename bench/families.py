@@ -22,6 +22,7 @@ import random
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,37 +33,13 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from families import FAMILIES, save  # noqa: E402
 
+from bench.fidelity import embed_packed  # noqa: E402
 from embedq.backends import load_backend, postprocess  # noqa: E402
 from embedq.backends.cpu import cpu_summary  # noqa: E402
-from embedq.batching import Scheduler  # noqa: E402
+from embedq.producers.verify import cosines  # noqa: E402
 from embedq.protocol import EmbedOptions  # noqa: E402
 
 CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
-
-
-def packed(backend, items, *, max_tokens: int, order: list[int]) -> np.ndarray:
-    """Raw (pre-Normalize) rows of every item, packed by the scheduler in arrival ``order``."""
-    sched = Scheduler(max_tokens=max_tokens, max_items=256, padded=backend.is_padded)
-    for i in order:
-        sched.add(i, len(items[i].ids))
-    rows: dict[int, np.ndarray] = {}
-    while len(sched):
-        keys = [item.key for item in sched.next_batch()]
-        for key, row in zip(keys, backend.forward([items[k] for k in keys])):
-            rows[key] = row
-    return np.stack([rows[i] for i in range(len(items))])
-
-
-def unit(x: np.ndarray) -> np.ndarray:
-    norms = np.linalg.norm(x, axis=1, keepdims=True)
-    return x / np.where(norms == 0, 1, norms)
-
-
-def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        cos = (a.astype(np.float64) * b).sum(1) / (na * nb)
-    return np.where((na == 0) & (nb == 0), 1.0, np.nan_to_num(cos, nan=0.0))
 
 
 def main() -> int:
@@ -108,15 +85,17 @@ def main() -> int:
                     backend = load_backend(str(folder), device=args.device, dtype=dtype,
                                            linear_kernel=args.linear_kernel, batch_tokens=budget)
                     items = backend.prepare("embed", texts, options).items
+                    ids, plens = [item.ids for item in items], [item.prompt_length for item in items]
                     order = list(range(len(items)))
-                    raw = packed(backend, items, max_tokens=budget, order=order)
+                    raw, _ = embed_packed(backend, ids, max_tokens=budget, order=order, prompt_lengths=plens)
                     ours = postprocess(raw, normalize=backend.info.normalizes, dimensions=None)
                     cos = cosines(ours, oracle)
                     delta = float(np.abs(ours - oracle).max())
                     invariance = 0.0
+                    unit = partial(postprocess, normalize=True, dimensions=None)
                     for other in (budget // 4, budget * 2):
                         rng.shuffle(order)
-                        again = packed(backend, items, max_tokens=other, order=order)
+                        again, _ = embed_packed(backend, ids, max_tokens=other, order=order, prompt_lengths=plens)
                         invariance = max(invariance, float(np.abs(unit(again) - unit(raw)).max()))
                     fp32 = dtype == "float32"
                     ok = cos.min() >= (0.99999 if fp32 else 0.999) and (not fp32 or (delta <= 1e-5

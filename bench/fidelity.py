@@ -41,8 +41,10 @@ from embedq.batching import Scheduler  # noqa: E402
 CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
 
 
-def embed_packed(backend, ids: list[list[int]], *, max_tokens: int, order: list[int]) -> tuple[np.ndarray, int]:
-    """Embed every text through the scheduler, arriving in ``order``; returns (raw vectors, passes)."""
+def embed_packed(backend, ids: list[list[int]], *, max_tokens: int, order: list[int],
+                 prompt_lengths: list[int] | None = None) -> tuple[np.ndarray, int]:
+    """Embed every text through the scheduler, arriving in ``order``; returns (raw vectors, passes).
+    ``prompt_lengths``: each text's prompt tokens, for a model that leaves its prompt out of the pooling."""
     sched = Scheduler(max_tokens=max_tokens, max_items=256, padded=backend.is_padded)
     for i in order:
         sched.add(i, len(ids[i]))
@@ -50,7 +52,8 @@ def embed_packed(backend, ids: list[list[int]], *, max_tokens: int, order: list[
     passes = 0
     while len(sched):
         batch = [item.key for item in sched.next_batch()]
-        raw[batch] = backend.embed([ids[i] for i in batch])
+        raw[batch] = backend.embed([ids[i] for i in batch],
+                                   None if prompt_lengths is None else [prompt_lengths[i] for i in batch])
         passes += 1
     return raw, passes
 

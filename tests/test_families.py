@@ -33,6 +33,7 @@ from tiny_models import run_as_the_worker
 
 from embedq import errors
 from embedq.backends import load_backend, postprocess
+from embedq.producers.verify import cosines
 from embedq.protocol import EmbedOptions, decode_result
 
 MIN_COSINE = 0.99999
@@ -124,16 +125,6 @@ def test_family_matches_sentence_transformers(case, texts):
         alone = served(np.stack([backend.forward([item])[0] for item in prepared.items]))
         mixed = served(np.stack(_mixed_rows(backend, prepared.items, other_options, other)))
         assert float(np.abs(alone - mixed).max()) <= INVARIANCE, (prompt_name, float(np.abs(alone - mixed).max()))
-
-
-def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Row-wise cosine; two zero rows (a text with nothing left to pool, e.g. empty once its prompt is left out of
-    the pooling, as in sentence-transformers) count as equal, one zero row as 0."""
-    na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
-    both = (na == 0) & (nb == 0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        cos = (a * b).sum(1) / (na * nb)
-    return np.where(both, 1.0, np.nan_to_num(cos, nan=0.0))
 
 
 def _mixed_rows(backend, items, other_options, other) -> list[np.ndarray]:

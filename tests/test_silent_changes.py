@@ -79,11 +79,6 @@ def _index_refuses(tmp_path: Path, made_with: Fingerprint, then: Fingerprint) ->
     return False
 
 
-def _copy(folder: Path, tmp_path: Path, name: str) -> Path:
-    copy = shutil.copytree(folder, tmp_path / name)
-    return copy
-
-
 def test_pooling_override_changes_the_fingerprint_and_the_index_refuses(models, texts, tmp_path):
     own, fp = _embed(_load(models["e5"]), texts)
     cls, fp_cls = _embed(_load(models["e5"], pooling="cls"), texts)
@@ -102,7 +97,7 @@ def test_default_prompt_is_applied_and_a_missing_one_is_another_space(models, te
     assert fp_passage.prompt == "passage: " and _index_refuses(tmp_path, fp, fp_passage)
 
     # the same weights served from a copy that lost its prompts: another folder hash, another prompt, refused
-    copy = _copy(models["e5"], tmp_path, "e5-no-prompts")
+    copy = shutil.copytree(models["e5"], tmp_path / "e5-no-prompts")
     config = json.loads((copy / "config_sentence_transformers.json").read_text())
     config["prompts"], config["default_prompt_name"] = {}, None
     (copy / "config_sentence_transformers.json").write_text(json.dumps(config))
@@ -122,7 +117,7 @@ def test_last_token_is_right_whatever_the_padding_side(models, texts):
 
 
 def test_a_missing_eos_is_another_folder_and_matches_sentence_transformers(models, texts, tmp_path, caplog):
-    copy = _copy(models["qwen3"], tmp_path, "qwen3-no-eos")
+    copy = shutil.copytree(models["qwen3"], tmp_path / "qwen3-no-eos")
     tokenizer = json.loads((copy / "tokenizer.json").read_text())
     tokenizer["post_processor"] = None  # what a tokenizer saved without Qwen3-Embedding's EOS template does
     (copy / "tokenizer.json").write_text(json.dumps(tokenizer))
@@ -137,7 +132,7 @@ def test_a_missing_eos_is_another_folder_and_matches_sentence_transformers(model
 
 
 def test_truncation_length_and_side(models, texts, tmp_path):
-    copy = _copy(models["e5"], tmp_path, "e5-shorter")
+    copy = shutil.copytree(models["e5"], tmp_path / "e5-shorter")
     config = json.loads((copy / "sentence_bert_config.json").read_text())
     config["max_seq_length"] = MAX_SEQ_LENGTH // 2
     (copy / "sentence_bert_config.json").write_text(json.dumps(config))

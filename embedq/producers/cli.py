@@ -146,7 +146,7 @@ def cmd_verify(ns: argparse.Namespace, settings: Settings) -> int:
                                            normalize=reference.normalizes, timeout=ns.timeout)
     else:
         with _broker(settings, quiet=ns.json) as live:
-            served = verify.served_by_queue(live, texts, prompt=ns.prompt, prompt_name=ns.prompt_name, normalize=None,
+            served = verify.served_by_queue(live, texts, prompt=ns.prompt, prompt_name=ns.prompt_name,
                                             timeout=ns.timeout)
     report = verify.compare(reference, served, ids, texts, prompt=prompt,
                             normalized_by_api=bool(ns.endpoint) and api == "openai",

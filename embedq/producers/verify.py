@@ -156,11 +156,11 @@ class Served:
     weights_sha256: str | None = None
     pooling: str | None = None
     max_input_length: int | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 def served_by_queue(settings: Any, texts: list[str], *, prompt: str | None, prompt_name: str | None,
-                    normalize: bool | None, chunk: int = 64, timeout: float = 300.0) -> Served:
+                    chunk: int = 64, timeout: float = 300.0) -> Served:
+    """The vectors of the model's queue, as a job without options gets them (the model's own normalisation)."""
     from embedq.producers.client import Client
 
     options: dict[str, Any] = {}
@@ -168,8 +168,6 @@ def served_by_queue(settings: Any, texts: list[str], *, prompt: str | None, prom
         options["prompt"] = prompt
     if prompt_name is not None:
         options["prompt_name"] = prompt_name
-    if normalize is not None:
-        options["normalize"] = normalize
     with Client(settings) as client:
         handles = [client.submit(texts[i:i + chunk], **options) for i in range(0, len(texts), chunk)]
         parts = [h.result(timeout) for h in handles]
@@ -275,7 +273,8 @@ class Report:
     threshold_reason: str
     prompt: str | None
     diagnosis: list[tuple[str, float]] = field(default_factory=list)  # (what, min cosine) best first
-    problems: list[str] = field(default_factory=list)  # shape or fingerprint mismatches
+    problems: list[str] = field(default_factory=list)  # shape mismatches: nothing to compare
+    notes: list[str] = field(default_factory=list)  # what the server reports unlike the folder
 
     def failing(self) -> np.ndarray:
         bad = self.cosine < self.min_cosine
@@ -300,7 +299,7 @@ class Report:
             "max_abs_delta": float(self.delta.max()) if len(self.delta) else None,
             "failed_texts": int(bad.sum()), "problems": self.problems,
             "diagnosis": [{"differs_by": what, "min_cosine": cos} for what, cos in self.diagnosis],
-            "notes": self.served.notes,
+            "notes": self.notes,
             "per_text": [{"id": i, "cosine": float(c), "max_abs_delta": float(d), "ok": not bool(b)}
                          for i, c, d, b in zip(self.ids, self.cosine, self.delta, bad)],
         }
@@ -329,7 +328,7 @@ class Report:
             lines.append(f"{len(self.texts)} texts: min cosine {self.cosine.min():.7f}, mean {self.cosine.mean():.7f}, "
                          f"max |Δ| {self.delta.max():.2e}; {int(bad.sum())} below the threshold")
         lines += [f"problem: {p}" for p in self.problems]
-        lines += [f"note: {n}" for n in self.served.notes]
+        lines += [f"note: {n}" for n in self.notes]
         if not self.passed:
             if self.diagnosis and self.diagnosis[0][1] >= self.min_cosine:
                 what, cos = self.diagnosis[0]
@@ -376,15 +375,17 @@ def compare(reference: Reference, served: Served, ids: list[str], texts: list[st
     delta = np.abs(served.vectors - expected).max(axis=1) if expected.size else np.zeros(len(texts))
     from embedq.backends.encoder import weights_sha256
 
+    notes: list[str] = []
     if served.weights_sha256 and served.weights_sha256 != weights_sha256(reference.folder):
-        served.notes.append("the server's weights hash differs from the reference folder's: another copy or "
-                            "revision of the model (or other configuration files)")
+        notes.append("the server's weights hash differs from the reference folder's: another copy or revision of "
+                     "the model (or other configuration files)")
     if served.pooling and served.pooling != reference.pooling:
-        served.notes.append(f"the server reports {served.pooling} pooling; the folder says {reference.pooling}")
+        notes.append(f"the server reports {served.pooling} pooling; the folder says {reference.pooling}")
     if served.max_input_length and served.max_input_length != reference.max_seq_length:
-        served.notes.append(f"the server truncates at {served.max_input_length} tokens; the folder's "
-                            f"max_seq_length is {reference.max_seq_length}")
-    report = Report(where, served, ids, texts, cos, delta, cos_min, delta_max, why, prompt, problems=problems)
+        notes.append(f"the server truncates at {served.max_input_length} tokens; the folder's max_seq_length is "
+                     f"{reference.max_seq_length}")
+    report = Report(where, served, ids, texts, cos, delta, cos_min, delta_max, why, prompt, problems=problems,
+                    notes=notes)
     if not report.passed and diagnose:
         report.diagnosis = _diagnose(reference, served, texts, prompt, normalized_by_api, diagnose)
     return report
