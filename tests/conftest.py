@@ -65,11 +65,12 @@ def redis_server():
 
 
 class WorkerHandle:
-    def __init__(self, settings: Settings, log_path: Path, *, command: list[str] | None = None) -> None:
+    def __init__(self, settings: Settings, log_path: Path, *, command: list[str] | None = None,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.settings = settings
         self.log_path = log_path
         self.client = Client(settings)
-        self.proc = start_worker(settings, log_path=log_path, command=command)
+        self.proc = start_worker(settings, log_path=log_path, command=command, extra_env=extra_env)
         try:
             wait_for_worker(self.client.app, self.proc, timeout=120, log_path=log_path)
         except BaseException:

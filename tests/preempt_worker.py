@@ -1,20 +1,30 @@
-"""A real ``embedq worker`` whose model fails (a RuntimeError in the forward pass, as a kernel error would) on
-any micro-batch holding a text that contains ``FAIL_IN_MODEL``.
+"""A real ``embedq worker`` with two fault injections for tests/test_preempt.py; nothing else differs from
+``python -m embedq worker``.
 
-Fault injection for tests/test_preempt.py: the failure happens inside a preemption, so the test can show that a
-failing online micro-batch fails only its own job and the paused bulk micro-batch resumes. Nothing else differs
-from ``python -m embedq worker``.
+- Its model fails (a RuntimeError in the forward pass, as a kernel error would) on any micro-batch holding a text
+  that contains ``FAIL_IN_MODEL``: the failure happens inside a preemption, so the test can show that a failing
+  online micro-batch fails only its own job and the paused bulk micro-batch resumes.
+- While the Redis key named by ``EMBEDQ_TEST_HOLD`` exists, a bulk micro-batch that reaches its ``HOLD_AT``-th
+  preemption point stays there (it sets ``<key>:held`` to that point's number), running online micro-batches as
+  they arrive, as at any preemption point. The test so knows, from a state it can read, that the bulk micro-batch
+  is running when it sends online jobs, and that it has not ended when they are answered, on a fast machine or a
+  slow one; it deletes the key to let the bulk micro-batch go on.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 
 from embedq.backends import model
 from embedq.producers.cli import main
+from embedq.workers.service import EmbeddingService
 
 MARKER = "FAIL_IN_MODEL"
+HOLD_AT = 20  # of MiniLM's 54 points: inside the fourth of its six layers
 _prepare, _forward = model.ModelBackend.prepare, model.ModelBackend.forward
+_between_layers = EmbeddingService._between_layers
 
 
 def _prepare_marked(self, kind, items, options):
@@ -30,7 +40,28 @@ def _forward_or_fail(self, batch):
     return _forward(self, batch)
 
 
+def _between_layers_or_hold(self):
+    _between_layers(self)
+    key = os.environ.get("EMBEDQ_TEST_HOLD")
+    if not key or self._layer != HOLD_AT:
+        return
+    redis = _redis()
+    if not redis.exists(key):
+        return
+    redis.set(f"{key}:held", self._layer)
+    while redis.exists(key) and not self._stopping:
+        self._preempt()
+        time.sleep(0.005)
+
+
+def _redis():
+    import redis
+
+    return redis.Redis.from_url(os.environ["EMBEDQ_BROKER_URL"])
+
+
 model.ModelBackend.prepare, model.ModelBackend.forward = _prepare_marked, _forward_or_fail
+EmbeddingService._between_layers = _between_layers_or_hold
 
 if __name__ == "__main__":
     sys.exit(main(["worker"]))

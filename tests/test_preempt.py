@@ -205,22 +205,29 @@ def _long_texts(corpus, n):
     return [" ".join(rng.sample(corpus, 12)) for _ in range(n)]
 
 
-def _wait_running(worker, batches_before, timeout=60.0):
-    """Until the worker has taken every buffered item into a micro-batch that has not ended yet."""
+def _wait_for_key(redis, key, timeout=120.0):
+    """Until ``key`` exists in Redis (a state the worker sets); the timeout only bounds a wait that never ends."""
     end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        st = worker.stats()
-        if st["buffered"] == 0 and st["held_messages"] >= 1 and st["batches"] == batches_before:
-            return
+    while (value := redis.get(key)) is None:
+        assert time.monotonic() < end, f"{key} was never set"
         time.sleep(0.02)
-    raise AssertionError(f"the bulk micro-batch did not start: {st}")
+    return value
+
+
+def _wait_cancelled(worker, count, timeout=120.0):
+    """Until the worker has dropped ``count`` cancelled jobs in all (its counter: a state, not a duration)."""
+    end = time.monotonic() + timeout
+    while (seen := worker.stats()["jobs_cancelled"]) < count:
+        assert time.monotonic() < end, f"the worker dropped {seen} cancelled jobs, not {count}"
+        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
 def preempt_worker(redis_server, tmp_path_factory):
     queue = f"embedq.test.preempt.{tmp_path_factory.mktemp('q').name}"
     settings = Settings(broker_url=redis_server.url, queue=queue, linear_kernel="torch", max_batch_tokens=32768)
-    handle = WorkerHandle(settings, tmp_path_factory.mktemp("logs") / "worker.log", command=PREEMPT_WORKER)
+    handle = WorkerHandle(settings, tmp_path_factory.mktemp("logs") / "worker.log", command=PREEMPT_WORKER,
+                          extra_env={"EMBEDQ_TEST_HOLD": f"{queue}.hold"})
     yield handle
     handle.stop()
 
@@ -228,59 +235,71 @@ def preempt_worker(redis_server, tmp_path_factory):
 def test_b_online_jobs_run_inside_a_long_bulk_micro_batch_which_stays_bit_identical(preempt_worker, corpus):
     """Issue 18 b and 2: online jobs sent while one long bulk micro-batch runs are answered before it ends (they
     ran between two of its layers); one that fails in the model fails alone, a bulk job cancelled meanwhile is not
-    run, and the bulk vectors equal (max |Δ| = 0, fp32) those of the same micro-batch run with no online traffic."""
+    run, and the bulk vectors equal (max |Δ| = 0, fp32) those of the same micro-batch run with no online traffic.
+
+    The worker (tests/preempt_worker.py) holds the bulk micro-batch at a preemption point while a Redis key
+    exists, so "running" and "not ended yet" are states the test sets and reads, not durations it guesses."""
+    from embedq.broker import redis_client
+
     w, client = preempt_worker, preempt_worker.client
+    redis = redis_client(w.settings)
+    hold = f"{w.settings.queue}.hold"
     bulk_texts = _long_texts(corpus, 128)
     queries = [t for t in corpus if len(t) < 80][:3]
     alone = client.submit(bulk_texts, traffic_class="bulk").result(300)  # no online traffic: the reference
-    want_queries = [client.submit([q]).result(60)[0] for q in queries]
+    want_queries = [client.submit([q]).result(60)[0] for q in queries]  # each alone: a one-item micro-batch
     before = w.stats()
     assert before["max_batch_items"] == 128, "the bulk job ran as one micro-batch"
 
+    redis.set(hold, 1)
     bulk = client.submit(bulk_texts, traffic_class="bulk")
-    _wait_running(w, before["batches"])
-    sent = time.monotonic()
+    held_at = int(_wait_for_key(redis, f"{hold}:held"))  # the bulk micro-batch is running, paused at that point
     online = [client.submit([q]) for q in queries]
     bad = client.submit([f"{queries[0]} FAIL_IN_MODEL"])
     queued = client.submit(bulk_texts[:8], traffic_class="bulk")  # waits for the running bulk batch
     queued.cancel()
     got = [h.result(60)[0] for h in online]
-    answered = time.monotonic() - sent
-    assert not bulk.ready(), "the online jobs were answered while the bulk micro-batch still ran"
     with pytest.raises(errors.BackendError, match="failed in the model"):
         bad.result(60)
+    _wait_cancelled(w, before["jobs_cancelled"] + 1)
+    assert not bulk.ready(), "the online jobs were answered while the bulk micro-batch still ran"
+    redis.delete(hold)  # the bulk micro-batch goes on
     with pytest.raises(errors.Cancelled):
         queued.result(60)
     got_bulk = bulk.result(300)
     after = w.stats()
+    assert after["items_cancelled"] - before["items_cancelled"] == 8, "the cancelled job was dropped, never run"
 
-    for g, want in zip(got, want_queries):
-        assert np.array_equal(g, want)
+    # The preempted bulk batch: the same computation as its run alone, so the very same bits.
     assert np.asarray(got_bulk).dtype == np.float32
     assert float(np.abs(np.asarray(got_bulk) - np.asarray(alone)).max()) == 0.0
+    # The online rows ran in micro-batches whose make-up depends on when each job arrived (the failing job splits
+    # them too), so no reference can reproduce it: each is held to the batch-invariance promise, 1e-6 on unit
+    # vectors, against the same text run alone. (CPU GEMM kernels are not bit-identical across batch shapes:
+    # about 2e-8 on an Intel Xeon with AMX, up to 8e-7 on the unnormalised rows on an AMD Zen 4.)
+    for g, want in zip(got, want_queries):
+        assert np.asarray(g).dtype == np.float32
+        assert float(np.abs(np.asarray(g) - np.asarray(want)).max()) <= 1e-6
     assert after["preemptions"] >= 1 and after["bulk_paused_seconds"] > 0
     assert after["online_started"] - before["online_started"] >= len(queries)
-    # MiniLM: 6 layers, each with 8 points (the layer, 6 projections, 2 norms)
+    # MiniLM: 6 layers, each with 9 points (the layer, 6 projections, 2 norms)
     paused = [int(m) for m in re.findall(r"bulk micro-batch paused at preemption point (\d+)", w.log())]
-    assert paused and all(1 <= point <= 6 * 9 for point in paused), paused
-    bulk_seconds = after["inference_seconds"] - before["inference_seconds"]  # pauses left out of its model time
-    assert answered < bulk_seconds, (answered, bulk_seconds)
+    assert held_at in paused and all(1 <= point <= 6 * 9 for point in paused), paused
 
     # embedq status shows them (from the worker's record in the registry, refreshed every few seconds)
     from rich.console import Console
 
     from embedq import monitor
-    from embedq.broker import redis_client
     from embedq.producers.status import render
 
-    redis = redis_client(w.settings)
-    end = time.monotonic() + 4 * monitor.REPORT_INTERVAL
+    end = time.monotonic() + 120  # bounds a wait on the record's refresh (every REPORT_INTERVAL) on a loaded machine
     while True:
         snap = monitor.snapshot(redis, w.settings.queues)
         mine = [r for r in snap.workers if r.get("pid") == w.proc.pid]
-        if (mine and mine[0]["counters"]["preemptions"] >= after["preemptions"]) or time.monotonic() > end:
+        if mine and mine[0]["counters"]["preemptions"] >= after["preemptions"]:
             break
-        time.sleep(0.5)
+        assert time.monotonic() < end, f"the registry never showed this worker's preemptions: {mine}"
+        time.sleep(0.2)
     redis.close()
     assert mine[0]["preemption"] == "between layers" and mine[0]["timers"]["bulk_paused_seconds"] > 0
     console = Console(width=250, record=True)

@@ -291,9 +291,13 @@ class EmbeddingService:
                 self.on_started(job)
 
     def _between_layers(self) -> None:
-        """Inference thread, before a layer of a running bulk micro-batch: if online items wait, run micro-batches
-        of them to completion, then return (the bulk batch goes on). Never raises into the model."""
+        """Inference thread, before a layer of a running bulk micro-batch (a preemption point)."""
         self._layer += 1
+        self._preempt()
+
+    def _preempt(self) -> None:
+        """Inference thread, at a preemption point: if online items wait, run micro-batches of them to completion,
+        then return (the bulk batch goes on). Never raises into the model."""
         if not self.scheduler.waiting(ONLINE) or self._stopping:  # unlocked read: the common case costs nothing
             return
         t0 = time.perf_counter()
