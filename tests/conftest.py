@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -22,6 +23,8 @@ guard_amx()
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
 CORPUS = ROOT_DIR.parent / "shared" / "data" / "corpus.jsonl"
+#: ``embedq worker`` with the tests' controls (a gate before each micro-batch, a hold inside one, a failing text).
+CONTROLLED_WORKER = [sys.executable, str(Path(__file__).with_name("controlled_worker.py"))]
 
 
 def load_corpus(n: int | None = None) -> list[str]:
@@ -34,6 +37,17 @@ def load_corpus(n: int | None = None) -> list[str]:
             if n is not None and len(texts) >= n:
                 break
     return texts
+
+
+def sparse_delta(indices_a, values_a, indices_b, values_b) -> float:
+    """Max |Δ| between two sparse vectors read as dense ones (an id one lacks counts as 0 there).
+
+    Between different micro-batches, ids cannot be compared exactly: an id is kept where its weight is above 0,
+    and a weight within the batch-invariance noise of 0 can fall on either side. Read densely, such an id differs
+    by its weight, which is that small, so the dense bar is the promise for sparse vectors too."""
+    a = dict(zip((int(i) for i in indices_a), (float(v) for v in values_a)))
+    b = dict(zip((int(i) for i in indices_b), (float(v) for v in values_b)))
+    return max((abs(a.get(i, 0.0) - b.get(i, 0.0)) for i in a.keys() | b.keys()), default=0.0)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -82,16 +96,53 @@ class WorkerHandle:
         worker alone and returns as soon as it answers."""
         node = getattr(self, "_node", None)
         if node is not None:
-            replies = self.client.app.control.broadcast("embedq_stats", reply=True, timeout=5.0, limit=1,
-                                                        destination=[node]) or []
-            mine = [stats for reply in replies for name, stats in reply.items() if name == node]
+            for _ in range(6):  # up to 30 s: a loaded machine may answer late, the first answer returns at once
+                replies = self.client.app.control.broadcast("embedq_stats", reply=True, timeout=5.0, limit=1,
+                                                            destination=[node]) or []
+                mine = [stats for reply in replies for name, stats in reply.items() if name == node]
+                if mine or self.proc.poll() is not None:
+                    break
             assert mine, f"worker {node} did not answer"
             return mine[0]
-        replies = self.client.workers(2.0)
-        mine = [(node, stats) for node, stats in replies.items() if f"-{self.proc.pid}@" in node]
+        # Which node is ours: a broadcast collects replies for its whole timeout, so ask again (bounded) rather
+        # than make one reply within a short timeout the test's criterion on a loaded machine.
+        end = time.monotonic() + 60
+        while True:
+            replies = self.client.workers(2.0)
+            mine = [(node, stats) for node, stats in replies.items() if f"-{self.proc.pid}@" in node]
+            if mine or time.monotonic() > end or self.proc.poll() is not None:
+                break
         assert len(mine) == 1, f"worker {self.proc.pid} did not answer; got {list(replies)}"
         self._node = mine[0][0]
         return mine[0][1]
+
+    def wait_until(self, ready, what: str, timeout: float = 120.0) -> dict:
+        """Poll this worker's counters until ``ready(stats)``; returns them. The timeout only bounds a wait for a
+        state that never comes (then the assertion names ``what`` and the last counters)."""
+        end = time.monotonic() + timeout
+        while not ready(stats := self.stats()):
+            assert time.monotonic() < end, f"the worker never reached: {what}; last counters {stats}"
+            time.sleep(0.02)
+        return stats
+
+    @contextlib.contextmanager
+    def gate_closed(self):
+        """A worker started with ``command=CONTROLLED_WORKER`` and ``extra_env={"EMBEDQ_TEST_GATE": ...}`` starts
+        no micro-batch inside this block; it still receives jobs (up to its window). Opened on the way out."""
+        import redis
+
+        key = self.gate_key
+        r = redis.Redis.from_url(self.settings.broker_url)
+        r.set(key, 1)
+        try:
+            yield
+        finally:
+            r.delete(key)
+            r.close()
+
+    @property
+    def gate_key(self) -> str:
+        return f"{self.settings.queue_name}.gate"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -109,6 +160,22 @@ def worker(redis_server, tmp_path_factory):
     handle = WorkerHandle(settings, tmp_path_factory.mktemp("logs") / "worker.log")
     yield handle
     handle.stop()
+
+
+@pytest.fixture(scope="module")
+def gated_worker(redis_server, tmp_path_factory):
+    """A real worker with a gate (tests/controlled_worker.py): inside ``gated_worker.gate_closed()`` it buffers jobs
+    and runs none, so a test decides what is buffered when the model runs, on any machine."""
+    queue = f"embedq.test.gated.{tmp_path_factory.mktemp('q').name}"
+    settings = Settings(broker_url=redis_server.url, queue=queue)
+    handle = gated_handle(settings, tmp_path_factory.mktemp("logs") / "worker.log")
+    yield handle
+    handle.stop()
+
+
+def gated_handle(settings: Settings, log_path: Path) -> WorkerHandle:
+    return WorkerHandle(settings, log_path, command=CONTROLLED_WORKER,
+                        extra_env={"EMBEDQ_TEST_GATE": f"{settings.queue_name}.gate"})
 
 
 class GatewayHandle:

@@ -9,7 +9,7 @@ import uuid
 import numpy as np
 import pytest
 import tiny_models
-from conftest import WorkerHandle
+from conftest import WorkerHandle, sparse_delta
 from test_index import _kill_after_commits, _run, _write_jsonl
 
 from embedq import errors
@@ -73,10 +73,11 @@ def test_d_sparse_index_resumes_after_a_kill_and_equals_the_client(splade_worker
     rows = {i: k for k, i in enumerate(got_ids)}
     indices, values = table.column("indices").to_pylist(), _lists(table, "values")
     for doc, vector in zip(sample, want):
-        assert indices[rows[doc]] == vector.indices.tolist()
         # other micro-batches than the index run's: the tiny model's vocabulary logits are ~10 in size, where
-        # fp32's spacing is 1e-6, so the fidelity bar (1e-5), not bit equality
-        assert np.abs(values[rows[doc]] - vector.values).max(initial=0) <= 1e-5
+        # fp32's spacing is 1e-6, so the fidelity bar (1e-5), not bit equality; and an id whose weight is within
+        # that noise of 0 may be kept in one run and not the other, so the vectors are compared densely
+        assert sparse_delta(indices[rows[doc]], values[rows[doc]], vector.indices, vector.values) <= 1e-5
+        assert len(set(indices[rows[doc]]) ^ set(vector.indices.tolist())) <= 2  # at most a near-zero id or two
     fingerprint = table.schema.metadata[b"embedq.fingerprint"]
     assert b'"kind":"embed_sparse"' in fingerprint
 
@@ -108,7 +109,7 @@ def test_d_bge_m3_and_multi_vector_columns_equal_the_client(m3_worker, corpus, t
     assert np.abs(dense - want.dense).max() <= tol
     for got_ids, got_values, mine in zip(table.column("lexical_indices").to_pylist(),
                                          _lists(table, "lexical_values"), want.lexical):
-        assert got_ids == mine.indices.tolist() and np.abs(got_values - mine.values).max(initial=0) <= 1e-5
+        assert sparse_delta(got_ids, got_values, mine.indices, mine.values) <= 1e-5  # see test_d_sparse_index...
     for got, mine in zip(table.column("colbert").to_pylist(), want.colbert):
         assert np.abs(np.asarray(got, np.float32) - mine).max() <= tol
 

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import random
 import re
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import tiny_models
-from conftest import WorkerHandle
+from conftest import CONTROLLED_WORKER, WorkerHandle
 
 from embedq import errors
 from embedq.backends import load_backend
@@ -196,7 +194,6 @@ def test_c_a_service_that_cannot_preempt_says_so_once_and_falls_back_to_the_cap(
 
 # -- the worker: online micro-batches run between two layers of a running bulk micro-batch ----------------------------
 
-PREEMPT_WORKER = [sys.executable, str(Path(__file__).with_name("preempt_worker.py"))]
 
 
 def _long_texts(corpus, n):
@@ -226,7 +223,7 @@ def _wait_cancelled(worker, count, timeout=120.0):
 def preempt_worker(redis_server, tmp_path_factory):
     queue = f"embedq.test.preempt.{tmp_path_factory.mktemp('q').name}"
     settings = Settings(broker_url=redis_server.url, queue=queue, linear_kernel="torch", max_batch_tokens=32768)
-    handle = WorkerHandle(settings, tmp_path_factory.mktemp("logs") / "worker.log", command=PREEMPT_WORKER,
+    handle = WorkerHandle(settings, tmp_path_factory.mktemp("logs") / "worker.log", command=CONTROLLED_WORKER,
                           extra_env={"EMBEDQ_TEST_HOLD": f"{queue}.hold"})
     yield handle
     handle.stop()
@@ -237,7 +234,7 @@ def test_b_online_jobs_run_inside_a_long_bulk_micro_batch_which_stays_bit_identi
     ran between two of its layers); one that fails in the model fails alone, a bulk job cancelled meanwhile is not
     run, and the bulk vectors equal (max |Δ| = 0, fp32) those of the same micro-batch run with no online traffic.
 
-    The worker (tests/preempt_worker.py) holds the bulk micro-batch at a preemption point while a Redis key
+    The worker (tests/controlled_worker.py) holds the bulk micro-batch at a preemption point while a Redis key
     exists, so "running" and "not ended yet" are states the test sets and reads, not durations it guesses."""
     from embedq.broker import redis_client
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -50,6 +51,41 @@ def _logits(backend, texts=TEXTS) -> np.ndarray:
 
 def _runtime_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "embedq.backends.runtime"]
+
+
+class _FakeClock:
+    """Stands in for the ``time`` module runtime.py reads (clocks injected, no sleeps in tests): its
+    ``perf_counter`` moves only when a forward pass runs, by the cost the test gave that forward. A trial's
+    seconds are then fixed by the test, not by how fast, or how loaded, the machine is; everything else is the
+    real ``time`` module."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def _fake_clock(monkeypatch, encoder, costs) -> _FakeClock:
+    """Time the runtime tuner by ``costs`` (forward -> fake seconds per batch, 1.0 for every forward not named):
+    each forward pass still runs for real (fidelity is measured on real outputs), then the clock moves by its
+    cost."""
+    clock = _FakeClock()
+    cost = {id(forward): seconds for forward, seconds in costs.items()}
+    real_run = encoder.run
+
+    def run(batch, forward=None):
+        try:
+            return real_run(batch, forward=forward)
+        finally:
+            clock.now += cost.get(id(forward), 1.0)
+
+    monkeypatch.setattr(encoder, "run", run)
+    monkeypatch.setattr(rt, "time", clock)
+    return clock
 
 
 def test_pick_is_the_fastest_faithful_candidate():
@@ -132,12 +168,16 @@ def _skip_layers(model):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")  # torch.ao's deprecation notes
-def test_an_unfaithful_candidate_is_never_chosen_however_fast(tmp_path_factory, cache):
+def test_an_unfaithful_candidate_is_never_chosen_however_fast(tmp_path_factory, cache, monkeypatch):
     folder = tiny_models.bert_classifier(tmp_path_factory.mktemp("runtime") / "bert-cls-6", layers=6, hidden=128)
     backend = load_backend(str(folder), linear_kernel="torch")
     encoder = backend.encoder
     int8 = torch.ao.quantization.quantize_dynamic(copy.deepcopy(encoder.model), {torch.nn.Linear}, dtype=torch.qint8)
-    extra = [rt.Candidate("skip-layers", _skip_layers(encoder.model)), rt.Candidate("int8", int8)]
+    skip = _skip_layers(encoder.model)
+    extra = [rt.Candidate("skip-layers", skip), rt.Candidate("int8", int8)]
+    # Injected clock: skip-layers costs a quarter of every other runtime's batch, on any machine under any load
+    # (measured for real, a scheduler stall in its first batches could make it the slow one, even drop it).
+    _fake_clock(monkeypatch, encoder, {skip: 0.25})
     choice, candidate = rt.choose(encoder, weights="test", extra=extra)
     trials = {t.name: t for t in choice.trials}
     assert not trials["skip-layers"].faithful and trials["skip-layers"].delta > rt.FIDELITY[torch.float32]
@@ -150,24 +190,32 @@ def test_an_unfaithful_candidate_is_never_chosen_however_fast(tmp_path_factory, 
     assert not cache.exists()  # a run with experimental candidates is never cached
 
 
-def test_a_candidate_far_behind_is_dropped_early_and_never_chosen(tiny, cache):
+def test_a_candidate_far_behind_is_dropped_early_and_never_chosen(tiny, cache, monkeypatch):
     """The measurement stays short: a faithful candidate already DROP_BEHIND times the fastest after DROP_AFTER
-    batches is timed no further, says so, and is not chosen; the others run every batch."""
-    import time
-
+    batches is timed no further, says so, and is not chosen; the others run every batch, one a little behind
+    (under DROP_BEHIND) included."""
     backend = load_backend(str(tiny), linear_kernel="torch")
     encoder = backend.encoder
 
-    def slow(**inputs):  # PyTorch's own numbers (faithful), 40 ms late on every batch
-        time.sleep(0.04)
+    def slow(**inputs):  # PyTorch's own numbers (faithful); its batches cost 3x on the injected clock
         return encoder.model(**inputs)
 
-    choice, candidate = rt.choose(encoder, weights="test", extra=[rt.Candidate("slow-torch", slow)])
+    def close(**inputs):  # PyTorch's own numbers (faithful); 1.2x on the injected clock: behind, not far behind
+        return encoder.model(**inputs)
+
+    # Injected clock, no sleeps: every other runtime's batch costs 1.0, these two 3.0 and 1.2, on any machine
+    # under any load (a real 40 ms sleep was the margin before, and a loaded machine's real batches ate it).
+    _fake_clock(monkeypatch, encoder, {slow: 3.0, close: 1.2})
+    extra = [rt.Candidate("slow-torch", slow), rt.Candidate("close-torch", close)]
+    choice, candidate = rt.choose(encoder, weights="test", extra=extra)
     trials = {t.name: t for t in choice.trials}
     total = len(rt.timing_batches(encoder, 2048, 256)[0])
     late = trials["slow-torch"]
     assert late.faithful and not late.complete and late.batches == rt.DROP_AFTER < total, choice.describe()
     assert late.dropped > rt.DROP_BEHIND
+    assert late.dropped == pytest.approx(3.0)  # its time by then over the fastest's, as the log says
+    near = trials["close-torch"]  # 1.2x the fastest is under DROP_BEHIND: timed on every batch
+    assert near.faithful and near.complete and near.batches == total, choice.describe()
     assert f"slow-torch: dropped after {rt.DROP_AFTER} batches" in choice.describe()
     assert choice.runtime != "slow-torch" and candidate.name == choice.runtime
     assert trials[choice.runtime].complete and trials[choice.runtime].batches == total

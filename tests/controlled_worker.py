@@ -1,0 +1,87 @@
+"""A real ``embedq worker`` the tests can steer, with fault injections that stay inert until a test triggers them;
+nothing else differs from ``python -m embedq worker``.
+
+- Its model fails (a RuntimeError in the forward pass, as a kernel error would) on any micro-batch holding a text
+  that contains ``FAIL_IN_MODEL`` (tests/test_preempt.py: a failing online micro-batch inside a preemption fails
+  only its own job and the paused bulk micro-batch resumes).
+- Gate: while the Redis key named by ``EMBEDQ_TEST_GATE`` exists, no micro-batch starts; the worker goes on
+  receiving and buffering jobs up to its prefetch window, as it would behind a long micro-batch. Tests of
+  coalescing and of the window so control what is buffered when the model runs, whatever the speed of the
+  machine, the model or the producer: they wait until the worker's counters show the jobs held, then delete the key.
+- Hold: while the Redis key named by ``EMBEDQ_TEST_HOLD`` exists, a bulk micro-batch that reaches its
+  ``HOLD_AT``-th preemption point stays there (it sets ``<key>:held`` to that point's number), running online
+  micro-batches as they arrive, as at any preemption point. tests/test_preempt.py so knows, from a state it can
+  read, that the bulk micro-batch is running when it sends online jobs, and that it has not ended when they are
+  answered, on a fast machine or a slow one; it deletes the key to let the bulk micro-batch go on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from embedq.backends import model
+from embedq.producers.cli import main
+from embedq.workers.service import EmbeddingService
+
+MARKER = "FAIL_IN_MODEL"
+HOLD_AT = 20  # of MiniLM's 54 points: inside the fourth of its six layers
+_prepare, _forward = model.ModelBackend.prepare, model.ModelBackend.forward
+_between_layers, _init = EmbeddingService._between_layers, EmbeddingService.__init__
+
+
+def _prepare_marked(self, kind, items, options):
+    prepared = _prepare(self, kind, items, options)
+    for item, text in zip(prepared.items, items):
+        item.fails = isinstance(text, str) and MARKER in text
+    return prepared
+
+
+def _forward_or_fail(self, batch):
+    if any(getattr(item, "fails", False) for item in batch):
+        raise RuntimeError("injected failure (FAIL_IN_MODEL)")
+    return _forward(self, batch)
+
+
+def _between_layers_or_hold(self):
+    _between_layers(self)
+    key = os.environ.get("EMBEDQ_TEST_HOLD")
+    if not key or self._layer != HOLD_AT:
+        return
+    redis = _redis()
+    if not redis.exists(key):
+        return
+    redis.set(f"{key}:held", self._layer)
+    while redis.exists(key) and not self._stopping:
+        self._preempt()
+        time.sleep(0.005)
+
+
+def _init_gated(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    key = os.environ.get("EMBEDQ_TEST_GATE")
+    if not key:
+        return
+    redis, next_batch = _redis(), self.scheduler.next_batch
+
+    def gated(*a, **kw):  # called under the service's lock: waiting on its condition lets jobs arrive meanwhile
+        while redis.exists(key) and not self._stopping:
+            self._cond.wait(0.01)
+        return next_batch(*a, **kw)
+
+    self.scheduler.next_batch = gated
+
+
+def _redis():
+    import redis
+
+    return redis.Redis.from_url(os.environ["EMBEDQ_BROKER_URL"])
+
+
+model.ModelBackend.prepare, model.ModelBackend.forward = _prepare_marked, _forward_or_fail
+EmbeddingService._between_layers = _between_layers_or_hold
+EmbeddingService.__init__ = _init_gated
+
+if __name__ == "__main__":
+    sys.exit(main(["worker"]))
