@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tiny_models
 from celery.result import AsyncResult
-from conftest import WorkerHandle
+from conftest import WorkerHandle, gated_handle
 
 from embedq import errors
 from embedq.backends import load_backend
@@ -176,12 +176,10 @@ def test_b_decode_equals_the_tokenizer_and_a_bad_id_fails_its_own_job(worker, ce
 # -- c: coalescing across jobs and kinds -----------------------------------------------------------
 def test_c_rerank_and_predict_jobs_coalesce_and_a_bad_pair_fails_alone(redis_server, ce_worker, models, corpus,
                                                                         tmp_path):
-    # The jobs wait in a queue of their own before its worker starts, and the worker runs PyTorch's kernels:
-    # coalescing is for a worker whose model is slower than its intake, as a real model is. A 2-layer model in
-    # ONNX Runtime runs each job before the next one is tokenized, and a batch of one job is then right. On a
-    # fast CPU even PyTorch's kernels ran the tiny model's first jobs before the next were tokenized (36
-    # micro-batches for 60 jobs, on AVX-512): a first job of 1,000 full-length pairs (several micro-batches)
-    # keeps the model busy while the consumer tokenizes the rest, whatever the CPU.
+    # The jobs wait in a queue of their own before its worker starts, and the worker starts with its gate closed
+    # (tests/controlled_worker.py): it buffers every job before its model runs one. Running, a 2-layer model runs
+    # each job before the next one is tokenized (36 micro-batches for 60 jobs on AVX-512, even with PyTorch's
+    # kernels), and a batch of one job is then right: how many coalesce would measure the CPU, not the scheduler.
     settings = ce_worker.settings.model_copy(update={"queue": f"embedq.test.ce-c.{uuid.uuid4().hex[:8]}",
                                                      "linear_kernel": "torch"})
     client = Client(settings)
@@ -195,8 +193,15 @@ def test_c_rerank_and_predict_jobs_coalesce_and_a_bad_pair_fails_alone(redis_ser
     # bad jobs, sent as any Celery client could: a non-string text, and an over-long pair with truncate=False
     bad = client.app.send_task("embedq.rerank", args=[QUERY, ["fine", 5]], queue=settings.queue_name)
     too_long = client.submit_rerank(QUERY, ["fine", LONG], truncate=False)
-    worker = WorkerHandle(settings, tmp_path / "worker.log")
+    import redis
+
+    jobs = len(handles) + 3
+    r = redis.Redis.from_url(settings.broker_url)
+    r.set(f"{settings.queue_name}.gate", 1)
+    worker = gated_handle(settings, tmp_path / "worker.log")
     try:
+        worker.wait_until(lambda st: st["jobs_received"] == jobs, f"all {jobs} jobs held")
+        r.delete(f"{settings.queue_name}.gate")
         results = [h.result(timeout=300) for h in handles]
         assert len(heavy.result(timeout=300)) == 1000
         with pytest.raises(errors.InvalidType, match=r"inputs\[1\] is int"):
@@ -205,14 +210,13 @@ def test_c_rerank_and_predict_jobs_coalesce_and_a_bad_pair_fails_alone(redis_ser
             too_long.result(timeout=120)
         after = worker.stats()
     finally:
+        r.delete(f"{settings.queue_name}.gate")
+        r.close()
         worker.stop()
         client.close()
-    jobs = len(handles) + 3
     batches = after["batches"]  # the heavy job's 1,000 pairs of 64 tokens fill 4 of the 16,384-token budget
     assert after["jobs_received"] == jobs
-    # Without coalescing every job is at least one micro-batch of its own (61 here, the heavy one's 4 more). How
-    # much fewer depends on how fast the model is against the consumer's tokenizing: 15 to 30 on one CPU (a tiny
-    # model runs about as fast as its inputs are tokenized), so the bar is "fewer than one per job".
+    # Without coalescing every job is at least one micro-batch of its own (61 here, the heavy one's 4 more).
     assert batches < len(handles), f"{batches} micro-batches for {len(handles)} jobs: items did not coalesce"
     assert after["jobs_by_kind"].get("rerank", 0) == 53
     assert after["jobs_by_kind"].get("predict", 0) == 10
