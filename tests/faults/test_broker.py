@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 import trustme
 from conftest import GatewayHandle, WorkerHandle
 
@@ -96,6 +97,13 @@ def test_gateway_requests_outlive_a_redis_restart_without_its_data(tmp_path, cor
         # answered some requests before the last ones reached the gateway, and the 40 were never in flight at once).
         os.killpg(worker.proc.pid, signal.SIGSTOP)
         stopped = True
+        # The frozen worker may have a fetch (BRPOP) pending at the server, which would take one job out of the
+        # list: a marker pushed now goes to it if so (the hardened transport drops it, with a warning, once the
+        # worker thaws), so that every one of the 40 jobs is then seen in the list.
+        r = redis.Redis.from_url(server.url)
+        marker = b"not a message: taken by a pending fetch, if any"
+        r.lpush(settings.queue_name, marker)
+        r.lrem(settings.queue_name, 1, marker)  # (nothing, if a pending fetch took it)
         with ThreadPoolExecutor(len(requests)) as pool:
             answers = [pool.submit(httpx.post, gateway.url + "/embed", json={"inputs": texts}, timeout=180)
                        for texts in requests]
@@ -108,7 +116,10 @@ def test_gateway_requests_outlive_a_redis_restart_without_its_data(tmp_path, cor
                                 re.M):
                 assert time.monotonic() < end, "the 40 requests did not all reach the gateway"
                 time.sleep(0.05)
-            time.sleep(0.5)  # their jobs are sent
+            while r.llen(settings.queue_name) < len(requests):  # their jobs are sent (bounded by the same end)
+                assert time.monotonic() < end, f"{r.llen(settings.queue_name)} jobs in the queue, not {len(requests)}"
+                time.sleep(0.05)
+            r.close()
             server.proc.send_signal(signal.SIGKILL)
             server.proc.wait(30)
             time.sleep(1)
