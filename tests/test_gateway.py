@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import tiny_models
 from conftest import GatewayHandle as Gateway
-from conftest import WorkerHandle
+from conftest import WorkerHandle, sparse_delta
 
 from embedq.settings import Settings
 
@@ -35,8 +35,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def gateway(worker, tmp_path_factory):
     g = Gateway(worker.settings.broker_url, worker.settings.queue_name, tmp_path_factory.mktemp("gw") / "gw.log")
     deadline = time.monotonic() + 30  # the worker's registry record (written every few seconds)
-    while httpx.get(g.url + "/health").status_code != 200 and time.monotonic() < deadline:
+    while (status := httpx.get(g.url + "/health").status_code) != 200 and time.monotonic() < deadline:
         time.sleep(0.2)
+    if status != 200:
+        g.stop()
+        raise AssertionError(f"the gateway's /health stayed {status} for 30 s (no live worker record seen):\n"
+                             f"{g.log.read_text(errors='replace')[-4000:]}")
     yield g
     g.stop()
 
@@ -179,10 +183,16 @@ def test_b_rerank_predict_and_sparse_models_behind_the_gateway(redis_server, cor
             else:
                 got = httpx.post(g.url + "/embed_sparse", json={"inputs": texts}).json()
                 want = [v.to_tei() for v in worker.client.embed_sparse(texts)]
-                assert [[e["index"] for e in row] for row in got] == [[e["index"] for e in row] for row in want]
-                assert max(abs(a["value"] - b["value"]) for x, y in zip(got, want) for a, b in zip(x, y)) <= 1e-6
+                # jobs of 4 against one job of 10: other micro-batches, so neither the ids (a weight within the
+                # batch-invariance noise of 0 may be kept or not) nor the values (~20 in this tiny model, where
+                # fp32's spacing is 2e-6) are bit-equal; read densely, the fidelity bar holds (see conftest)
+                def delta(x, y):
+                    return sparse_delta([e["index"] for e in x], [e["value"] for e in x],
+                                        [e["index"] for e in y], [e["value"] for e in y])
+
+                assert len(got) == len(want) and max(delta(x, y) for x, y in zip(got, want)) <= 1e-5
                 routed = httpx.post(g.url + "/", json={"inputs": texts[:2]}).json()
-                assert [[e["index"] for e in row] for row in routed] == [[e["index"] for e in row] for row in got[:2]]
+                assert len(routed) == 2 and max(delta(x, y) for x, y in zip(routed, got[:2])) <= 1e-5
                 wrong = httpx.post(g.url + "/embed", json={"inputs": texts[:2]})
                 assert wrong.status_code == 424 and wrong.json()["error_type"] == "Backend"  # TEI: wrong model type
         finally:
@@ -253,7 +263,7 @@ def test_two_thousand_requests_wait_at_once_without_a_thread_each(redis_server, 
                 metrics = (await probe.get("/metrics")).text
                 waiting = next(float(line.split()[1]) for line in metrics.splitlines()
                                if line.startswith("embedq_gateway_requests_in_flight "))
-                if waiting >= n:
+                if waiting >= n + 1:  # the gauge counts this /metrics request too
                     break
             seen["in_flight"] = waiting
             status = Path(f"/proc/{g.proc.pid}/status").read_text()
@@ -265,7 +275,7 @@ def test_two_thousand_requests_wait_at_once_without_a_thread_each(redis_server, 
 
     try:
         answers = asyncio.run(run())
-        assert seen["in_flight"] >= n, seen  # every request was waiting at once (plus the /metrics call)
+        assert seen["in_flight"] >= n + 1, seen  # every request was waiting at once (plus the /metrics call)
         assert seen["threads"] < 40, seen  # no OS thread per waiting request
         assert [r.status_code for r in answers] == [200] * n
         assert all(len(r.json()[0]) == 384 for r in answers)
@@ -294,19 +304,42 @@ def test_e_a_disconnected_client_s_job_never_runs_and_a_deadline_expires(redis_s
         assert sdk.status_code == 504 and sdk.json()["error"]["type"] == "Timeout", sdk.text
         queued = httpx.post(g.url + "/jobs", json={"kind": "embed", "body": {"inputs": corpus[60:65]}}).json()
         assert httpx.delete(f"{g.url}/jobs/{queued['id']}").json()["status"] == "cancelled"
-        time.sleep(0.5)  # the cancels are sent
+        # The other cancels are sent before their answers; the disconnected request's after its client left. The
+        # gateway counts that disconnect, cancels its jobs, and only then stops counting the request in flight:
+        # the disconnect counted and nothing in flight but this /metrics request itself means every cancel is sent.
+        deadline = time.monotonic() + 60
+        while True:
+            metrics = _metric_values(g)
+            if (metrics.get("embedq_gateway_disconnects_total") == 1
+                    and metrics.get("embedq_gateway_requests_in_flight") == 1):
+                break
+            assert time.monotonic() < deadline, f"the disconnected request's cancel was not sent in 60 s: {metrics}"
+            time.sleep(0.1)
         worker = WorkerHandle(Settings(broker_url=redis_server.url, queue=queue), tmp_path / "worker.log")
         probe = httpx.post(g.url + "/embed", json={"inputs": corpus[40:43]}, timeout=120)
         assert probe.status_code == 200
-        time.sleep(0.5)
-        stats = worker.stats()
+        # the probe's items are counted before its result is stored; the cancelled jobs, queued before the probe,
+        # are dropped as the worker meets them: wait (bounded) until the counters show both, then check exactly
+        deadline = time.monotonic() + 60
+        while True:
+            stats = worker.stats()
+            if stats["items"] >= 3 and stats["jobs_cancelled"] >= 1 and stats["items_cancelled"] >= 11:
+                break
+            assert time.monotonic() < deadline, f"the worker's counters never showed the probe and the cancels: {stats}"
+            time.sleep(0.2)
         assert stats["items"] == 3, stats  # only the probe ran through the model
-        assert stats["jobs_cancelled"] >= 1 and stats["items_cancelled"] >= 11
         assert "embedq_gateway_disconnects_total 1.0" in httpx.get(g.url + "/metrics").text
     finally:
         g.stop()
         if worker is not None:
             worker.stop()
+
+
+def _metric_values(gateway) -> dict[str, float]:
+    """The gateway's unlabelled Prometheus samples (``/metrics``), by name."""
+    text = httpx.get(gateway.url + "/metrics").text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+            if line and not line.startswith("#") and "{" not in line}
 
 
 def test_a_huggingface_hub_inference_client(gateway, worker, corpus):
@@ -340,11 +373,22 @@ def test_a_overload_is_429_and_the_openai_sdk_s_rate_limit_error(redis_server, t
     with 429 and Retry-After; the openai SDK retries it (max_retries=2: three POSTs), then raises."""
     import openai
 
+    from embedq import monitor
+    from embedq.broker import redis_client
+
     queue = f"embedq.test.gw-full-{os.getpid()}"
     g = Gateway(redis_server.url, queue, tmp_path / "gw.log", EMBEDQ_ONLINE_QUEUE_LIMIT="1")
+    redis = redis_client(Settings(broker_url=redis_server.url))
     try:
-        with pytest.raises(httpx.ReadTimeout):  # its job stays queued: the queue is full
+        with pytest.raises(httpx.ReadTimeout):  # no worker: it is never answered, and its job stays queued
             httpx.post(g.url + "/embed", json={"inputs": ["fills the queue"]}, timeout=0.5)
+        # The gateway sends the job whether or not its client is still there, but maybe after the 0.5 s (its first
+        # submit opens its broker connections): the queue is full once the job is in its list.
+        deadline = time.monotonic() + 60
+        while (waiting := monitor.waiting(redis, queue)) < 1:
+            assert time.monotonic() < deadline, f"the first request's job never reached queue {queue}"
+            time.sleep(0.05)
+        assert waiting == 1, waiting
         full = httpx.post(g.url + "/embed", json={"inputs": ["one more"]})
         assert full.status_code == 429 and full.headers["retry-after"] == "1"
         assert full.json()["error_type"] == "Overloaded"
@@ -354,6 +398,7 @@ def test_a_overload_is_429_and_the_openai_sdk_s_rate_limit_error(redis_server, t
             client.embeddings.create(model="m", input="refused")
         assert time.monotonic() - started >= 2.0  # two waits of Retry-After: 1
     finally:
+        redis.close()
         g.stop()
 
 
@@ -427,7 +472,11 @@ def test_async_job_webhook_signed_retried_and_delivered_after_its_gateway_died(r
     Another replica takes the owed webhook over once the dead one's lease lapses; when a worker starts, the
     webhook is called with the job's state, signed; a 500 is tried again. URLs outside the allowed prefix, and
     webhooks on a gateway that allows none, are refused with 422."""
+    from embedq.broker import redis_client
+    from embedq.gateway.webhooks import LEASE_KEY, PENDING_KEY
+
     queue = f"embedq.test.gw-hook-{os.getpid()}"
+    redis = redis_client(Settings(broker_url=redis_server.url))
     receiver = Receiver([500])
     env = {"EMBEDQ_WEBHOOK_ALLOW": receiver.url + "/hooks/", "EMBEDQ_WEBHOOK_SECRET": "s3cret",
            "EMBEDQ_WEBHOOK_LEASE": "2"}
@@ -449,7 +498,16 @@ def test_async_job_webhook_signed_retried_and_delivered_after_its_gateway_died(r
         second = Gateway(redis_server.url, queue, tmp_path / "gw2.log", **env)
         worker = WorkerHandle(Settings(broker_url=redis_server.url, queue=queue), tmp_path / "worker.log")
         calls = receiver.wait(2)
-        assert len(calls) == 2, calls  # the 500, then the delivery
+        assert len(calls) >= 2, calls  # the 500, then the delivery
+        # The receiver records a call before it answers; the gateway then stores the outcome, counts it, and
+        # settles: the job leaves the set of owed webhooks and its lease is deleted. Past that nothing is owed,
+        # so no replica calls again.
+        deadline = time.monotonic() + 60
+        while redis.sismember(PENDING_KEY, job_id) or redis.exists(LEASE_KEY.format(job_id)):
+            state = httpx.get(f"{second.url}/jobs/{job_id}").text
+            assert time.monotonic() < deadline, f"job {job_id}'s webhook was still owed 60 s after its call: {state}"
+            time.sleep(0.1)
+        assert len(receiver.calls) == 2, receiver.calls  # the 500, then the delivery; delivered once
         path, headers, body = calls[-1]
         assert path == "/hooks/embedq?x=1" and headers["X-Embedq-Job"] == job_id
         stamp, mac = (part.split("=", 1)[1] for part in headers["X-Embedq-Signature"].split(","))
@@ -461,8 +519,6 @@ def test_async_job_webhook_signed_retried_and_delivered_after_its_gateway_died(r
         assert state["result"] == sent["result"]
         assert state["webhook"]["state"] == "delivered" and state["webhook"]["attempts"] == 2
         assert 'embedq_gateway_webhooks_total{outcome="delivered"} 1.0' in httpx.get(second.url + "/metrics").text
-        time.sleep(1.5)
-        assert len(receiver.calls) == 2  # delivered once
     finally:
         for each in (first, second):
             if each is not None:
@@ -470,6 +526,7 @@ def test_async_job_webhook_signed_retried_and_delivered_after_its_gateway_died(r
         if worker is not None:
             worker.stop()
         receiver.close()
+        redis.close()
 
 
 @pytest.mark.parametrize(("url", "ok"), [

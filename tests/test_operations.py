@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
@@ -46,9 +47,12 @@ def stack(tmp_path_factory):
     flower_port = free_port()
     env = dict(os.environ, EMBEDQ_BROKER_URL=server.url, EMBEDQ_FLOWER_BASIC_AUTH=":".join(AUTH))
     flower_log = open(logs / "flower.log", "wb")  # noqa: SIM115 - closed at teardown
+    # --inspect_timeout (Flower's, ms; default 1 s): how long ?refresh=1 waits for a worker's inspect replies. A
+    # worker busy embedding may answer later than 1 s on a loaded machine; asked by name (?workername=) Flower
+    # returns at the first reply, so a long bound costs nothing when the worker is quick.
     flower = subprocess.Popen([sys.executable, "-m", "embedq", "flower", f"--port={flower_port}",
-                               "--address=127.0.0.1"], env=env, stdout=flower_log, stderr=subprocess.STDOUT,
-                              start_new_session=True)
+                               "--address=127.0.0.1", "--inspect_timeout=30000"], env=env, stdout=flower_log,
+                              stderr=subprocess.STDOUT, start_new_session=True)
     stack = {"server": server, "settings": settings, "worker": worker, "flower": flower,
              "flower_url": f"http://127.0.0.1:{flower_port}", "flower_log": logs / "flower.log"}
     try:
@@ -133,12 +137,15 @@ def test_a_flower_api_shows_our_tasks_and_worker(stack):
     assert "invalid_dimensions" in failed["exception"]
     assert MARKER not in json.dumps(tasks)
 
-    # While the worker holds jobs, Flower's worker view (inspect reserved, stats) shows no texts either.
+    # While the worker holds jobs, Flower's worker view (inspect reserved, stats) shows no texts either. Only a
+    # view of one worker (?workername=) asks for its task lists (reserved, active, scheduled, revoked).
     held = [client.submit([*_texts(4, f"held-{i}"), "long " * 200]) for i in range(40)]
-    workers = _flower(stack, "/api/workers?refresh=1", timeout=60)
+    workers = _flower(stack, f"/api/workers?refresh=1&workername={urllib.parse.quote(node)}", timeout=120)
     for handle in held:
         handle.result(120)
     info = workers[node]
+    missing = {"stats", "registered", "active_queues", "reserved"} - set(info)
+    assert not missing, f"Flower's inspect got no reply for {missing} (see its log): {sorted(info)}"
     assert info["stats"]["embedq"]["model"].endswith("all-MiniLM-L6-v2")
     assert info["stats"]["embedq"]["device"] == "cpu"
     assert info["stats"]["embedq"]["dtype"] == "float32"
@@ -255,9 +262,12 @@ def test_b_metrics_move_by_exactly_what_the_jobs_did(stack):
     assert MARKER not in "\n".join(lines)
 
 
-def test_queue_depth_counts_waiting_and_unacknowledged_messages(stack):
+def test_queue_depth_counts_waiting_and_unacknowledged_messages(stack, monkeypatch):
     """Against kombu's own records: messages received and not acknowledged count, per queue."""
     settings: Settings = stack["settings"]
+    # The stored copy is reused within DEPTHS_TTL (read when it is stored): long here, so that no pause of a loaded
+    # machine between two reads lets it lapse; expiry is what deleting the key stands for below.
+    monkeypatch.setattr(monitor, "DEPTHS_TTL", 3600.0)
     client = redis_client(settings)
     qa, qb = f"embedq.test.depth-a-{uuid.uuid4().hex[:6]}", f"embedq.test.depth-b-{uuid.uuid4().hex[:6]}"
     with Connection(settings.broker_url) as conn:
@@ -282,8 +292,10 @@ def test_queue_depth_counts_waiting_and_unacknowledged_messages(stack):
         assert monitor.shared_queue_depths(client, [qa, qc])[qa].unacked == 0
         client.delete(monitor.DEPTHS_KEY)
         assert monitor.shared_queue_depths(client, [qa])[qa].unacked == 0
+        assert client.pttl(monitor.DEPTHS_KEY) > 60_000  # stored for DEPTHS_TTL as read at call time (patched)
         a.close()
         b.close()
+    client.delete(monitor.DEPTHS_KEY)  # the worker's scrapes must not reuse this test's hour-long copy
     client.close()
 
 
@@ -298,13 +310,29 @@ def _cells(row: str) -> list[str]:
     return [cell.strip() for cell in re.split(r"[│┃|]", row) if cell.strip()]
 
 
+def _fresh_record(client, worker: WorkerHandle, after: float) -> dict | None:
+    """The worker's registry record if it was reported later than ``after`` (``time.time()``), else None."""
+    mine = [r for r in monitor.live_workers(client) if r.get("pid") == worker.proc.pid]
+    return mine[0] if mine and mine[0].get("reported_at", 0.0) > after else None
+
+
 def test_c_status_lists_queue_depths_and_the_live_worker(stack):
     worker: WorkerHandle = stack["worker"]
     for i in range(3):  # jobs nobody consumes: they wait in the list
         worker.client.submit(_texts(1, f"idle-{i}"), queue=IDLE_QUEUE)
     done = worker.client.submit(_texts(2, "status"))
     done.result(60)
-    time.sleep(monitor.REPORT_INTERVAL + 1)  # the worker's next record carries the latest counters
+    finished = time.time()
+    # The worker's counters count a job before its result is stored, and its record reads them after stamping
+    # reported_at: a record stamped after `finished` carries them. Its rates come from a sample taken just before
+    # the stamp, so wait for the record after that one too, whose sample is surely later than `finished`.
+    client = redis_client(stack["settings"])
+    try:
+        first = _wait(lambda: _fresh_record(client, worker, finished), 60,
+                      "a worker record reported after the job finished")
+        _wait(lambda: _fresh_record(client, worker, first["reported_at"]), 60, "the worker's next record")
+    finally:
+        client.close()
 
     out = _status(stack)
     assert out.returncode == 0, out.stderr
