@@ -171,14 +171,26 @@ def test_left_padded_decoder(decoder_dir, tmp_path, mode, include_prompt):
     assert not backend.info.normalizes
 
 
-def test_per_row_prompt_lengths(bert_dir, tmp_path):
-    """Rows of one batch may carry different prompts: each row pools as if embedded alone."""
-    backend = load_backend(str(_save_st(bert_dir, tmp_path / "m", "mean", include_prompt=False)))
+@pytest.mark.parametrize("kernel", ["torch", "onednn", "onnxruntime"])
+def test_per_row_prompt_lengths(bert_dir, tmp_path, kernel):
+    """Rows of one batch may carry different prompts: each row pools as if embedded alone.
+
+    Each runtime named (``auto`` picks one by timing, per process). Compared as the vectors served, normalised:
+    DESIGN.md's batch-invariance bar is 1e-6 on unit vectors, and ``embed`` returns the pooled vectors before the
+    Normalize module (norm about 4 here), on which the same fp32 rounding is 4 times larger."""
+    if kernel == "onnxruntime":
+        pytest.importorskip("onnxruntime")
+    backend = load_backend(str(_save_st(bert_dir, tmp_path / "m", "mean", include_prompt=False)), linear_kernel=kernel)
+    assert backend.info.normalizes
     a = backend.tokenize(["first text here"], prompt="query: ")
     b = backend.tokenize(["second, longer text to pad the batch"], prompt="a much longer instruction: ")
     alone = [backend.embed(a.ids, [a.prompt_length]), backend.embed(b.ids, [b.prompt_length])]
     both = backend.embed(a.ids + b.ids, [a.prompt_length, b.prompt_length])
-    np.testing.assert_allclose(both, np.concatenate(alone), atol=1e-6)
+
+    def unit(vectors):
+        return postprocess(vectors, normalize=True, dimensions=None)
+
+    np.testing.assert_allclose(unit(both), unit(np.concatenate(alone)), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize(

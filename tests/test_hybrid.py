@@ -11,7 +11,7 @@ import uuid
 import numpy as np
 import pytest
 import tiny_models
-from conftest import WorkerHandle
+from conftest import WorkerHandle, sparse_delta
 
 from embedq.backends import load_backend
 from embedq.producers.client import Client
@@ -90,9 +90,12 @@ def _check(got, want, outputs=("dense", "lexical", "colbert")):
     else:
         assert got.dense is None
     if "lexical" in outputs:
+        # Read densely (conftest.sparse_delta), not id by id: the tiny model centres its lexical weights at the
+        # median, so pre-activations cluster at 0 and a weight within fp32 noise of 0 may be kept by one side and
+        # not the other (another batch composition or runtime than FlagEmbedding's); such an id differs by that
+        # tiny weight, which the dense bar (1e-5) covers, while any real difference still shows in full.
         for mine, theirs in zip(got.lexical, lexical):
-            assert [str(i) for i in mine.indices.tolist()] == sorted(theirs, key=int), "the same token ids"
-            assert max((abs(v - theirs[str(i)]) for i, v in zip(mine.indices.tolist(), mine.values)), default=0) <= 1e-5
+            assert sparse_delta(mine.indices, mine.values, [int(i) for i in theirs], list(theirs.values())) <= 1e-5
     else:
         assert got.lexical is None
     if "colbert" in outputs:
@@ -177,8 +180,13 @@ def test_scores_equal_flag_embedding_compute_score(m3, corpus):
 
 
 # -- c: batch invariance -------------------------------------------------------------------------------------
-def test_c_a_text_alone_or_in_any_micro_batch_gets_the_same_outputs(m3, corpus):
-    backend = load_backend(str(m3))
+@pytest.mark.parametrize("kernel", ["torch", "onednn", "onnxruntime"])
+def test_c_a_text_alone_or_in_any_micro_batch_gets_the_same_outputs(kernel, m3, corpus):
+    """Every runtime a worker may choose, each named (``auto`` picks one by timing, which may differ per process).
+    Lexical weights (at most 0.26 here) are compared densely, see :func:`_check`; 1e-6 on all three outputs."""
+    if kernel == "onnxruntime":
+        pytest.importorskip("onnxruntime")
+    backend = load_backend(str(m3), linear_kernel=kernel)
     rng = random.Random(5)
     text = _cut(rng, rng.choice(corpus))
     alone = _run(backend, [text], HybridOptions())
@@ -188,8 +196,8 @@ def test_c_a_text_alone_or_in_any_micro_batch_gets_the_same_outputs(m3, corpus):
         got = _run(backend, batch, HybridOptions(), step=len(batch))
         at = batch.index(text)
         assert np.abs(got.dense[at] - alone.dense[0]).max() <= 1e-6
-        assert got.lexical[at].indices.tolist() == alone.lexical[0].indices.tolist()
-        assert np.abs(got.lexical[at].values - alone.lexical[0].values).max(initial=0) <= 1e-6
+        mine, theirs = got.lexical[at], alone.lexical[0]
+        assert sparse_delta(mine.indices, mine.values, theirs.indices, theirs.values) <= 1e-6
         assert np.abs(got.colbert[at] - alone.colbert[0]).max() <= 1e-6
 
 
