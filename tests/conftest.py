@@ -125,24 +125,10 @@ class WorkerHandle:
             time.sleep(0.02)
         return stats
 
-    @contextlib.contextmanager
-    def gate_closed(self):
-        """A worker started with ``command=CONTROLLED_WORKER`` and ``extra_env={"EMBEDQ_TEST_GATE": ...}`` starts
-        no micro-batch inside this block; it still receives jobs (up to its window). Opened on the way out."""
-        import redis
-
-        key = self.gate_key
-        r = redis.Redis.from_url(self.settings.broker_url)
-        r.set(key, 1)
-        try:
-            yield
-        finally:
-            r.delete(key)
-            r.close()
-
-    @property
-    def gate_key(self) -> str:
-        return f"{self.settings.queue_name}.gate"
+    def gate_closed(self) -> contextlib.AbstractContextManager[None]:
+        """This worker (started by :func:`gated_handle`) starts no micro-batch inside the block; see
+        :func:`closed_gate`."""
+        return closed_gate(self.settings)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -174,8 +160,28 @@ def gated_worker(redis_server, tmp_path_factory):
 
 
 def gated_handle(settings: Settings, log_path: Path) -> WorkerHandle:
+    """A real worker from tests/controlled_worker.py whose gate is :func:`closed_gate` of ``settings``."""
     return WorkerHandle(settings, log_path, command=CONTROLLED_WORKER,
-                        extra_env={"EMBEDQ_TEST_GATE": f"{settings.queue_name}.gate"})
+                        extra_env={"EMBEDQ_TEST_GATE": _gate_key(settings)})
+
+
+def _gate_key(settings: Settings) -> str:
+    return f"{settings.queue_name}.gate"
+
+
+@contextlib.contextmanager
+def closed_gate(settings: Settings):
+    """Inside the block a gated worker of ``settings`` (:func:`gated_handle`, started before or inside it) starts no
+    micro-batch; it still receives jobs, up to its window. Opened on the way out."""
+    import redis
+
+    r = redis.Redis.from_url(settings.broker_url)
+    r.set(_gate_key(settings), 1)
+    try:
+        yield
+    finally:
+        r.delete(_gate_key(settings))
+        r.close()
 
 
 class GatewayHandle:

@@ -17,6 +17,7 @@ nothing else differs from ``python -m embedq worker``.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -73,7 +74,8 @@ def _init_gated(self, *args, **kwargs):
     self.scheduler.next_batch = gated
 
 
-def _redis():
+@functools.cache
+def _redis():  # one client for the process: the hold asks at every bulk micro-batch's HOLD_AT-th point
     import redis
 
     return redis.Redis.from_url(os.environ["EMBEDQ_BROKER_URL"])

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tiny_models
 from celery.result import AsyncResult
-from conftest import WorkerHandle, gated_handle
+from conftest import WorkerHandle, closed_gate, gated_handle
 
 from embedq import errors
 from embedq.backends import load_backend
@@ -193,15 +193,12 @@ def test_c_rerank_and_predict_jobs_coalesce_and_a_bad_pair_fails_alone(redis_ser
     # bad jobs, sent as any Celery client could: a non-string text, and an over-long pair with truncate=False
     bad = client.app.send_task("embedq.rerank", args=[QUERY, ["fine", 5]], queue=settings.queue_name)
     too_long = client.submit_rerank(QUERY, ["fine", LONG], truncate=False)
-    import redis
-
     jobs = len(handles) + 3
-    r = redis.Redis.from_url(settings.broker_url)
-    r.set(f"{settings.queue_name}.gate", 1)
-    worker = gated_handle(settings, tmp_path / "worker.log")
+    worker = None
     try:
-        worker.wait_until(lambda st: st["jobs_received"] == jobs, f"all {jobs} jobs held")
-        r.delete(f"{settings.queue_name}.gate")
+        with closed_gate(settings):  # the worker starts with its gate closed: it buffers every job first
+            worker = gated_handle(settings, tmp_path / "worker.log")
+            worker.wait_until(lambda st: st["jobs_received"] == jobs, f"all {jobs} jobs held")
         results = [h.result(timeout=300) for h in handles]
         assert len(heavy.result(timeout=300)) == 1000
         with pytest.raises(errors.InvalidType, match=r"inputs\[1\] is int"):
@@ -210,9 +207,8 @@ def test_c_rerank_and_predict_jobs_coalesce_and_a_bad_pair_fails_alone(redis_ser
             too_long.result(timeout=120)
         after = worker.stats()
     finally:
-        r.delete(f"{settings.queue_name}.gate")
-        r.close()
-        worker.stop()
+        if worker is not None:
+            worker.stop()
         client.close()
     batches = after["batches"]  # the heavy job's 1,000 pairs of 64 tokens fill 4 of the 16,384-token budget
     assert after["jobs_received"] == jobs
