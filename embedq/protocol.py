@@ -27,6 +27,10 @@ RESENT_HEADER = "embedq_resent"
 #: Message header: when the producer sent the job (Unix time), for the worker's time-in-queue metric.
 SENT_HEADER = "embedq_sent_at"
 PROTOCOL_VERSION = 1
+#: The longest deadline a job may carry, in seconds from when it is sent (one week). Producers and the gateway
+#: refuse a longer one (422); a worker clamps any ``expires`` further out than this to it, so no value a client
+#: sends can reach a wait or a timestamp that overflows.
+MAX_DEADLINE_SECONDS = 7 * 24 * 3600
 
 Encoding = Literal["float32", "float16", "float"]
 TruncationSide = Literal["right", "left"]

@@ -129,6 +129,12 @@ class Settings(BaseSettings):
         default=30.0, gt=0, description="Seconds a worker stopping on SIGTERM waits for the micro-batch in "
         "progress and the results being written before it returns what it holds to the queue.",
     )
+    stall_timeout: float = Field(
+        default=300.0, gt=0, description="Seconds a worker's inference thread may show no progress (no finished "
+        "micro-batch, no layer of a bulk one) while work waits before the worker gives up and exits (exit status "
+        "70) for its supervisor to restart it; a dead inference or results thread stops it at once. Keep it above "
+        "the longest micro-batch a model without preemption points runs.",
+    )
     broker_timeout: float = Field(
         default=30.0, gt=0, description="Seconds a producer's blocking call rides out an unreachable broker "
         "before it raises `unavailable`.",
@@ -187,6 +193,16 @@ class Settings(BaseSettings):
     webhook_lease: float = Field(
         default=30.0, gt=0, description="`embedq serve`: seconds a replica's claim on delivering a webhook lasts "
         "unless renewed; the webhooks of a replica that died are taken over by another after this.",
+    )
+    webhook_timeout: float = Field(
+        default=10.0, gt=0, description="`embedq serve`: seconds one call of a webhook may take in all (connecting, "
+        "sending, and reading the answer, however slowly it comes); past it the call is aborted, its connection "
+        "closed, and it counts as a failed call (tried again like a network error, up to webhook_attempts).",
+    )
+    webhook_response_limit: int = Field(
+        default=65536, ge=0, description="`embedq serve`: bytes of a webhook receiver's answer body the gateway "
+        "reads (only the status code is used); past them the connection is closed and the rest never read, the "
+        "call's outcome still its status code.",
     )
     serializer: Literal["json", "msgpack"] = "json"
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (CPU).")

@@ -4,6 +4,10 @@ nothing else differs from ``python -m embedq worker``.
 - Its model fails (a RuntimeError in the forward pass, as a kernel error would) on any micro-batch holding a text
   that contains ``FAIL_IN_MODEL`` (tests/test_preempt.py: a failing online micro-batch inside a preemption fails
   only its own job and the paused bulk micro-batch resumes).
+- With ``EMBEDQ_TEST_FAULT=die``, a micro-batch holding a text that contains ``FAULT_IN_MODEL`` raises an exception
+  no ``except Exception`` catches, so the inference thread dies there (as a bug in the service's own bookkeeping
+  would kill it); with ``EMBEDQ_TEST_FAULT=stall`` it blocks in the model for good (a hung kernel).
+  tests/faults/test_liveness.py: the worker notices, hands the other messages back and exits.
 - Gate: while the Redis key named by ``EMBEDQ_TEST_GATE`` exists, no micro-batch starts; the worker goes on
   receiving and buffering jobs up to its prefetch window, as it would behind a long micro-batch. Tests of
   coalescing and of the window so control what is buffered when the model runs, whatever the speed of the
@@ -20,6 +24,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 import time
 
 from embedq.backends import model
@@ -27,6 +32,11 @@ from embedq.producers.cli import main
 from embedq.workers.service import EmbeddingService
 
 MARKER = "FAIL_IN_MODEL"
+FAULT_MARKER = "FAULT_IN_MODEL"
+
+
+class InjectedDeath(BaseException):
+    """Escapes every ``except Exception`` of the service: the thread that raises it dies."""
 HOLD_AT = 20  # of MiniLM's 54 points: inside the fourth of its six layers
 _prepare, _forward = model.ModelBackend.prepare, model.ModelBackend.forward
 _between_layers, _init = EmbeddingService._between_layers, EmbeddingService.__init__
@@ -36,10 +46,16 @@ def _prepare_marked(self, kind, items, options):
     prepared = _prepare(self, kind, items, options)
     for item, text in zip(prepared.items, items):
         item.fails = isinstance(text, str) and MARKER in text
+        item.fault = isinstance(text, str) and FAULT_MARKER in text
     return prepared
 
 
 def _forward_or_fail(self, batch):
+    fault = os.environ.get("EMBEDQ_TEST_FAULT")
+    if fault and any(getattr(item, "fault", False) for item in batch):
+        if fault == "stall":
+            threading.Event().wait()
+        raise InjectedDeath("injected death of the inference thread (FAULT_IN_MODEL)")
     if any(getattr(item, "fails", False) for item in batch):
         raise RuntimeError("injected failure (FAIL_IN_MODEL)")
     return _forward(self, batch)

@@ -151,8 +151,13 @@ class Deadlines:
         heapq.heappush(self._heap, (deadline, self._seq, job))
         self._seq += 1
 
-    def next_deadline(self) -> float | None:
-        return self._heap[0][0] if self._heap else None
+    def next_deadline(self, finished: Callable[[Any], bool] | None = None) -> float | None:
+        """The soonest deadline; with ``finished``, of a job that is not finished (finished ones at the top are
+        forgotten: a done job's deadline must not wake anyone)."""
+        heap = self._heap
+        while finished is not None and heap and finished(heap[0][2]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
 
     def due(self, now: float) -> list[Any]:
         """Remove and return the jobs whose deadline is ``now`` or earlier."""

@@ -17,7 +17,9 @@ finishes the micro-batch in progress, stores and acknowledges what is done, and 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import time
 from dataclasses import dataclass, field
@@ -35,7 +37,7 @@ from embedq.batching import PrefetchWindow
 from embedq.batching.traffic import BULK, ONLINE, TrafficClass
 from embedq.broker import BROKER_ERRORS, lease_interval, redis_client
 from embedq.cancellation import CancelFeed
-from embedq.protocol import RESENT_HEADER, SENT_HEADER, TASK_NAME, TASKS, TaskSpec
+from embedq.protocol import MAX_DEADLINE_SECONDS, RESENT_HEADER, SENT_HEADER, TASK_NAME, TASKS, TaskSpec
 from embedq.results import ResultStore
 from embedq.settings import Settings
 from embedq.workers import memory, transport
@@ -46,10 +48,15 @@ from embedq.workers.service import EmbeddingService, Job
 
 log = logging.getLogger(__name__)
 
+MAX_JOB_ID = 256  # characters: a longer "id" header names no job embedq would have sent (its ids are UUIDs)
 ACK_INTERVAL = 0.02  # seconds between drains of finished jobs on the consumer thread
 CANCEL_INTERVAL = 0.05  # seconds between reads of the cancellation stream
 CANCEL_STALE = 0.1  # a delivery checks the stream itself when the last read is older than this
 CANCEL_BACKOFF = 2.0  # seconds without reading the stream after a failed read (the broker is away)
+LIVENESS_INTERVAL = 1.0  # seconds between two looks at the service's threads (see Worker.check_liveness)
+DRAIN_ON_FAILURE = 5.0  # seconds a failing worker lets its results thread write what it holds
+#: Exit status of a worker that stopped because it could no longer do its work (EX_SOFTWARE): restart it.
+EXIT_FAILED = 70
 
 
 #: A job whose terminal record was already stored before this delivery (see delivery.Ledger.check).
@@ -281,7 +288,6 @@ class Worker:
         """Celery calls this (through :func:`coalescing_strategy`) once per consumer start and task; it
         returns the per-message handler."""
         from celery.worker.request import create_request_cls
-        from celery.worker.strategy import hybrid_to_proto2, proto1_to_proto2
 
         service = self.load_service()
         settings = service.settings
@@ -305,41 +311,56 @@ class Worker:
             entry.cancel()
         self.timers = [consumer.timer.call_repeatedly(ACK_INTERVAL, self.drain_finished),
                        consumer.timer.call_repeatedly(lease_interval(settings), self.renew_leases),
-                       consumer.timer.call_repeatedly(CANCEL_INTERVAL, self.follow_cancellations)]
+                       consumer.timer.call_repeatedly(CANCEL_INTERVAL, self.follow_cancellations),
+                       consumer.timer.call_repeatedly(LIVENESS_INTERVAL, self.check_liveness)]
         self.follow_cancellations()
 
         def handler(message, body, ack, reject, callbacks, **kw):
             if self.stopped:  # a delivery that raced the graceful stop: straight back to the queue
                 message.reject(requeue=True)
                 return
-            too_large = _too_large(message, settings.max_message_bytes)
-            if too_large is not None:
-                self.refuse(task, message, too_large)
-                return
             try:
-                if body is None and "args" not in message.payload:
-                    body, headers, decoded, utc = message.body, message.headers, False, app.uses_utc_timezone()
-                elif "args" in message.payload:
-                    body, headers, decoded, utc = hybrid_to_proto2(message, message.payload)
-                else:
-                    body, headers, decoded, utc = proto1_to_proto2(message, body)
-                req = Req(message, on_ack=ack, on_reject=reject, app=app, hostname=hostname, eventer=eventer,
-                          task=task, connection_errors=connection_errors, body=body, headers=headers,
-                          decoded=decoded, utc=utc)
-                args, kwargs = req.args, req.kwargs
-            except ContentDisallowed:
-                self.refuse(task, message, errors.InvalidMessage(
-                    f"content type {message.content_type!r} refused: only json and msgpack are accepted"))
-                return
-            except Exception as exc:
-                self.refuse(task, message, errors.InvalidMessage(f"malformed task message ({type(exc).__name__})"))
-                return
-            if not isinstance(req.id, str) or not req.id:
-                self.refuse(task, message, errors.InvalidMessage("the message has no job id"))
-                return
-            self.deliver(req, args, kwargs, message)
+                self.receive(task, app, message, body, ack, reject, Req, hostname, eventer, connection_errors)
+            except Exception as exc:  # whatever a message holds, the consumer goes on (and the job gets an answer)
+                log.exception("refusing a message that could not be handled")
+                if not getattr(message, "acknowledged", False):
+                    self.refuse(task, message,
+                                errors.InvalidMessage(f"cannot handle the message ({type(exc).__name__})"))
 
         return handler
+
+    def receive(self, task: Task, app: Celery, message: Any, body: Any, ack: Any, reject: Any, Req: Any,
+                hostname: str, eventer: Any, connection_errors: Any) -> None:
+        """Consumer thread: one message of an embedq task: refuse what cannot be read, else deliver it."""
+        from celery.worker.strategy import hybrid_to_proto2, proto1_to_proto2
+
+        settings = self.settings
+        too_large = getattr(message, "refusal", None) or _too_large(message, settings.max_message_bytes)
+        if too_large is not None:
+            self.refuse(task, message, too_large)
+            return
+        try:
+            if body is None and "args" not in message.payload:
+                body, headers, decoded, utc = message.body, message.headers, False, app.uses_utc_timezone()
+            elif "args" in message.payload:
+                body, headers, decoded, utc = hybrid_to_proto2(message, message.payload)
+            else:
+                body, headers, decoded, utc = proto1_to_proto2(message, body)
+            req = Req(message, on_ack=ack, on_reject=reject, app=app, hostname=hostname, eventer=eventer,
+                      task=task, connection_errors=connection_errors, body=body, headers=headers,
+                      decoded=decoded, utc=utc)
+            args, kwargs = req.args, req.kwargs
+        except ContentDisallowed:
+            self.refuse(task, message, errors.InvalidMessage(
+                f"content type {message.content_type!r} refused: only json and msgpack are accepted"))
+            return
+        except Exception as exc:
+            self.refuse(task, message, errors.InvalidMessage(f"malformed task message ({type(exc).__name__})"))
+            return
+        if not isinstance(req.id, str) or not req.id:
+            self.refuse(task, message, errors.InvalidMessage("the message has no job id"))
+            return
+        self.deliver(req, args, kwargs, message)
 
     def deliver(self, req: Any, args: Any, kwargs: Any, message: Any) -> None:
         """Consumer thread: a readable job message. Hold it, then run it, cancel it, recognise it as
@@ -441,16 +462,86 @@ class Worker:
         its id and the reason only (never its body: it may hold users' texts)."""
         headers = getattr(message, "headers", None)
         task_id = headers.get("id") if isinstance(headers, dict) else None
-        log.warning("refused message %s: %s", task_id if isinstance(task_id, str) else "(no id)", error.message)
-        if isinstance(task_id, str) and task_id:
+        log.warning("refused message %s: %s", task_id[:MAX_JOB_ID] if isinstance(task_id, str) else "(no id)",
+                    error.message)
+        if isinstance(task_id, str) and 0 < len(task_id) <= MAX_JOB_ID:
             try:
                 ResultStore(task.app).store(task_id, error)
-            except BROKER_ERRORS:
-                log.warning("could not store the refusal of %s", task_id)
+            except Exception as exc:  # the broker is away (or the record cannot be written): the log says so
+                log.warning("could not store the refusal of %s (%s)", task_id, type(exc).__name__)
         if self.service is not None:  # texts unknown: the message could not be read as a job
             self.service.count_received(0)
             self.service.count_failure(error.code, 0)
         message.ack()
+
+    # -- liveness ------------------------------------------------------------------------------------
+
+    def check_liveness(self) -> None:
+        """Consumer thread, every LIVENESS_INTERVAL: a worker whose inference or results thread died, or whose
+        inference thread stopped making progress while work waits, must not go on taking jobs and calling itself
+        alive (its heartbeat and registry record come from other threads): it stops (:meth:`fail_stop`)."""
+        service = self.service
+        if service is None or self.stopped:
+            return
+        reason = service.health(self.settings.stall_timeout)
+        if reason is not None:
+            self.fail_stop(reason)
+
+    def fail_stop(self, reason: str) -> None:
+        """Consumer thread: stop serving and exit with :data:`EXIT_FAILED`, for a supervisor to restart the worker.
+
+        What was stored is acknowledged; every other held message goes back to its queue. The jobs of the
+        micro-batch in the model are not marked as handed back, so their next delivery counts as one that ended
+        with the worker dead (they run alone, and are dead-lettered after ``max_attempts``: a poison input cannot
+        take down worker after worker); the rest are marked handed back and run as usual."""
+        service = self.service
+        assert service is not None
+        log.critical("stopping: %s", reason)
+        self.stopped = True
+        running = {job.id for job in service.running}
+        self.settle_fetch()
+        service.abandon()
+        service.drain(DRAIN_ON_FAILURE)
+        self.drain_finished()
+        leftover = list(self.held.values())
+        innocent = [job.id for job in leftover if job.id not in running]
+        if innocent and self.ledger is not None:
+            try:
+                self.ledger.returned(innocent)
+            except Exception:  # they come back as redelivered: run alone once, which is safe
+                log.warning("could not mark %d returned jobs", len(innocent))
+        returned = 0
+        for job in leftover:
+            for req, _ in job.context.reqs:
+                try:
+                    req.message.channel.qos.restore_by_tag(req.message.delivery_tag)
+                    returned += 1
+                except Exception as exc:  # it stays in the unacked hash: redelivered after its lease lapses
+                    log.warning("could not hand job %s back: %s", job.id, type(exc).__name__)
+        self.held.clear()
+        if self.reporter is not None:
+            self.reporter.withdraw()
+        with contextlib.suppress(Exception):  # else Flower sees the heartbeats stop
+            self.consumer.event_dispatcher.send("worker-offline")
+        log.critical("handed %d messages back (%d job(s) of the micro-batch in the model count a delivery that "
+                     "ended with the worker dead); exiting with status %d", returned, len(leftover) - len(innocent),
+                     EXIT_FAILED)
+        logging.shutdown()
+        os._exit(EXIT_FAILED)  # the inference thread may be stuck in native code: nothing would join it
+
+    def settle_fetch(self) -> None:
+        """Consumer thread: read the reply of the fetch (BRPOP) in flight, if any, before handing messages back:
+        one handed back now would go to that fetch, and this process would never read it (kombu's channel does
+        the same when it closes). A message it brings is handed back by the handler (the worker is stopped)."""
+        channel = self.current_channel()
+        if channel is None or not getattr(channel, "_in_poll", None):
+            return
+        try:
+            channel._brpop_read()
+        except queue.Empty:
+            pass
+        except Exception as exc:  # the broker is away: what it held comes back after visibility_timeout
+            log.warning("could not read the fetch in flight: %s", type(exc).__name__)
 
     # -- the warm shutdown ---------------------------------------------------------------------------
 
@@ -515,13 +606,17 @@ def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
 
 
 def _deadline(expires: Any) -> float | None:
-    """A Celery ``expires`` (an aware datetime) as a monotonic time."""
+    """A Celery ``expires`` (an aware datetime) as a monotonic time, at most ``MAX_DEADLINE_SECONDS`` from now
+    (producers refuse longer deadlines; one sent by other means is clamped, so no wait can overflow)."""
     if expires is None:
         return None
     try:
-        return time.monotonic() + (expires.timestamp() - time.time())
+        left = float(expires.timestamp() - time.time())
     except (AttributeError, TypeError, ValueError, OverflowError):
         return None
+    if left != left:  # NaN
+        return None
+    return time.monotonic() + min(left, float(MAX_DEADLINE_SECONDS))
 
 
 def _iso(expires: Any) -> str | None:
@@ -556,6 +651,7 @@ def register(app: Celery, worker: Worker) -> list[Task]:
     its model does not serve)."""
     app.embedq_worker = worker
     transport.fetch_order = worker.fetch_order
+    transport.max_body_bytes = worker.settings.max_message_bytes
     app.steps["consumer"].add(GracefulStop)
     app.steps["consumer"].add(WorkerInfo)
     return [app.register_task(task_class(spec)()) for spec in TASKS.values()]
@@ -598,7 +694,33 @@ class EmbedqConsumer(Consumer):
         return self.app.tasks[TASK_NAME]
 
     def _refuse(self, message: Any, reason: str) -> None:
-        worker_of(self.app).refuse(self._task(), message, errors.InvalidMessage(reason))
+        refusal = getattr(message, "refusal", None)  # the transport could not read the body (too large inflated)
+        worker_of(self.app).refuse(self._task(), message, refusal or errors.InvalidMessage(reason))
+
+    def update_strategies(self) -> None:
+        """Only embedq's job kinds run here. Every Celery app registers Celery's built-in tasks
+        (``celery.accumulate``, ``celery.chord_unlock``, ``celery.backend_cleanup``, the canvas primitives), and
+        Celery would run them from any queue it consumes; on embedq's queues they are unknown tasks, refused with
+        a typed error like any other name."""
+        super().update_strategies()
+        for name in [name for name in self.strategies if name not in TASKS]:
+            del self.strategies[name]
+
+    def create_task_handler(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's per-message dispatch, made total: whatever an entry's headers hold (a task "name" that is a
+        list, say), the message is refused with a typed error and the consumer goes on."""
+        on_task_received = super().create_task_handler(*args, **kwargs)
+
+        def guarded(message: Any) -> Any:
+            try:
+                return on_task_received(message)
+            except Exception as exc:
+                log.warning("refusing a message Celery could not dispatch (%s)", type(exc).__name__)
+                if not getattr(message, "acknowledged", False):
+                    self._refuse(message, f"cannot dispatch the message ({type(exc).__name__})")
+                return None
+
+        return guarded
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
         compression = (message.headers or {}).get("compression") if isinstance(message.headers, dict) else None

@@ -41,6 +41,9 @@ from embedq.workers.stats import Stats
 
 log = logging.getLogger(__name__)
 
+#: The longest the idle inference thread sleeps at once (it wakes sooner for a deadline or new work).
+IDLE_WAIT = 60.0
+
 #: on_done(job, outcome): outcome is the result payload (dict) or an EmbedqError.
 DoneCallback = Callable[["Job", "dict[str, Any] | errors.EmbedqError"], None]
 
@@ -113,6 +116,10 @@ class EmbeddingService:
                         self.info.model_id, self.preemption_blocker, self.scheduler.online_tokens)
         # The running bulk micro-batch (inference thread only): seconds paused so far, preemption points met.
         self._paused, self._layer = 0.0, 0
+        # Liveness (read by the worker's watchdog, see health()): when the inference thread last showed progress,
+        # and the jobs of the micro-batch(es) it has in the model now.
+        self.beat = time.monotonic()
+        self.running: tuple[Job, ...] = ()
         self.deadlines = Deadlines()
         self._cond = threading.Condition()
         self._stopping = False
@@ -243,11 +250,12 @@ class EmbeddingService:
                 while True:
                     if self._stopping:
                         return
-                    self._expire(time.monotonic())
+                    now = self.beat = time.monotonic()
+                    self._expire(now)
                     if len(self.scheduler) or self._suspects:
                         break
-                    wake = self.deadlines.next_deadline()
-                    self._cond.wait(None if wake is None else max(wake - time.monotonic(), 0.0) + 0.001)
+                    wake = self.deadlines.next_deadline(lambda job: job.done)
+                    self._cond.wait(IDLE_WAIT if wake is None else min(max(wake - now, 0.0) + 0.001, IDLE_WAIT))
                 if self._suspects:
                     suspect = self._suspects.popleft()
                     starting = self._start([suspect])
@@ -293,6 +301,7 @@ class EmbeddingService:
     def _between_layers(self) -> None:
         """Inference thread, before a layer of a running bulk micro-batch (a preemption point)."""
         self._layer += 1
+        self.beat = time.monotonic()
         self._preempt()
 
     def _preempt(self) -> None:
@@ -364,6 +373,8 @@ class EmbeddingService:
         cost = batch_cost(lengths, padded=self.backend.is_padded)
         if preemptible:  # (not in a preempting batch: that one runs inside the bulk batch's pause)
             self._paused, self._layer = 0.0, 0
+        outer = self.running  # a preempting batch runs inside a bulk one: both are in the model
+        self.running = outer + tuple(dict.fromkeys(job for job, _ in keys))
         t0 = time.perf_counter()
         try:
             if preemptible:
@@ -375,6 +386,10 @@ class EmbeddingService:
         except Exception as exc:
             rows, bad = None, None
             failure: Exception = exc
+        # Not in a finally: if something the thread cannot survive escapes the model, these jobs stay "running",
+        # and the worker's watchdog counts the delivery against them (see health()).
+        self.running = outer
+        self.beat = time.monotonic()
         elapsed = time.perf_counter() - t0
         if preemptible:
             elapsed -= self._paused
@@ -419,6 +434,35 @@ class EmbeddingService:
             job.remaining -= 1
             if job.remaining == 0:
                 self._finish(job)
+
+    # -- liveness ------------------------------------------------------------------------------
+    def health(self, stall_timeout: float) -> str | None:
+        """Why this service can no longer do its work, or None while it can: its inference or results thread has
+        died, or work waits and the inference thread has shown no progress (a finished micro-batch, a preemption
+        point, an idle wake) for ``stall_timeout`` seconds. The worker's watchdog stops the worker on it."""
+        if self._stopping:
+            return None
+        for thread in (self._thread, self._writer):
+            if thread.ident is not None and not thread.is_alive():
+                return f"the {thread.name} thread has died"
+        idle = time.monotonic() - self.beat
+        if idle > stall_timeout and (len(self.scheduler) or self._suspects or self.running):
+            return (f"the {self._thread.name} thread has made no progress for {idle:.0f}s while work waits "
+                    f"(EMBEDQ_STALL_TIMEOUT={stall_timeout:g})")
+        return None
+
+    def abandon(self) -> None:
+        """The watchdog gives up on this service: no more micro-batches start; what the results thread has in
+        hand is still written (see :meth:`drain`)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._outbox.put(None)
+
+    def drain(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the results thread to write what it has (it stops after that)."""
+        if self._writer.is_alive():
+            self._writer.join(timeout)
 
     # -- completion --------------------------------------------------------------------------
     def _finish(self, job: Job) -> None:
