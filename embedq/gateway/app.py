@@ -23,6 +23,7 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -46,7 +47,7 @@ from embedq.broker import tls_options
 from embedq.gateway.results import AsyncResults
 from embedq.gateway.webhooks import Webhooks, check_url
 from embedq.producers.client import DEADLINE_GRACE, DEFAULT_RESULT_TIMEOUT, Client, decode_output
-from embedq.protocol import decode_result, id_lists
+from embedq.protocol import MAX_DEADLINE_SECONDS, decode_result, id_lists
 from embedq.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,8 @@ class OpenAIError(BaseModel):
     error: OpenAIErrorDetail
 
 
-_STATUSES = {400: "empty input", 401: "missing or wrong API key (when one is set)", 404: "no such job",
+_STATUSES = {400: "empty input, or a body that is not JSON", 401: "missing or wrong API key (when one is set)",
+             404: "no such job, or a model this gateway does not serve",
              413: "request body or result too large", 422: "invalid request", 424: "the job failed in its worker, or "
              "the model does not serve this route", 429: "the queue is full (Retry-After)", 499: "cancelled",
              503: "no worker, or the broker is unreachable (Retry-After)", 504: "the deadline passed"}
@@ -159,14 +161,32 @@ def _responses(model: type[BaseModel], *codes: int) -> dict[int | str, dict[str,
     return {code: {"model": model, "description": _STATUSES[code]} for code in codes}
 
 
-TEI_ERRORS = _responses(TeiError, 400, 401, 413, 422, 424, 429, 499, 503, 504)
-OPENAI_ERRORS = _responses(OpenAIError, 400, 401, 413, 422, 424, 429, 499, 503, 504)
+TEI_ERRORS = _responses(TeiError, 400, 401, 404, 413, 422, 424, 429, 499, 503, 504)
+OPENAI_ERRORS = _responses(OpenAIError, 400, 401, 404, 413, 422, 424, 429, 499, 503, 504)
+
+
+def _header(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"name": name, "in": "header", "required": False, "schema": schema, "description": description}
+
+
+#: The request headers the gateway reads, declared in its OpenAPI document (``openapi_extra``): they are read from
+#: the request by hand (``/jobs`` and ``POST /`` read their body by hand too), so FastAPI cannot see them.
+MODEL_HEADER = _header("X-Embedq-Model", {"type": "string"},
+                       "Which served model (a gateway of several models answers 404 for a name it does not serve).")
+CLASS_HEADER = _header("X-Embedq-Class", {"type": "string"},
+                       "`bulk` (any case) sends the request's jobs to the bulk queue; anything else: online.")
+DEADLINE_HEADER = _header("X-Embedq-Deadline", {"type": "number", "exclusiveMinimum": 0,
+                                                "maximum": MAX_DEADLINE_SECONDS},
+                          "Seconds the request's jobs may wait to start (at most one week); past it: 504.")
+JOB_HEADERS = {"parameters": [MODEL_HEADER, CLASS_HEADER, DEADLINE_HEADER]}
 EMPTY_OK = {200: {"description": "healthy (empty body)", "content": {"text/plain": {}}}}
 
 
 # -- request bodies -----------------------------------------------------------------------------------------
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # clients send fields of other servers (parameters, options)
+    # extra: clients send fields of other servers (parameters, options). strict: JSON's types as they are, so
+    # `true` is no integer (`"dimensions": true` is not 1) and `1` no boolean; an integer still is a number.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class OpenAIEmbeddingRequest(_Body):
@@ -472,8 +492,11 @@ class MetricsMiddleware:
 
 
 class PayloadLimit:
-    """Refuses a request body over ``limit`` bytes with 413 and TEI's error body, by its Content-Length or, when
-    it has none, as soon as the streamed body passes the limit (plain ASGI)."""
+    """Refuses a request body over ``limit`` bytes with 413 and TEI's error body (plain ASGI): by its Content-Length
+    before reading any of it, or, for a body without one (``Transfer-Encoding: chunked``), as soon as what has come
+    passes the limit; the rest is never read. A chunked body within the limit is read here and handed on as it
+    came (the routes read a whole body anyway), so the refusal never depends on how a route reads its body (a
+    failure inside FastAPI's body read would be its 400)."""
 
     def __init__(self, app: Any, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -482,32 +505,58 @@ class PayloadLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            await self._refuse(scope, receive, send)
-            return
-        seen = [0]
-
-        async def counting() -> Any:
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None:
+            digits = length.strip().lstrip(b"0") or b"0"
+            if digits.isdigit() and (len(digits) > 18 or int(digits) > self.limit):
+                await self._refuse(scope, receive, send)
+                return
+            if b"transfer-encoding" not in headers:  # the server holds the body to its Content-Length
+                await self.app(scope, receive, send)
+                return
+        messages: list[Any] = []
+        seen = 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen[0] += len(message.get("body", b""))
-                if seen[0] > self.limit:
-                    raise _TooLarge
-            return message
+            messages.append(message)
+            if message["type"] != "http.request":  # the client left
+                break
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
 
-        try:
-            await self.app(scope, counting, send)
-        except _TooLarge:
-            await self._refuse(scope, receive, send)
+        async def replay() -> Any:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
 
     async def _refuse(self, scope: Any, receive: Any, send: Any) -> None:
         await tei_error(413, "Validation", f"the request body is over {self.limit} bytes "
                         "(EMBEDQ_GATEWAY_PAYLOAD_LIMIT)")(scope, receive, send)
 
 
-class _TooLarge(Exception):
-    pass
+class HeadAsGet:
+    """``HEAD`` answered as ``GET`` without its body, on every route that answers GET (load balancers probe
+    ``/health`` with HEAD; FastAPI's routes take only the methods they name). Plain ASGI."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def headers_only(message: Any) -> None:
+            if message["type"] == "http.response.body":  # the GET's headers (its Content-Length too), no body
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
 
 
 class BearerAuth:
@@ -542,27 +591,30 @@ async def _disconnected(request: Request) -> None:
 
 #: Headers in which clients say how long they will wait: the OpenAI SDKs' (Python: its read timeout; Node).
 CLIENT_TIMEOUT_HEADERS = ("x-stainless-read-timeout", "x-stainless-timeout")
+#: Seconds as a header gives them: a plain decimal number (no sign, no "inf", "nan" or "1_0", which float() takes).
+_SECONDS = re.compile(r"\s*(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*")
+
+
+def _seconds(value: str | None) -> float | None:
+    """A header's seconds (``inf`` when it overflows a float), or None when it is not a plain number."""
+    return float(value) if value is not None and _SECONDS.fullmatch(value) else None
 
 
 def _deadline(request: Request) -> float | None:
-    """Seconds the request's jobs may wait to start: ``X-Embedq-Deadline``, else the client's own timeout when it
-    sends it (past it the client has given up, and its SDK may be retrying: the first jobs would be wasted)."""
+    """Seconds the request's jobs may wait to start: ``X-Embedq-Deadline`` (more than 0, at most
+    :data:`~embedq.protocol.MAX_DEADLINE_SECONDS`, else 422), else the client's own timeout when it sends it (past
+    it the client has given up, and its SDK may be retrying: the first jobs would be wasted)."""
     value = request.headers.get("x-embedq-deadline")
     if value is None or value == "":
         for name in CLIENT_TIMEOUT_HEADERS:
-            try:
-                seconds = float(request.headers.get(name, ""))
-            except ValueError:  # absent or not a number: not ours to refuse
-                continue
-            if seconds > 0 and seconds == seconds:  # not NaN
-                return min(seconds, DEFAULT_RESULT_TIMEOUT)
+            seconds = _seconds(request.headers.get(name))
+            if seconds is not None and seconds > 0:  # else absent or not a number: not ours to refuse
+                return min(seconds, DEFAULT_RESULT_TIMEOUT)  # clamped: a huge (or inf) one reaches no clock
         return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise errors.InvalidOption(f"X-Embedq-Deadline must be seconds, got {value!r}") from None
-    if not seconds > 0 or seconds == float("inf"):
-        raise errors.InvalidOption(f"X-Embedq-Deadline must be positive seconds, got {value!r}")
+    seconds = _seconds(value)
+    if seconds is None or not 0 < seconds <= MAX_DEADLINE_SECONDS:
+        raise errors.InvalidOption(f"X-Embedq-Deadline must be seconds, more than 0 and at most "
+                                   f"{MAX_DEADLINE_SECONDS} (one week), got {value[:40]!r}")
     return seconds
 
 
@@ -586,7 +638,9 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
         hooks = Webhooks(gateway.results.redis, secret=secret, attempts=settings.webhook_attempts,
                          lease=settings.webhook_lease,
                          record=stored_record, wait=wait_record, state=job_state, save=save_record,
-                         on_outcome=lambda outcome: meter.webhooks.labels(outcome).inc())
+                         on_outcome=lambda outcome: meter.webhooks.labels(outcome).inc(),
+                         allow=settings.webhook_allow, timeout=settings.webhook_timeout,
+                         response_limit=settings.webhook_response_limit)
         webhooks.append(hooks)
         await hooks.start()
         try:
@@ -602,6 +656,7 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
     if key is not None:
         app.add_middleware(BearerAuth, key=key)
     app.add_middleware(PayloadLimit, limit=settings.gateway_payload_limit)
+    app.add_middleware(HeadAsGet)  # outside BearerAuth: HEAD / is as public as GET /
     origins = [o.strip() for o in (settings.cors_allow_origins or "").split(",") if o.strip()]
     if origins:  # off unless configured (TEI allows any origin by default; we do not)
         from starlette.middleware.cors import CORSMiddleware
@@ -744,8 +799,10 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
         return JSONResponse(await gateway.run(request, embed_plan(_texts(body.input), answer, normalize=True,
                                                                   dimensions=body.dimensions), body.model))
 
-    app.post("/v1/embeddings", summary="OpenAI embeddings", responses=OPENAI_ERRORS)(openai_embeddings)
-    app.post("/embeddings", summary="OpenAI embeddings (without /v1)", responses=OPENAI_ERRORS)(openai_embeddings)
+    app.post("/v1/embeddings", summary="OpenAI embeddings", responses=OPENAI_ERRORS,
+             openapi_extra=JOB_HEADERS)(openai_embeddings)
+    app.post("/embeddings", summary="OpenAI embeddings (without /v1)", responses=OPENAI_ERRORS,
+             openapi_extra=JOB_HEADERS)(openai_embeddings)
 
     # TEI's routes, /jobs and POST / from one table: path -> (job kind, request body, its plan, summary)
     tei_routes: dict[str, tuple[str, type[BaseModel], Callable[[Any], Plan], str]] = {
@@ -771,7 +828,8 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
         return endpoint
 
     for path, (kind, model, planner, summary) in tei_routes.items():
-        app.post(path, summary=summary, responses=TEI_ERRORS)(tei_endpoint(kind, model, planner))
+        app.post(path, summary=summary, responses=TEI_ERRORS, openapi_extra=JOB_HEADERS)(
+            tei_endpoint(kind, model, planner))
 
     def parse(model: type[BaseModel], payload: Any) -> Any:
         """A body read by hand (``/jobs``, ``POST /``) validated like a route's own, with the same 422."""
@@ -788,15 +846,20 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
     webhooks: list[Webhooks] = []  # the lifespan's (one)
 
     @app.post("/jobs", status_code=202, summary="Start a job of any kind; answers at once with its id (and calls "
-              "its webhook, if it names one, once it is done)", responses=TEI_ERRORS)
+              "its webhook, if it names one, once it is done)", responses=TEI_ERRORS, openapi_extra=JOB_HEADERS)
     async def create_job(request: Request, body: JobRequest) -> Response:
         if body.kind not in planners:
             raise errors.InvalidOption(f"unknown job kind {body.kind!r} (known: {', '.join(planners)})")
+        # the URL normalised (dot segments, escapes, case, default port): the one checked is the one called
         webhook = check_url(body.webhook, settings.webhook_allow) if body.webhook is not None else None
         model, planner = planners[body.kind]
-        handles = await gateway.send(request, planner(parse(model, body.body)), body.model)
+        parsed = parse(model, body.body)
+        handles = await gateway.send(request, planner(parsed), body.model)
         job_id = uuid.uuid4().hex  # random: a job id cannot be guessed
-        record: dict[str, Any] = {"kind": body.kind, "body": body.body, "jobs": [h.id for h in handles],
+        # the validated request, not the raw body: fields the route does not know are dropped (as every route
+        # ignores them), so they cost no Redis memory for EMBEDQ_RESULT_TTL
+        stored = parsed.model_dump(mode="json", exclude_unset=True)
+        record: dict[str, Any] = {"kind": body.kind, "body": stored, "jobs": [h.id for h in handles],
                                   "model": gateway.target(request, body.model)[0], "created": time.time()}
         if webhook is not None:
             record["webhook"] = {"url": webhook, "state": "pending"}
@@ -857,15 +920,15 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
         return JSONResponse({"id": job_id, "status": "cancelled" if any(cancelled) else "deleted"})
 
     @app.post("/", summary="TEI: the served model's own route (embed, rerank, predict or embed_sparse)",
-              responses=TEI_ERRORS)
-    @app.post("/invocations", summary="SageMaker's path of POST /", responses=TEI_ERRORS)
+              responses=TEI_ERRORS, openapi_extra=JOB_HEADERS)
+    @app.post("/invocations", summary="SageMaker's path of POST /", responses=TEI_ERRORS, openapi_extra=JOB_HEADERS)
     async def root(request: Request) -> Response:
         workers = await gateway.workers(gateway.target(request)[1])
         kinds = set((workers[0].get("kinds") or []) if workers else [])
         try:
             payload = await request.json()
-        except ValueError:
-            raise errors.InvalidType("Input validation error: the body is not JSON") from None
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes (other routes: 400)
+            raise errors.InvalidType("Input validation error: the body is not JSON, or is nested too deeply") from None
         kind = next((k for k in ("rerank", "predict", "embed_sparse") if k in kinds), "embed")  # TEI's order
         model, planner = planners[kind]
         return JSONResponse(await gateway.run(request, planner(parse(model, payload))))
@@ -902,7 +965,7 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/info", summary="TEI's model and router information (X-Embedq-Model: of which model)",
-             responses=_responses(TeiError, 401, 404, 503))
+             responses=_responses(TeiError, 401, 404, 503), openapi_extra={"parameters": [MODEL_HEADER]})
     async def info(request: Request) -> dict[str, Any]:
         name, target = gateway.target(request)
         workers = await gateway.workers(target)

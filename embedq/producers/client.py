@@ -35,6 +35,7 @@ from embedq.protocol import (
     EMBED_ALL,
     EMBED_HYBRID,
     EMBED_SPARSE,
+    MAX_DEADLINE_SECONDS,
     PREDICT,
     RERANK,
     RESENT_HEADER,
@@ -292,22 +293,40 @@ class JobHandle:
 
 
 def _expires(deadline: float | dt.datetime | None) -> dt.datetime | None:
-    """A job's deadline as an aware UTC datetime (Celery's ``expires``)."""
+    """A job's deadline as an aware UTC datetime (Celery's ``expires``): seconds from now, or an aware datetime, at
+    most :data:`~embedq.protocol.MAX_DEADLINE_SECONDS` from now (else :class:`~embedq.errors.InvalidOption`), so no
+    value reaches a clock or a timestamp that overflows."""
     if deadline is None:
         return None
+    now = dt.datetime.now(dt.timezone.utc)
     if isinstance(deadline, dt.datetime):
-        if deadline.tzinfo is None:
+        if deadline.utcoffset() is None:
             raise errors.InvalidOption("deadline must be an aware datetime (with a timezone) or seconds from now")
-        when = deadline.astimezone(dt.timezone.utc)
+        # the difference of aware datetimes is a timedelta: no conversion that overflows at datetime.max or .min
+        left: float = (deadline - now).total_seconds()
+        shown = deadline.isoformat()
     elif isinstance(deadline, (int, float)) and not isinstance(deadline, bool):
-        if not deadline > 0:
-            raise errors.InvalidOption(f"deadline must be a positive number of seconds, got {deadline!r}")
-        when = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=deadline)
+        shown = _number(deadline) + " s"
+        if not deadline > 0:  # NaN too
+            raise errors.InvalidOption(f"deadline must be a positive number of seconds, got {shown}")
+        left = deadline  # an int of any size compares with the bound; inf is above it
     else:
         raise errors.InvalidOption(f"deadline must be seconds from now or a datetime, got {type(deadline).__name__}")
-    if when <= dt.datetime.now(dt.timezone.utc):
+    if left > MAX_DEADLINE_SECONDS:
+        raise errors.InvalidOption(f"deadline must be at most {MAX_DEADLINE_SECONDS} s (one week) from now, got "
+                                   f"{shown}")
+    if left <= 0:
         raise errors.Expired("the deadline passed before the job was sent")
-    return when
+    if isinstance(deadline, dt.datetime):
+        return deadline.astimezone(dt.timezone.utc)
+    return now + dt.timedelta(seconds=left)
+
+
+def _number(value: float) -> str:
+    """A number for a message: never a conversion that overflows (a huge int to float) or is refused (to str)."""
+    if isinstance(value, int) and abs(value) >= 10**18:
+        return f"an integer of {value.bit_length()} bits"
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 def worker_stats(app: Celery, timeout: float = 1.0) -> dict[str, dict[str, Any]]:
