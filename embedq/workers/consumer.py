@@ -357,17 +357,18 @@ class Worker:
         except Exception as exc:
             self.refuse(task, message, errors.InvalidMessage(f"malformed task message ({type(exc).__name__})"))
             return
-        if not isinstance(req.id, str) or not req.id:
-            self.refuse(task, message, errors.InvalidMessage("the message has no job id"))
+        if not _job_id_ok(req.id):
+            self.refuse(task, message, errors.InvalidMessage(
+                f"the message has no job id (a string of 1 to {MAX_JOB_ID} characters, UTF-8)"))
             return
-        self.deliver(req, args, kwargs, message)
+        self.deliver(req, args, kwargs, message, TASKS[task.name])
 
-    def deliver(self, req: Any, args: Any, kwargs: Any, message: Any) -> None:
-        """Consumer thread: a readable job message. Hold it, then run it, cancel it, recognise it as
-        already stored or dead-letter it."""
+    def deliver(self, req: Any, args: Any, kwargs: Any, message: Any, spec: TaskSpec) -> None:
+        """Consumer thread: a readable job message of ``spec``'s kind (the task the message names: a ``shadow``
+        header changes no kind). Hold it, then run it, cancel it, recognise it as already stored or dead-letter
+        it."""
         service, settings = self.service, self.settings
         assert service is not None and self.window is not None and self.ledger is not None
-        spec = TASKS.get(req.name) or TASKS[TASK_NAME]
         size = spec.size(args)
         routing_key = _routing_key(req) or settings.queue_name
         klass = self.traffic_class(routing_key)
@@ -379,7 +380,7 @@ class Worker:
             held.context.reqs.append((req, size))
             service.stats.add(duplicates=1)
             return
-        req.send_event("task-received", name=req.name, args=short_args(req),
+        req.send_event("task-received", name=spec.name, args=short_args(req),
                        kwargs=event_kwargs(kwargs, service, routing_key, klass, spec.kind), expires=_iso(req.expires))
         job = Job(id=req.id, texts=args, options=kwargs, context=Delivery([(req, size)]), size=size, spec=spec,
                   traffic_class=klass, deadline=_deadline(req.expires))
@@ -462,9 +463,8 @@ class Worker:
         its id and the reason only (never its body: it may hold users' texts)."""
         headers = getattr(message, "headers", None)
         task_id = headers.get("id") if isinstance(headers, dict) else None
-        log.warning("refused message %s: %s", task_id[:MAX_JOB_ID] if isinstance(task_id, str) else "(no id)",
-                    error.message)
-        if isinstance(task_id, str) and 0 < len(task_id) <= MAX_JOB_ID:
+        log.warning("refused message %s: %s", task_id if _job_id_ok(task_id) else "(no id)", error.message)
+        if _job_id_ok(task_id):
             try:
                 ResultStore(task.app).store(task_id, error)
             except Exception as exc:  # the broker is away (or the record cannot be written): the log says so
@@ -575,7 +575,21 @@ class Worker:
 
 
 def _routing_key(req: Any) -> str | None:
-    return (getattr(req, "delivery_info", None) or {}).get("routing_key")
+    info = getattr(req, "delivery_info", None)
+    key = info.get("routing_key") if isinstance(info, dict) else None
+    return key if isinstance(key, str) else None
+
+
+def _job_id_ok(job_id: Any) -> bool:
+    """A job id embedq can key records by: a string of 1 to MAX_JOB_ID characters that UTF-8 can encode (a lone
+    surrogate cannot be written to Redis: its job would never get a record nor its message an ack)."""
+    if not isinstance(job_id, str) or not 0 < len(job_id) <= MAX_JOB_ID:
+        return False
+    try:
+        job_id.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _send_outcome_event(req: Any, outcome: Any, runtime: float) -> None:

@@ -119,15 +119,19 @@ class Message(virtual.Message):
         for key in ("body_encoding",):
             if properties.get(key) is not None and not isinstance(properties[key], str):
                 raise _Unreadable(f"{key} is not a string")
-        for key in ("content-type", "content-encoding"):
+        refusal = None
+        for key in ("content-type", "content-encoding"):  # a job that can be named is answered (below)
             if payload.get(key) is not None and not isinstance(payload[key], str):
-                raise _Unreadable(f"{key} is not a string")
+                refusal = errors.InvalidMessage(f"the message's {key} is not a string")
+                payload = {**payload, key: None}
         body = payload.get("body")
         if body is not None and not isinstance(body, (str, bytes)):
             raise _Unreadable("the body is not a string")
         compression = headers.get("compression") if headers else None
-        refusal = None
-        if compression is not None:
+        if refusal is not None:
+            super().__init__({**payload, "body": None}, channel=channel, **kwargs)
+            self._raw = payload
+        elif compression is not None:
             # Inflate here, within bounds, and hand kombu the plain body (without the header: it would inflate
             # it again). The envelope is left as it came, so a message handed back keeps its compressed body.
             try:

@@ -194,3 +194,22 @@ def test_headers_of_the_wrong_type_are_refused(worker, headers):
     client = redis.Redis.from_url(worker.settings.broker_url)
     client.lpush(worker.settings.queue_name, _envelope(json.dumps([["x"], {}, {}]), {**_headers(), **headers}))
     _serving(worker, f"headers {headers}")
+
+
+def test_a_shadow_header_changes_no_kind_and_an_id_redis_cannot_key_is_refused(worker):
+    """``shadow`` is Celery's display name: an embed message stays an embed job whatever it says. A lone surrogate
+    as the job id cannot be written to Redis: the message is refused and acknowledged (it used to be held
+    forever, its result unstorable, its slot of the prefetch window never released)."""
+    client = redis.Redis.from_url(worker.settings.broker_url)
+    headers = _headers(shadow="embedq.tokenize")
+    client.lpush(worker.settings.queue_name, _envelope(json.dumps([["a shadowed job"], {}, {}]), headers))
+    payload = AsyncResult(headers["id"], app=worker.client.app).get(timeout=60)
+    assert "vectors" in payload and "tokens" not in payload, sorted(payload)
+    bad = _headers(id="\ud800")
+    bad_entry = json.dumps({**json.loads(_envelope(json.dumps([["x"], {}, {}]), {**bad, "id": "ID"})),
+                            "headers": {**bad}}, ensure_ascii=True)
+    for _ in range(3):
+        client.lpush(worker.settings.queue_name, bad_entry)
+    _serving(worker, "messages whose id is a lone surrogate")
+    held = [json.loads(raw)[0]["headers"].get("id") for raw in client.hvals("unacked")]
+    assert "\ud800" not in held
