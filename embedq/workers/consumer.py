@@ -372,6 +372,10 @@ class Worker:
         size = spec.size(args)
         routing_key = _routing_key(req) or settings.queue_name
         klass = self.traffic_class(routing_key)
+        # What the task events show, worked out before the message is counted anywhere: nothing below may fail
+        # between counting it (reserved, the prefetch window) and holding it.
+        event = {"name": spec.name, "args": short_args(req), "expires": _iso(req.expires),
+                 "kwargs": event_kwargs(kwargs, service, routing_key, klass, spec.kind)}
         worker_state.task_reserved(req)
         self.window.received(size, bulk=klass == BULK)
         self.apply_window()
@@ -380,8 +384,7 @@ class Worker:
             held.context.reqs.append((req, size))
             service.stats.add(duplicates=1)
             return
-        req.send_event("task-received", name=spec.name, args=short_args(req),
-                       kwargs=event_kwargs(kwargs, service, routing_key, klass, spec.kind), expires=_iso(req.expires))
+        req.send_event("task-received", **event)
         job = Job(id=req.id, texts=args, options=kwargs, context=Delivery([(req, size)]), size=size, spec=spec,
                   traffic_class=klass, deadline=_deadline(req.expires))
         self.held[job.id] = job

@@ -43,7 +43,8 @@ def serve_metrics(worker: Worker) -> None:
 
 def short_args(req: Any) -> str:
     """A job's arguments as Flower shows them: counts, never texts."""
-    spec = TASKS.get(getattr(req, "name", None) or "")
+    name = getattr(getattr(req, "task", None), "name", None)  # the task it was delivered to (not ``shadow``)
+    spec = TASKS.get(name) if isinstance(name, str) else None
     try:
         if spec is not None and spec.kind == "rerank":
             return f"[query, {len(req.args[1])} texts]"
