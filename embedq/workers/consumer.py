@@ -506,29 +506,11 @@ class Worker:
         service.abandon()
         service.drain(DRAIN_ON_FAILURE)
         self.drain_finished()
-        leftover = list(self.held.values())
-        innocent = [job.id for job in leftover if job.id not in running]
-        if innocent and self.ledger is not None:
-            try:
-                self.ledger.returned(innocent)
-            except Exception:  # they come back as redelivered: run alone once, which is safe
-                log.warning("could not mark %d returned jobs", len(innocent))
-        returned = 0
-        for job in leftover:
-            for req, _ in job.context.reqs:
-                try:
-                    req.message.channel.qos.restore_by_tag(req.message.delivery_tag)
-                    returned += 1
-                except Exception as exc:  # it stays in the unacked hash: redelivered after its lease lapses
-                    log.warning("could not hand job %s back: %s", job.id, type(exc).__name__)
-        self.held.clear()
-        if self.reporter is not None:
-            self.reporter.withdraw()
+        returned, blamed = self.hand_back(blamed=running)
         with contextlib.suppress(Exception):  # else Flower sees the heartbeats stop
             self.consumer.event_dispatcher.send("worker-offline")
         log.critical("handed %d messages back (%d job(s) of the micro-batch in the model count a delivery that "
-                     "ended with the worker dead); exiting with status %d", returned, len(leftover) - len(innocent),
-                     EXIT_FAILED)
+                     "ended with the worker dead); exiting with status %d", returned, blamed, EXIT_FAILED)
         logging.shutdown()
         os._exit(EXIT_FAILED)  # the inference thread may be stuck in native code: nothing would join it
 
@@ -546,22 +528,18 @@ class Worker:
         except Exception as exc:  # the broker is away: what it held comes back after visibility_timeout
             log.warning("could not read the fetch in flight: %s", type(exc).__name__)
 
-    # -- the warm shutdown ---------------------------------------------------------------------------
-
-    def shutdown(self) -> None:
-        """See :class:`GracefulStop`."""
-        if self.stopped or self.service is None:
-            return
-        self.stopped = True
-        t0 = time.monotonic()
-        self.service.stop(timeout=self.settings.shutdown_timeout)
-        self.drain_finished()
+    def hand_back(self, blamed: frozenset[str] | set[str] = frozenset()) -> tuple[int, int]:
+        """Consumer thread, stopping: put every held message back on its queue and withdraw the registry record.
+        Jobs are marked handed back (their next delivery is a plain one) except those in ``blamed`` (the micro-batch
+        in the model when the worker failed: their next delivery counts as one that ended with the worker dead).
+        Returns (messages handed back, held jobs blamed)."""
         leftover = list(self.held.values())
-        if leftover and self.ledger is not None:
+        innocent = [job.id for job in leftover if job.id not in blamed]
+        if innocent and self.ledger is not None:
             try:
-                self.ledger.returned([job.id for job in leftover])
-            except BROKER_ERRORS:
-                log.warning("could not mark %d returned jobs", len(leftover))
+                self.ledger.returned(innocent)
+            except Exception:  # they come back as redelivered: run alone once, which is safe
+                log.warning("could not mark %d returned jobs", len(innocent))
         returned = 0
         for job in leftover:
             for req, _ in job.context.reqs:
@@ -573,6 +551,19 @@ class Worker:
         self.held.clear()
         if self.reporter is not None:
             self.reporter.withdraw()
+        return returned, len(leftover) - len(innocent)
+
+    # -- the warm shutdown ---------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """See :class:`GracefulStop`."""
+        if self.stopped or self.service is None:
+            return
+        self.stopped = True
+        t0 = time.monotonic()
+        self.service.stop(timeout=self.settings.shutdown_timeout)
+        self.drain_finished()
+        returned, _ = self.hand_back()
         log.info("stopped in %.1fs: handed %d buffered messages back to the queue", time.monotonic() - t0,
                  returned)
 
