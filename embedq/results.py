@@ -45,18 +45,24 @@ class ResultStore:
 
         Returns True if this call wrote the record, False if another outcome was there first. Raises the
         broker's errors when Redis cannot be reached (the caller decides whether to retry)."""
+        return self.store_many([(job_id, outcome)])[0]
+
+    def store_many(self, outcomes: list[tuple[str, dict[str, Any] | errors.EmbedqError]]) -> list[bool]:
+        """:meth:`store` for many jobs in one round trip (a pipeline of the same atomic script, one per job);
+        each job's record is written once, as with :meth:`store`. Returns, per job, whether this call wrote it."""
         backend = self.app.backend
-        if isinstance(outcome, errors.EmbedqError):
-            state = states.FAILURE
-            result = backend.encode_result(outcome, state)
-            ttl = getattr(backend, "failure_expires", None) or backend.expires
-        else:
-            state, result, ttl = states.SUCCESS, outcome, backend.expires
-        meta = backend._get_result_meta(result=result, state=state, traceback=None, request=None)
-        meta["task_id"] = job_id
-        key = backend.get_key_for_task(job_id)
-        written = backend.client.eval(_STORE_ONCE, 1, key, backend.encode(meta), int(ttl or 0))
-        return bool(written)
+        pipe = backend.client.pipeline(transaction=False)
+        for job_id, outcome in outcomes:
+            if isinstance(outcome, errors.EmbedqError):
+                state = states.FAILURE
+                result = backend.encode_result(outcome, state)
+                ttl = getattr(backend, "failure_expires", None) or backend.expires
+            else:
+                state, result, ttl = states.SUCCESS, outcome, backend.expires
+            meta = backend._get_result_meta(result=result, state=state, traceback=None, request=None)
+            meta["task_id"] = job_id
+            pipe.eval(_STORE_ONCE, 1, backend.get_key_for_task(job_id), backend.encode(meta), int(ttl or 0))
+        return [bool(written) for written in pipe.execute()]
 
     def outcome(self, job_id: str) -> dict[str, Any]:
         """The stored record's meta (``status`` PENDING when there is none)."""

@@ -107,6 +107,11 @@ class Settings(BaseSettings):
         description="Texts a worker buffers at most: it takes no new job while this many are held (one job "
         "may overshoot by its own size). Bounds the time a message waits, see visibility_timeout.",
     )
+    fetch_batch: int = Field(
+        default=64, ge=1,
+        description="Messages a worker takes from Redis in one round trip at most (within the prefetch window); "
+        "1: one per BRPOP, as kombu does.",
+    )
     visibility_timeout: int = Field(
         default=300, ge=5,
         description="Seconds before Redis redelivers a message whose worker stopped renewing its lease. A live "

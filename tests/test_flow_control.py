@@ -50,6 +50,22 @@ def test_window_never_admits_past_its_bounds(ops, max_messages, max_texts):
         assert w.texts <= max_texts - 1 + max(held, default=0)  # overshoot: one job's size at most
 
 
+def test_fetch_room_sizes_a_burst_by_the_texts_its_class_brings():
+    w = PrefetchWindow(max_messages=100, max_texts=640, online_reserve=0.25)
+    assert w.fetch_room(bulk=False, most=63) == 63  # nothing seen yet: a message counts one text
+    for _ in range(4):
+        w.received(32, bulk=True)
+    # bulk: 480 texts of its share, 128 held, 32 texts a message -> 11 more messages at most
+    assert w.fetch_room(bulk=True, most=63) == (480 - 128) // 32
+    assert w.fetch_room(bulk=False, most=63) == 63  # online jobs have brought nothing: one text each
+    for _ in range(12):
+        w.received(32, bulk=True)
+    assert not w.admits(bulk=True) and w.fetch_room(bulk=True, most=63) == 0
+    assert w.fetch_room(bulk=False, most=200) == 100 - 16  # the online reserve: 128 texts, 84 messages
+    w.received(5000)
+    assert w.fetch_room(bulk=False, most=63) == 0  # over the text budget: nothing until some are done
+
+
 def _settled(worker, timeout: float = 5.0) -> dict:
     """Stats once every stored result has been acknowledged (the consumer acks every 20 ms)."""
     deadline = time.monotonic() + timeout

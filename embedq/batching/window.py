@@ -15,6 +15,11 @@ worker's transport asks :meth:`PrefetchWindow.admits` which queues to fetch from
 from __future__ import annotations
 
 
+#: How fast the size estimate of a class's large messages fades, per message (after 100 one-text jobs, a 100-text
+#: job counts as 13).
+SIZE_FADE = 0.98
+
+
 class PrefetchWindow:
     """Texts and messages held by a worker; not thread-safe (the consumer thread owns it)."""
 
@@ -33,8 +38,12 @@ class PrefetchWindow:
         self.bulk_held = [0, 0]  # messages, texts of bulk jobs
         self.peak_messages = 0
         self.peak_texts = 0
+        # The size of a large message of each class (online, bulk) lately: the largest seen, fading by
+        # SIZE_FADE a message. Sizes a fetch of many messages (fetch_room).
+        self._large = [1.0, 1.0]
 
     def received(self, texts: int, *, bulk: bool = False) -> None:
+        self._large[bulk] = max(float(max(texts, 1)), self._large[bulk] * SIZE_FADE)
         self.messages += 1
         self.texts += max(texts, 1)
         if bulk:
@@ -56,6 +65,19 @@ class PrefetchWindow:
         if self.messages >= self.max_messages or self.texts >= self.max_texts:
             return False
         return not bulk or (self.bulk_held[0] < self.bulk_messages and self.bulk_held[1] < self.bulk_texts)
+
+    def fetch_room(self, *, bulk: bool, most: int) -> int:
+        """How many messages of this class one fetch may take at once now (at most ``most``): the messages the
+        window has room for, and the texts it has room for at the size of a large message of this class lately.
+        The estimate only sizes the fetch: the transport hands back, unseen, what arrives once :meth:`admits` says
+        no (see ``workers/transport.py``), so the window's bounds hold whatever the messages hold."""
+        if not self.admits(bulk=bulk):
+            return 0
+        messages, texts = self.max_messages - self.messages, self.max_texts - self.texts
+        if bulk:
+            messages = min(messages, self.bulk_messages - self.bulk_held[0])
+            texts = min(texts, self.bulk_texts - self.bulk_held[1])
+        return max(min(most, messages, int(texts / self._large[bulk])), 1)
 
     def limit(self) -> int:
         """The prefetch count to apply now: messages held plus those that may still come (≥ 1).

@@ -122,6 +122,28 @@ class Worker:
             return online + bulk
         return (online if window.admits(bulk=False) else []) + (bulk if window.admits(bulk=True) else [])
 
+    def fetch_plan(self, queues: list[str]) -> list[tuple[list[str], int]]:
+        """The transport asks, right after a BRPOP brought a message, how many more to take in the same round
+        trip: online queues first, then bulk ones, each class as many as the prefetch window has room for (see
+        :meth:`PrefetchWindow.fetch_room`), at most ``fetch_batch`` in all."""
+        window, most = self.window, self.settings.fetch_batch - 1
+        if window is None or self.stopped or most < 1:
+            return []
+        plan: list[tuple[list[str], int]] = []
+        for bulk in (False, True):
+            group = [q for q in queues if (q in self.bulk_queues) == bulk]
+            n = min(window.fetch_room(bulk=bulk, most=most), most) if group and most > 0 else 0
+            if n > 0:
+                plan.append((group, n))
+                most -= n
+        return plan
+
+    def fetch_admits(self, queue_name: str) -> bool:
+        """The transport asks before each message of a fetch of many: does the window admit one more of this
+        queue's class now? (No: the rest of the fetch goes back to the queue unseen.)"""
+        window = self.window
+        return window is None or (not self.stopped and window.admits(bulk=queue_name in self.bulk_queues))
+
     # -- the model ---------------------------------------------------------------------------------
 
     def load_service(self) -> EmbeddingService:
@@ -158,6 +180,7 @@ class Worker:
             policy = memory.settle(settings.memory_policy, backend.info.linear_kernel)
             log.info("memory policy %s (asked %s)", policy, settings.memory_policy)
             self.service = EmbeddingService(backend, settings, on_done=self.store_outcome, memory_policy=policy,
+                                            on_done_many=self.store_outcomes,
                                             on_isolated_run=self.count_run, on_started=self.job_started,
                                             metrics=metrics).start()
             metrics.bind(self.service, window_state=partial(window_stats, self), queues=settings.queues,
@@ -180,31 +203,42 @@ class Worker:
                 log.warning("could not count the run of suspect job %s (broker unreachable)", job.id)
 
     def store_outcome(self, job: Job, outcome: dict[str, Any] | errors.EmbedqError) -> None:
-        """Results thread: write the terminal record (riding out a broker restart), then queue the ack.
+        """Results thread: write the terminal record (riding out a broker restart), then queue the ack."""
+        self.store_outcomes([(job, outcome)])
 
-        If the service stops before the record is stored, the job is left unacknowledged: its message is
-        handed back (or redelivered) and the job runs again.
-        """
-        req = job.context.primary
-        if not isinstance(outcome, errors.EmbedqError):
-            outcome["worker"] = req.hostname  # the indexer's summary counts texts per worker
+    def store_outcomes(self, done: list[tuple[Job, dict[str, Any] | errors.EmbedqError]]) -> None:
+        """Results thread: write the terminal records of finished jobs in one round trip (riding out a broker
+        restart), then queue their acks.
+
+        If the service stops before the records are stored, the jobs are left unacknowledged: their messages
+        are handed back (or redelivered) and the jobs run again. Storing again after a failed attempt is safe: a
+        record is written only where there is none."""
+        if not done:
+            return
+        for job, outcome in done:
+            if not isinstance(outcome, errors.EmbedqError):
+                outcome["worker"] = job.context.primary.hostname  # the indexer's summary counts texts per worker
+        app = done[0][0].context.primary.task.app
         delay = 0.2
         while True:
             try:
-                if not ResultStore(req.task.app).store(req.id, outcome):
-                    # Another outcome came first (the job was cancelled while it ran): that one stands.
-                    log.info("job %s already has an outcome; its %s is not stored", job.id,
-                             "error" if isinstance(outcome, errors.EmbedqError) else "result")
+                written = ResultStore(app).store_many([(job.id, outcome) for job, outcome in done])
                 break
             except BROKER_ERRORS as exc:
                 if self.service is not None and self.service.stopping:
-                    log.warning("could not store job %s before stopping (%s); it will run again", job.id,
+                    log.warning("could not store %d job(s) before stopping (%s); they will run again", len(done),
                                 type(exc).__name__)
                     return
-                log.warning("storing job %s failed (%s); retrying in %.1fs", job.id, type(exc).__name__, delay)
+                log.warning("storing %d job(s) failed (%s); retrying in %.1fs", len(done), type(exc).__name__,
+                            delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
-        self.finished.put((job, outcome, time.monotonic()))
+        now = time.monotonic()
+        for (job, outcome), wrote in zip(done, written):
+            if not wrote:  # another outcome came first (the job was cancelled while it ran): that one stands
+                log.info("job %s already has an outcome; its %s is not stored", job.id,
+                         "error" if isinstance(outcome, errors.EmbedqError) else "result")
+            self.finished.put((job, outcome, now))
 
     # -- the consumer thread -----------------------------------------------------------------------
 
@@ -248,12 +282,26 @@ class Worker:
             except queue.Empty:
                 break
             job.context.primary.send_event("task-started")
-        released = False
+        finished = []
         while True:
             try:
-                job, outcome, done_at = self.finished.get_nowait()
+                finished.append(self.finished.get_nowait())
             except queue.Empty:
                 break
+        if not finished:
+            return
+        # Every stored job's messages acknowledged in one round trip (a message whose channel is gone after a
+        # reconnect goes through the current channel, one by one).
+        pending = [(job, req) for job, _, _ in finished for req, _ in job.context.reqs if not req.acknowledged]
+        failed = {id(message) for message in transport.ack_many([req.message for _, req in pending])}
+        for job, req in pending:
+            if id(req.message) in failed:
+                try:
+                    self.ack(req)
+                except Exception:  # the broker is away: the message is redelivered and found already stored
+                    log.warning("could not acknowledge job %s; it will be redelivered and recognised", job.id)
+        released = False
+        for job, outcome, done_at in finished:
             runtime = done_at - (job.started if job.started is not None else job.received)
             if self.metrics is not None and outcome != ALREADY_STORED:
                 self.metrics.observe("job_seconds", max(done_at - job.received, 0.0), job.traffic_class)
@@ -261,10 +309,8 @@ class Worker:
                 del self.held[job.id]
             failed = isinstance(outcome, errors.EmbedqError)
             for req, size in job.context.reqs:
-                try:
-                    self.ack(req)
-                except Exception:  # the broker is away: the message is redelivered and found already stored
-                    log.warning("could not acknowledge job %s; it will be redelivered and recognised", job.id)
+                if not req.acknowledged and req.message.acknowledged:
+                    req.acknowledged = True
                 worker_state.task_ready(req, successful=not failed)
                 if self.window is not None:
                     self.window.released(size, bulk=self.traffic_class(_routing_key(req)) == BULK)
@@ -293,6 +339,11 @@ class Worker:
         settings = service.settings
         hostname = consumer.hostname
         eventer = consumer.event_dispatcher
+        if eventer is not None and getattr(eventer, "buffer_group", None):
+            # Task events are buffered and published as one "task.multi" message when the event loop comes round
+            # (Celery's own scheme); Celery also publishes every 24, which splits one fetch's events into several
+            # round trips. Flower and `celery events` read either form.
+            eventer.buffer_limit = max(getattr(eventer, "buffer_limit", 0), 4 * settings.fetch_batch)
         connection_errors = consumer.connection_errors
         Req = create_request_cls(symbol_by_name(task.Request), task, consumer.pool, hostname, eventer, app=app)
         if self.window is None:
@@ -659,6 +710,8 @@ def register(app: Celery, worker: Worker) -> list[Task]:
     its model does not serve)."""
     app.embedq_worker = worker
     transport.fetch_order = worker.fetch_order
+    transport.fetch_plan = worker.fetch_plan
+    transport.fetch_admits = worker.fetch_admits
     transport.max_body_bytes = worker.settings.max_message_bytes
     app.steps["consumer"].add(GracefulStop)
     app.steps["consumer"].add(WorkerInfo)

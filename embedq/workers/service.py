@@ -46,6 +46,10 @@ IDLE_WAIT = 60.0
 
 #: on_done(job, outcome): outcome is the result payload (dict) or an EmbedqError.
 DoneCallback = Callable[["Job", "dict[str, Any] | errors.EmbedqError"], None]
+#: on_done_many([(job, outcome), ...]): the same for many jobs at once (one round trip to store them).
+DoneManyCallback = Callable[[list[tuple["Job", "dict[str, Any] | errors.EmbedqError"]]], None]
+#: Most finished jobs the results thread stores at once.
+WRITE_BATCH = 256
 
 
 @dataclass(eq=False)
@@ -85,10 +89,11 @@ class EmbeddingService:
     def __init__(self, backend: Backend, settings: Settings, on_done: DoneCallback,
                  on_isolated_run: Callable[[Job, bool], None] | None = None,
                  on_started: Callable[[Job], None] | None = None, metrics: Any = None,
-                 memory_policy: str | None = None) -> None:
+                 memory_policy: str | None = None, on_done_many: DoneManyCallback | None = None) -> None:
         self.backend = backend
         self.settings = settings
         self.on_done = on_done
+        self.on_done_many = on_done_many
         self.on_isolated_run = on_isolated_run
         self.on_started = on_started  # inference thread: a job's first micro-batch starts
         self.metrics = metrics  # a workers.metrics.WorkerMetrics, or None
@@ -481,26 +486,51 @@ class EmbeddingService:
 
     # -- results thread ------------------------------------------------------------------------
     def _write_loop(self) -> None:
-        while (entry := self._outbox.get()) is not None:
-            t0 = time.perf_counter()
-            job, outcome = entry
-            if outcome is None:
+        """Results thread: finish jobs as they come, taking every job waiting at once (up to WRITE_BATCH) so their
+        outcomes are stored in one round trip (``on_done_many``)."""
+        stop = False
+        while not stop:
+            entry = self._outbox.get()
+            if entry is None:
+                break
+            entries = [entry]
+            while len(entries) < WRITE_BATCH:
                 try:
-                    outcome = self._payload(job)
-                except errors.EmbedqError as exc:
-                    outcome = exc
-                except Exception as exc:  # never let the results thread die
-                    log.exception("encoding the result of job %s failed", job.id)
-                    outcome = errors.BackendError(f"could not encode the result: {type(exc).__name__}")
-                if isinstance(outcome, errors.EmbedqError):
-                    self.count_failure(outcome.code, job.size)
-                else:
-                    self.stats.add(jobs_succeeded=1, items_succeeded=job.size)
+                    entry = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if entry is None:
+                    stop = True
+                    break
+                entries.append(entry)
+            t0 = time.perf_counter()
+            done = [(job, self._outcome(job, outcome)) for job, outcome in entries]
             try:
-                self.on_done(job, outcome)
+                if self.on_done_many is not None:
+                    self.on_done_many(done)
+                else:
+                    for job, outcome in done:
+                        self.on_done(job, outcome)
             except Exception:
-                log.exception("storing the outcome of job %s failed", job.id)
+                log.exception("storing the outcomes of %d job(s) failed", len(done))
             self.stats.time("results_seconds", time.perf_counter() - t0)
+
+    def _outcome(self, job: Job, outcome: errors.EmbedqError | None) -> dict[str, Any] | errors.EmbedqError:
+        """Results thread: a finished job's result payload (or the typed error of a job that failed)."""
+        if outcome is not None:
+            return outcome
+        try:
+            payload: dict[str, Any] | errors.EmbedqError = self._payload(job)
+        except errors.EmbedqError as exc:
+            payload = exc
+        except Exception as exc:  # never let the results thread die
+            log.exception("encoding the result of job %s failed", job.id)
+            payload = errors.BackendError(f"could not encode the result: {type(exc).__name__}")
+        if isinstance(payload, errors.EmbedqError):
+            self.count_failure(payload.code, job.size)
+        else:
+            self.stats.add(jobs_succeeded=1, items_succeeded=job.size)
+        return payload
 
     def _payload(self, job: Job) -> dict[str, Any]:
         """Results thread: the backend's head post-processes, checks and encodes; the size is capped."""
