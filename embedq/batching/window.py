@@ -14,7 +14,6 @@ worker's transport asks :meth:`PrefetchWindow.admits` which queues to fetch from
 
 from __future__ import annotations
 
-
 #: How fast the size estimate of a class's large messages fades, per message (after 100 one-text jobs, a 100-text
 #: job counts as 13).
 SIZE_FADE = 0.98
