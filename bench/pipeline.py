@@ -183,8 +183,11 @@ def producer_api(client: Client, force_loop: bool) -> tuple[str, Callable[..., l
 
 
 def _stats(client: Client, pid: int) -> dict[str, Any]:
+    """The worker's counters; a worker of several processes (``EMBEDQ_WORKER_PROCESSES``): its replicas' summed."""
     replies = client.workers(2)
-    return next((s for node, s in replies.items() if f"-{pid}@" in node), {})
+    mine = [s for node, s in replies.items() if f"-{pid}@" in node or f"-{pid}-r" in node]
+    return {k: sum(s.get(k, 0) for s in mine) for k in ("batches", "items", "real_tokens", "padded_tokens",
+                                                        "inference_seconds", "results_seconds", "jobs_succeeded")}
 
 
 def run_embedq(texts: list[str], job_size: int, traffic_class: str, worker_env: dict[str, str], log: Path, *,
@@ -200,7 +203,8 @@ def run_embedq(texts: list[str], job_size: int, traffic_class: str, worker_env: 
         proc = start_worker(settings, log_path=log, extra_env=env)
         api, submit, collect = producer_api(client, force_loop)
         try:
-            wait_for_worker(client.app, proc, timeout=600, log_path=log)
+            wait_for_worker(client.app, proc, timeout=600, log_path=log,
+                            processes=int(env.get("EMBEDQ_WORKER_PROCESSES", 1)))
             collect(submit(jobs[:warmup], traffic_class))  # warm-up: the same shape through the same calls
             idle = idle_rate(proc.pid)
             before = _stats(client, proc.pid)

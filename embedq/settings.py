@@ -211,6 +211,11 @@ class Settings(BaseSettings):
     )
     serializer: Literal["json", "msgpack"] = "json"
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (CPU).")
+    worker_processes: int | None = Field(
+        default=None, ge=1, le=64,
+        description="Worker processes (replicas) `embedq worker` runs for its device, each a full worker with its own "
+        "copy of the model, under one supervisor. None: one per four cores on a GPU (at most four), one on the CPU.",
+    )
     linear_kernel: Literal["auto", "onednn", "torch", "onnxruntime"] = Field(
         default="auto",
         description="The runtime of the model's forward pass on CPU. auto: the worker times torch, onednn and "

@@ -39,6 +39,7 @@ class InjectedDeath(BaseException):
     """Escapes every ``except Exception`` of the service: the thread that raises it dies."""
 HOLD_AT = 20  # of MiniLM's 54 points: inside the fourth of its six layers
 _prepare, _forward = model.ModelBackend.prepare, model.ModelBackend.forward
+_prepare_many = model.ModelBackend.prepare_many
 _between_layers, _init = EmbeddingService._between_layers, EmbeddingService.__init__
 
 
@@ -48,6 +49,15 @@ def _prepare_marked(self, kind, items, options):
         item.fails = isinstance(text, str) and MARKER in text
         item.fault = isinstance(text, str) and FAULT_MARKER in text
     return prepared
+
+
+def _prepare_many_marked(self, kind, jobs):
+    out = _prepare_many(self, kind, jobs)
+    for (items, _), prepared in zip(jobs, out):
+        for item, text in zip(getattr(prepared, "items", ()), items):
+            item.fails = isinstance(text, str) and MARKER in text
+            item.fault = isinstance(text, str) and FAULT_MARKER in text
+    return out
 
 
 def _forward_or_fail(self, batch):
@@ -98,6 +108,7 @@ def _redis():  # one client for the process: the hold asks at every bulk micro-b
 
 
 model.ModelBackend.prepare, model.ModelBackend.forward = _prepare_marked, _forward_or_fail
+model.ModelBackend.prepare_many = _prepare_many_marked
 EmbeddingService._between_layers = _between_layers_or_hold
 EmbeddingService.__init__ = _init_gated
 

@@ -116,6 +116,18 @@ class Backend(ABC):
     @abstractmethod
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared: ...
 
+    def prepare_many(self, kind: str, jobs: list[tuple[list[Any], Any]]) -> list[Prepared | errors.EmbedqError]:
+        """:meth:`prepare` for several jobs of ``kind`` ((items, options) each): each job's Prepared, or the typed
+        error of that job alone. Backends whose tokenizer can take the texts of many jobs in one call override it;
+        the result must be what :meth:`prepare` gives each job."""
+        out: list[Prepared | errors.EmbedqError] = []
+        for items, options in jobs:
+            try:
+                out.append(self.prepare(kind, items, options))
+            except errors.EmbedqError as exc:
+                out.append(exc)
+        return out
+
     @abstractmethod
     def forward(self, batch: Sequence[Encoded]) -> list[np.ndarray]: ...
 

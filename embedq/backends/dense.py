@@ -33,7 +33,13 @@ from embedq.backends.modules import (
     read_json,
 )
 from embedq.backends.multi import TokenEmbeddingsHead
-from embedq.backends.tokens import TOKENIZER_KINDS, prepare_texts, read_prompts, tokenizer_heads
+from embedq.backends.tokens import (
+    TOKENIZER_KINDS,
+    prepare_texts,
+    prepare_texts_many,
+    read_prompts,
+    tokenizer_heads,
+)
 from embedq.protocol import Fingerprint, encode_result
 
 log = logging.getLogger(__name__)
@@ -63,11 +69,18 @@ class DenseHead(Head):
         self.info: ModelInfo | None = None  # set once the backend's info exists (fingerprints)
 
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
+        self._check(options)
+        return prepare_texts(self.encoder, self.info, items, options)
+
+    def prepare_many(self, kind: str, jobs: list[tuple[list[Any], Any]]) -> list[Prepared | errors.EmbedqError]:
+        """The texts of many jobs tokenized together (:func:`prepare_texts_many`); each job checked on its own."""
+        return prepare_texts_many(self.encoder, self.info, jobs, check=self._check)
+
+    def _check(self, options: Any) -> None:
         assert self.info is not None
         if options.dimensions is not None and options.dimensions > self.dimension:
             raise errors.InvalidDimensions(f"dimensions={options.dimensions} but the model's vectors have "
                                            f"{self.dimension}")
-        return prepare_texts(self.encoder, self.info, items, options)
 
     def rows(self, output: Any, mask: torch.Tensor, index: Any, batch: Sequence[Encoded]) -> list[np.ndarray]:
         tokens = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]

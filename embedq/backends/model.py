@@ -48,6 +48,19 @@ class ModelBackend(Backend):
             item.head = item.head or head.name
         return prepared
 
+    def prepare_many(self, kind: str, jobs: list[tuple[list[Any], Any]]) -> list[Prepared | errors.EmbedqError]:
+        head = self.heads.get(kind)
+        batched = getattr(head, "prepare_many", None)
+        if batched is None or len(jobs) < 2:
+            return super().prepare_many(kind, jobs)
+        self.check_kind(kind)
+        out = batched(kind, jobs)
+        for prepared in out:
+            if isinstance(prepared, Prepared):
+                for item in prepared.items:
+                    item.head = item.head or head.name
+        return out
+
     def forward(self, batch: Sequence[Encoded]) -> list[np.ndarray]:
         if not batch:
             return []

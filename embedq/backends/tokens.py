@@ -8,6 +8,7 @@ model serves both (:func:`tokenizer_heads`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,46 @@ def prepare_texts(encoder: Encoder, info: ModelInfo | None, texts: list[Any], op
     encoded, _ = encoder.encode_texts(texts, prompt=prompt, truncate=options.truncate,
                                       truncation_side=options.truncation_side)
     return Prepared(encoded, sum(len(e.ids) for e in encoded), {"prompt": prompt})
+
+
+def prepare_texts_many(encoder: Encoder, info: ModelInfo | None, jobs: list[tuple[list[Any], Any]], *,
+                       check: Callable[[Any], None] | None = None) -> list[Prepared | errors.EmbedqError]:
+    """:func:`prepare_texts` for many jobs: those whose prompt and truncation agree are tokenized in one call
+    (a call costs about as much for one short text as for dozens: the tokenizer's Python wrapper is most of a short
+    text's cost). Each text gets the ids it gets alone (no padding; the tokenizer treats the texts of a call
+    independently). A job whose options fail ``check`` or name an unknown prompt gets its own error; a group whose
+    call fails (a text over the limit with ``truncate=False``) is tokenized job by job, so only the job at fault
+    fails."""
+    assert info is not None
+    out: list[Prepared | errors.EmbedqError | None] = [None] * len(jobs)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    prompts: list[str | None] = [None] * len(jobs)
+    for j, (_, options) in enumerate(jobs):
+        try:
+            if check is not None:
+                check(options)
+            prompts[j] = resolve_prompt(info, options.prompt, options.prompt_name)
+        except errors.EmbedqError as exc:
+            out[j] = exc
+            continue
+        groups.setdefault((prompts[j], options.truncate, options.truncation_side), []).append(j)
+    for (prompt, truncate, side), members in groups.items():
+        texts = [text for j in members for text in jobs[j][0]]
+        try:
+            encoded, _ = encoder.encode_texts(texts, prompt=prompt, truncate=truncate, truncation_side=side)
+        except errors.EmbedqError:
+            for j in members:
+                try:
+                    out[j] = prepare_texts(encoder, info, *jobs[j])
+                except errors.EmbedqError as exc:
+                    out[j] = exc
+            continue
+        start = 0
+        for j in members:
+            mine = encoded[start:start + len(jobs[j][0])]
+            start += len(mine)
+            out[j] = Prepared(mine, sum(len(e.ids) for e in mine), {"prompt": prompt})
+    return out  # type: ignore[return-value]
 
 
 #: The kinds every model serves with its tokenizer alone.

@@ -74,6 +74,15 @@ def cmd_worker(ns: argparse.Namespace, settings: Settings) -> int:
     if not settings.broker_url:
         print("embedq worker: set EMBEDQ_BROKER_URL (e.g. redis://127.0.0.1:6379/0)", file=sys.stderr)
         return 2
+    if ns.processes is not None:
+        settings = settings.model_copy(update={"worker_processes": ns.processes})
+    from embedq.workers import replicas
+    from embedq.workers.main import default_hostname
+
+    count = replicas.processes_for(settings)
+    if count > 1:
+        return replicas.run_replicas(settings, count, hostname=ns.hostname or default_hostname(settings),
+                                     loglevel=ns.loglevel)
     from embedq.workers.main import run_worker
 
     run_worker(settings, hostname=ns.hostname, loglevel=ns.loglevel)
@@ -229,7 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(EMBEDQ_POOLING). Another pooling is another embedding space: its fingerprint says so")
     w.add_argument("--trust-remote-code", action="store_true",
                    help="run the code a model folder ships (auto_map), from the folder only (EMBEDQ_TRUST_REMOTE_CODE)")
-    w.add_argument("--hostname", help="Celery node name")
+    w.add_argument("--processes", type=int, metavar="N",
+                   help="worker processes (replicas) for the device, each with its own model copy, under one "
+                   "supervisor (EMBEDQ_WORKER_PROCESSES; default: one per four cores on a GPU, at most four; one on "
+                   "the CPU)")
+    w.add_argument("--hostname", help="Celery node name (replica i of several: NAME-r<i>)")
     w.add_argument("--loglevel", default="INFO")
     w.set_defaults(func=cmd_worker)
 

@@ -140,14 +140,16 @@ def _log_tail(log_path: str | Path | None, lines: int = 15) -> str:
 
 
 def wait_for_worker(app: Any, proc: subprocess.Popen[bytes], *, timeout: float = 300.0,
-                    log_path: str | Path | None = None) -> None:
-    """Block until the worker started as ``proc`` answers ``embedq_stats`` with its model loaded.
+                    log_path: str | Path | None = None, processes: int = 1) -> None:
+    """Block until the worker started as ``proc`` answers ``embedq_stats`` with its model loaded (each of its
+    ``processes`` replicas, when it runs several).
 
     Raises :class:`~embedq.errors.Unavailable` (with the end of its log) if it exits or stays silent.
     """
     from embedq.producers.client import BROKER_ERRORS, worker_stats
 
-    node = f"-{proc.pid}@"  # worker_argv names each worker ...-<pid>@<host>
+    # worker_argv names each worker ...-<pid>@<host>; replica i of a supervisor ...-<pid>-r<i>@<host>
+    nodes = [f"-{proc.pid}@"] if processes == 1 else [f"-{proc.pid}-r{i}@" for i in range(processes)]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -157,7 +159,7 @@ def wait_for_worker(app: Any, proc: subprocess.Popen[bytes], *, timeout: float =
         except BROKER_ERRORS:  # the broker is (re)starting: ask again
             time.sleep(0.5)
             continue
-        if any(node in name and reply.get("ready") for name, reply in stats.items()):
+        if all(any(node in name and reply.get("ready") for name, reply in stats.items()) for node in nodes):
             return
     raise errors.Unavailable(f"the embedq worker was not ready after {timeout:.0f}s" + _log_tail(log_path))
 

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 MAX_JOB_ID = 256  # characters: a longer "id" header names no job embedq would have sent (its ids are UUIDs)
 ACK_INTERVAL = 0.02  # seconds between drains of finished jobs on the consumer thread
+INTAKE_MAX = 256  # jobs delivered before the intake is handed to the service even in the middle of a fetch
 CANCEL_INTERVAL = 0.05  # seconds between reads of the cancellation stream
 CANCEL_STALE = 0.1  # a delivery checks the stream itself when the last read is older than this
 CANCEL_BACKOFF = 2.0  # seconds without reading the stream after a failed read (the broker is away)
@@ -100,6 +101,7 @@ class Worker:
         self.finished: queue.SimpleQueue = queue.SimpleQueue()  # (job, outcome, monotonic time stored)
         self.started: queue.SimpleQueue = queue.SimpleQueue()  # jobs whose first micro-batch started (events)
         self.held: dict[str, Job] = {}  # job id -> job, from delivery until acknowledged (consumer thread only)
+        self.intake: list[Job] = []  # delivered jobs not yet handed to the service (see flush_intake)
         self.timers: list[Any] = []
         self.hostname = ""
         self.started_at = 0.0  # Unix time the worker started consuming
@@ -276,6 +278,7 @@ class Worker:
 
     def drain_finished(self) -> None:
         """Consumer thread: acknowledge what has been stored and emit the task events."""
+        self.flush_intake()
         while True:
             try:
                 job = self.started.get_nowait()
@@ -463,7 +466,16 @@ class Worker:
             service.cancel(job)
         else:
             job.suspect = verdict.suspect
-            service.submit(job)
+            self.intake.append(job)  # tokenized with the rest of its fetch (flush_intake)
+            if len(self.intake) >= INTAKE_MAX:
+                self.flush_intake()
+
+    def flush_intake(self) -> None:
+        """Consumer thread: hand the jobs delivered since the last flush to the service, which tokenizes the texts
+        of all of them together (the transport calls this once a fetch has been delivered; the ack timer too)."""
+        if self.intake and self.service is not None:
+            jobs, self.intake = self.intake, []
+            self.service.submit_many(jobs)
 
     # -- cancellation, dead letters, refusals --------------------------------------------------------
 
@@ -584,6 +596,7 @@ class Worker:
         Jobs are marked handed back (their next delivery is a plain one) except those in ``blamed`` (the micro-batch
         in the model when the worker failed: their next delivery counts as one that ended with the worker dead).
         Returns (messages handed back, held jobs blamed)."""
+        self.intake.clear()  # held too: handed back below
         leftover = list(self.held.values())
         innocent = [job.id for job in leftover if job.id not in blamed]
         if innocent and self.ledger is not None:
@@ -712,6 +725,7 @@ def register(app: Celery, worker: Worker) -> list[Task]:
     transport.fetch_order = worker.fetch_order
     transport.fetch_plan = worker.fetch_plan
     transport.fetch_admits = worker.fetch_admits
+    transport.after_fetch = worker.flush_intake
     transport.max_body_bytes = worker.settings.max_message_bytes
     app.steps["consumer"].add(GracefulStop)
     app.steps["consumer"].add(WorkerInfo)

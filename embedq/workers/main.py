@@ -9,10 +9,17 @@ import socket
 from embedq.broker import make_app
 from embedq.settings import Settings
 from embedq.workers import consumer, memory, observe, transport
+from embedq.workers.replicas import REPLICA_NAME_ENV
+
+
+def default_hostname(settings: Settings) -> str:
+    """The Celery node name of a worker started without ``--hostname``."""
+    return f"embedq-{settings.device.replace(':', '')}-{os.getpid()}@{socket.gethostname()}"
 
 
 def worker_argv(settings: Settings, *, hostname: str | None = None, loglevel: str = "INFO") -> list[str]:
-    name = hostname or f"embedq-{settings.device.replace(':', '')}-{os.getpid()}@{socket.gethostname()}"
+    # A replica's supervisor names it (it runs the supervisor's command line, --hostname included).
+    name = os.environ.get(REPLICA_NAME_ENV) or hostname or default_hostname(settings)
     return [
         "worker",
         # No forking: CUDA must never be initialised before a fork, and the model lives in this

@@ -174,38 +174,70 @@ class EmbeddingService:
     def submit(self, job: Job) -> None:
         """Validate and tokenize ``job``; a bad job is finished with its typed error at once, and one
         whose deadline has passed with ``expired``, before it is tokenized."""
-        self.count_received(job.size, job.traffic_class, job.kind)
-        if job.deadline is not None and job.deadline <= time.monotonic():
-            self.fail(job, _expired(job))
+        self.submit_many([job])
+
+    def submit_many(self, jobs: list[Job]) -> None:
+        """:meth:`submit` for the jobs of one fetch: each validated on its own, the texts of all those of a kind
+        tokenized together (``backend.prepare_many``: one tokenizer call where the options agree, exactly the ids
+        each job's texts get alone), then put into the scheduler under one lock."""
+        now = time.monotonic()
+        by_kind: dict[str, list[Job]] = {}
+        for job in jobs:
+            if job.done:  # cancelled (or refused) between its delivery and now
+                continue
+            self.count_received(job.size, job.traffic_class, job.kind)
+            if job.deadline is not None and job.deadline <= now:
+                self.fail(job, _expired(job))
+                continue
+            try:
+                self._check(job)
+            except errors.EmbedqError as exc:
+                self.fail(job, exc)
+                continue
+            except Exception as exc:  # a bad message must not take the consumer down
+                log.exception("checking job %s failed", job.id)
+                self.fail(job, errors.BackendError(f"could not read the job: {type(exc).__name__}"))
+                continue
+            by_kind.setdefault(job.kind, []).append(job)
+        ready: list[Job] = []
+        for kind, group in by_kind.items():
+            t0 = time.perf_counter()
+            try:
+                prepared = self.backend.prepare_many(kind, [(job.texts, job.options) for job in group])
+            except Exception as exc:  # a tokenizer crash must not take the consumer down
+                log.exception("preparing %d job(s) failed", len(group))
+                prepared = [errors.BackendError(f"could not tokenize: {type(exc).__name__}")] * len(group)
+            if self.metrics is not None:
+                each = (time.perf_counter() - t0) / len(group)
+                for _ in group:
+                    self.metrics.observe("tokenize_seconds", each)
+            for job, outcome in zip(group, prepared):
+                if isinstance(outcome, errors.EmbedqError):
+                    self.fail(job, outcome)
+                else:
+                    job.prepared = outcome
+                    job.rows = [None] * job.n_items
+                    job.remaining = job.n_items
+                    ready.append(job)
+        if not ready:
             return
-        t0 = time.perf_counter()
-        try:
-            self._prepare(job)
-        except errors.EmbedqError as exc:
-            self.fail(job, exc)
-            return
-        except Exception as exc:  # a tokenizer crash must not take the consumer down
-            log.exception("preparing job %s failed", job.id)
-            self.fail(job, errors.BackendError(f"could not tokenize: {type(exc).__name__}"))
-            return
-        if self.metrics is not None:
-            self.metrics.observe("tokenize_seconds", time.perf_counter() - t0)
         with self._cond:
-            if job.done:  # cancelled while it was tokenized
-                return
-            if not job.n_items:  # nothing to run (tokenize): the results thread finishes it
-                self._finish(job)
-                return
-            if job.suspect:
-                self._suspects.append(job)
-            else:
-                # Longest first within the job: the scheduler anchors each batch on its oldest item, so a job's
-                # items then feed it like a length-sorted sweep (bench/peers.py: 4.0 % padding instead of 5.5 %
-                # on 32-text jobs). Order within a job changes nothing else: its result waits for all of them.
-                order = sorted(range(job.n_items), key=job.cost, reverse=True)
-                self.scheduler.add_many([((job, i), job.cost(i)) for i in order], job.traffic_class)
-            if job.deadline is not None:
-                self.deadlines.add(job.deadline, job)
+            for job in ready:
+                if job.done:  # cancelled while it was tokenized
+                    continue
+                if not job.n_items:  # nothing to run (tokenize): the results thread finishes it
+                    self._finish(job)
+                    continue
+                if job.suspect:
+                    self._suspects.append(job)
+                else:
+                    # Longest first within the job: the scheduler anchors each batch on its oldest item, so a job's
+                    # items then feed it like a length-sorted sweep (bench/peers.py: 4.0 % padding instead of 5.5 %
+                    # on 32-text jobs). Order within a job changes nothing else: its result waits for all of them.
+                    order = sorted(range(job.n_items), key=job.cost, reverse=True)
+                    self.scheduler.add_many([((job, i), job.cost(i)) for i in order], job.traffic_class)
+                if job.deadline is not None:
+                    self.deadlines.add(job.deadline, job)
             self._cond.notify()
 
     def count_received(self, items: int, traffic_class: str | None = None, kind: str | None = None) -> None:
@@ -233,7 +265,8 @@ class EmbeddingService:
         """One failed job of ``items`` items (also for messages refused before they became jobs)."""
         self.stats.failure(code, items)
 
-    def _prepare(self, job: Job) -> None:
+    def _check(self, job: Job) -> None:
+        """The job's kind, options and inputs checked (its options parsed, its inputs turned into items)."""
         spec = job.spec
         self.backend.check_kind(spec.kind)  # first: a job of another kind learns what this worker serves
         opts = spec.parse_options(job.options)
@@ -243,9 +276,6 @@ class EmbeddingService:
             raise errors.UnknownModel(
                 f"model {opts.model!r} is not served on this queue (this worker serves {self.info.model_id!r})"
             )
-        job.prepared = self.backend.prepare(spec.kind, job.texts, opts)
-        job.rows = [None] * job.n_items
-        job.remaining = job.n_items
 
     # -- inference thread --------------------------------------------------------------------
     def _loop(self) -> None:

@@ -210,6 +210,10 @@ fetch_plan: Callable[[list[str]], list[tuple[list[str], int]]] | None = None
 #: before each message of a fetch of many is delivered; the rest of the fetch goes back when it says no.
 fetch_admits: Callable[[str], bool] | None = None
 
+#: Set by the worker: called once the messages of a fetch have all been delivered (the worker tokenizes them
+#: together then).
+after_fetch: Callable[[], None] | None = None
+
 #: Pop entries from the lists KEYS[3..], in order, and record each in kombu's unacked hash (KEYS[1]) and index
 #: (KEYS[2]) at time ARGV[1], as kombu's QoS.append does. ARGV[2] = G groups, ARGV[3..2+G] = the most each group
 #: may take, then one group number per list (a queue's priority lists, or a class's queues, share a group). The
@@ -271,6 +275,8 @@ class Channel(kombu_redis.Channel):
             raise Empty() from None
         if delivered and fetch_plan is not None and self.active_queues:
             self._fetch_more(fetch_plan(list(self.active_queues)))
+        if delivered and after_fetch is not None:
+            after_fetch()
         return delivered
 
     def _fetch_more(self, plan: list[tuple[list[str], int]]) -> int:
@@ -377,5 +383,8 @@ class Transport(kombu_redis.Transport):
 
 def install() -> None:
     """Make ``redis://`` and ``rediss://`` URLs use this transport in this process (workers only)."""
+    from kombu import transport as kombu_transport
+
     for scheme in ("redis", "rediss"):
         TRANSPORT_ALIASES[scheme] = f"{__name__}:Transport"
+        kombu_transport._transport_cache.pop(scheme, None)  # kombu caches what a name resolved to
