@@ -38,6 +38,7 @@ def test_how_many_replicas(monkeypatch):
     env = replicas.replica_env(Settings(device="cpu", metrics_port=9000), 1, 2, cpus=8)
     assert env["EMBEDQ_METRICS_PORT"] == "9100" and env["EMBEDQ_TORCH_THREADS"] == "4"
     assert env["EMBEDQ_WORKER_PROCESSES"] == "1"
+    assert (env["EMBEDQ_PREFETCH_TEXTS"], env["EMBEDQ_PREFETCH_WINDOW"]) == ("4096", "512")  # half the window each
 
 
 def _children(pid: int) -> set[int]:
@@ -67,7 +68,7 @@ def _wait(what: str, check, timeout: float = 180.0):
 
 def test_a_killed_replica_loses_no_job_and_comes_back(redis_server, tmp_path, corpus):
     settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.replicas.{uuid.uuid4().hex[:8]}",
-                        linear_kernel="torch", worker_processes=2, prefetch_window=10, visibility_timeout=5)
+                        linear_kernel="torch", worker_processes=2, prefetch_window=20, visibility_timeout=5)
     log = tmp_path / "worker.log"
     with closed_gate(settings):  # the replicas hold their jobs and run none
         proc = start_worker(settings, log_path=log, command=CONTROLLED_WORKER,
@@ -79,7 +80,7 @@ def test_a_killed_replica_loses_no_job_and_comes_back(redis_server, tmp_path, co
             assert len(nodes) == 2 and all(s["ready"] for s in nodes.values())
             texts = [t[:300] for t in corpus[:20]]
             handles = [client.submit([t]) for t in texts]
-            # each replica's window holds 10 messages: both hold 10
+            # each replica's share of the window (20 messages) is 10: both hold 10
             _wait("both replicas hold 10 jobs",
                   lambda: [s["held_messages"] for s in _replicas(client, proc.pid).values()] == [10, 10])
             before = _children(proc.pid)

@@ -10,11 +10,12 @@ guarantee of one worker holds for each, a SIGKILL of one loses no job (its messa
 
 The supervisor owns no model and no broker connection. It starts the replicas (fresh interpreters, never a fork:
 CUDA must not be initialised before one, each runs the supervisor's own command line with an environment that makes
-it replica *i*), gives replica *i* the node name ``<name>-r<i>``, the metrics port ``metrics_port + 100 × i`` (GPU
-workers of one machine use neighbouring ports: 9800, 9801, …) and its share of the CPU threads, forwards
-SIGTERM/SIGINT (each replica stops gracefully: finishes its micro-batch, stores what is done, hands the rest back),
-restarts a replica that dies (with a back-off; one that could not start at all stops the supervisor), and exits once
-all have stopped. A replica whose supervisor dies gets SIGTERM (``PR_SET_PDEATHSIG``).
+it replica *i*), gives replica *i* the node name ``<name>-r<i>``, a 1/N share of the prefetch window (the machine
+holds what one worker would), the metrics port ``metrics_port + 100 × i`` (GPU workers of one machine use
+neighbouring ports: 9800, 9801, …) and its share of the CPU threads, forwards SIGTERM/SIGINT (each replica stops
+gracefully: finishes its micro-batch, stores what is done, hands the rest back), restarts a replica that dies (with a
+back-off; one that could not start at all stops the supervisor), and exits once all have stopped. A replica whose
+supervisor dies gets SIGTERM (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -75,7 +76,11 @@ def visible_gpus() -> int:
 def replica_env(settings: Settings, index: int, count: int, cpus: int | None = None) -> dict[str, str]:
     """What replica ``index`` of ``count`` changes in the supervisor's environment (the rest it inherits, with the
     supervisor's command-line flags)."""
-    env = {"EMBEDQ_WORKER_PROCESSES": "1", REPLICA_ENV: str(index)}
+    env = {"EMBEDQ_WORKER_PROCESSES": "1", REPLICA_ENV: str(index),
+           # The machine holds what one worker would: each replica a share of the prefetch window, so a burst is
+           # spread over all of them (not taken whole by the first) and none finishes long after the others.
+           "EMBEDQ_PREFETCH_TEXTS": str(max(1, settings.prefetch_texts // count)),
+           "EMBEDQ_PREFETCH_WINDOW": str(max(1, settings.prefetch_window // count))}
     if settings.metrics_port and index:
         env["EMBEDQ_METRICS_PORT"] = str(settings.metrics_port + METRICS_PORT_STEP * index)
     if settings.torch_threads is None and not settings.device.startswith("cuda"):
