@@ -285,15 +285,21 @@ def _texts(inputs: Any) -> list[str]:
 
 
 # -- the gateway --------------------------------------------------------------------------------------------
+def _as_job(items: list[Any]) -> Any:
+    return items
+
+
 @dataclass
 class Plan:
-    """What a request asks for: the submit call of its kind, its items (split into jobs), the job options, and
-    how the jobs' result payloads become the route's answer."""
+    """What a request asks for: the kind of its jobs (``Client.submit_many``'s ``kind``), its items (split into
+    jobs), the job options, how the jobs' result payloads become the route's answer, and how a slice of the items
+    becomes one job's input (rerank: the query with it)."""
 
-    submit: Callable[..., Any]
+    kind: str
     items: list[Any]
     options: dict[str, Any]
     answer: Callable[[list[dict[str, Any]]], Any]
+    job: Callable[[list[Any]], Any] = _as_job
 
 
 def served_models(settings: Settings) -> dict[str, Settings]:
@@ -319,6 +325,7 @@ class Gateway:
         self.results: AsyncResults | None = None
         self._registry: tuple[float, list[dict[str, Any]]] = (0.0, [])
         self.meter = GatewayMetrics()
+        self._cancelling: set[asyncio.Future[Any]] = set()  # cancels of jobs sent for requests gone meanwhile
         self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -379,7 +386,8 @@ class Gateway:
 
     async def send(self, request: Request, plan: Plan, model: str | None = None) -> list[Any]:
         """``plan``'s items as jobs of at most ``max_texts_per_job`` items, sent to the queue of the request's
-        model (:meth:`target`): their handles, in order."""
+        model (:meth:`target`) together (``Client.submit_many``: one round trip, nothing sent unless every job
+        is valid and admitted): their handles, in order."""
         if not plan.items:
             raise errors.EmptyInput("Input validation error: `inputs` cannot be empty")
         cap = self.settings.max_client_batch_size
@@ -390,16 +398,23 @@ class Gateway:
         deadline = _deadline(request)
         queue = self.target(request, model)[1].queue_for(traffic_class)
         size = self.settings.max_texts_per_job
-        handles: list[Any] = []
+        jobs = [plan.job(plan.items[i:i + size]) for i in range(0, len(plan.items), size)]
+        sending = asyncio.ensure_future(asyncio.to_thread(
+            self.client.submit_many, jobs, kind=plan.kind, queue=queue, traffic_class=traffic_class,
+            deadline=deadline, **plan.options))
         try:
-            for i in range(0, len(plan.items), size):
-                handles.append(await asyncio.to_thread(plan.submit, plan.items[i:i + size], queue=queue,
-                                                       traffic_class=traffic_class, deadline=deadline,
-                                                       **plan.options))
-        except BaseException:
-            await asyncio.gather(*(self._forget(h) for h in handles))
+            return await asyncio.shield(sending)
+        except asyncio.CancelledError:
+            # the thread sends the jobs all the same: cancel them once it has, nobody will read them
+            sending.add_done_callback(self._cancel_sent)
             raise
-        return handles
+
+    def _cancel_sent(self, sending: asyncio.Future[Any]) -> None:
+        if sending.cancelled() or sending.exception() is not None:
+            return
+        cancelling = asyncio.ensure_future(asyncio.gather(*(self._forget(h) for h in sending.result())))
+        self._cancelling.add(cancelling)
+        cancelling.add_done_callback(self._cancelling.discard)
 
     async def run(self, request: Request, plan: Plan, model: str | None = None) -> Any:
         """``plan`` sent and awaited: its answer."""
@@ -696,7 +711,7 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
         return lambda payloads: [decode_output(kind, p) for p in payloads]
 
     def embed_plan(texts: list[str], answer: Callable[[np.ndarray, int], Any], **options: Any) -> Plan:
-        return Plan(client.submit, texts, _options(**options), lambda payloads: answer(*_vectors(payloads)))
+        return Plan("embed", texts, _options(**options), lambda payloads: answer(*_vectors(payloads)))
 
     def plan_embed(body: EmbedRequest) -> Plan:
         return embed_plan(_texts(body.inputs), lambda vectors, tokens: vectors, normalize=body.normalize,
@@ -704,20 +719,17 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
 
     def plan_sparse(body: TextsRequest) -> Plan:
         answer = decoded("embed_sparse")
-        return Plan(client.submit_sparse, _texts(body.inputs),
+        return Plan("embed_sparse", _texts(body.inputs),
                     _options(prompt_name=body.prompt_name, **body.job_options()),
                     lambda payloads: [v.to_tei() for chunk in answer(payloads) for v in chunk])
 
     def plan_all(body: TextsRequest) -> Plan:
         answer = decoded("embed_all")
-        return Plan(client.submit_all, _texts(body.inputs),
+        return Plan("embed_all", _texts(body.inputs),
                     _options(prompt_name=body.prompt_name, **body.job_options()),
                     lambda payloads: [m for chunk in answer(payloads) for m in chunk])
 
     def plan_rerank(body: RerankRequest) -> Plan:
-        def submit(texts: list[str], **kw: Any) -> Any:
-            return client.submit_rerank(body.query, texts, **kw)
-
         def answer(payloads: list[dict[str, Any]]) -> Any:
             size = settings.max_texts_per_job
             ranked = [{"index": e["index"] + n * size, "score": e["score"]}
@@ -727,7 +739,8 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
                 ranked = [{"index": e["index"], "text": body.texts[e["index"]], "score": e["score"]} for e in ranked]
             return ranked
 
-        return Plan(submit, body.texts, _options(raw_scores=bool(body.raw_scores), **body.job_options()), answer)
+        return Plan("rerank", body.texts, _options(raw_scores=bool(body.raw_scores), **body.job_options()), answer,
+                    lambda texts: (body.query, texts))
 
     def plan_predict(body: PredictRequest) -> Plan:
         inputs = body.inputs  # TEI: "text" and ["a", "b"] (a pair) are one input; anything else a batch
@@ -742,7 +755,7 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
             scores = [row for chunk in decoded("predict")(payloads) for row in chunk]
             return scores[0] if single else scores
 
-        return Plan(client.submit_predict, items, _options(raw_scores=bool(body.raw_scores), **body.job_options()),
+        return Plan("predict", items, _options(raw_scores=bool(body.raw_scores), **body.job_options()),
                     answer)
 
     def plan_tokenize(body: TokenizeRequest) -> Plan:
@@ -762,13 +775,13 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
                     out.append(tokens)
             return out
 
-        return Plan(client.submit_tokenize, texts, _options(add_special_tokens=body.add_special_tokens,
-                                                            prompt_name=body.prompt_name), answer)
+        return Plan("tokenize", texts, _options(add_special_tokens=body.add_special_tokens,
+                                                prompt_name=body.prompt_name), answer)
 
     def plan_decode(body: DecodeRequest) -> Plan:
         lists = id_lists(body.ids)
         skip = True if body.skip_special_tokens is None else body.skip_special_tokens
-        return Plan(client.submit_decode, lists, {"skip_special_tokens": skip},
+        return Plan("decode", lists, {"skip_special_tokens": skip},
                     lambda payloads: [t for p in payloads for t in decode_output("decode", p)])
 
     def plan_similarity(body: SimilarityRequest) -> Plan:

@@ -1,23 +1,30 @@
 """The producer API: ``Client.embed``/``embed_sparse``/``rerank``/``predict``/``tokenize``/``decode`` (blocking) and
 ``Client.submit``/``submit_sparse``/``submit_rerank``/``submit_predict``/``submit_tokenize``/``submit_decode``
-(a :class:`JobHandle`).
+(a :class:`JobHandle`), and the batch calls ``Client.submit_many`` (many jobs in one round trip) and
+``Client.collect`` (many results per round trip).
 
 A job is an ordinary Celery task message, so ``app.send_task("embedq.embed", args=[texts],
 kwargs=options)`` (or ``embedq.rerank`` with ``args=[query, texts]``, ``embedq.predict`` with
 ``args=[inputs]``, ``embedq.tokenize`` with ``args=[texts]``, ``embedq.decode`` with ``args=[[ids, ...]]``) from
 any Celery client works too; this
-class adds validation at the edge and decoding of the compact result.
+class adds validation at the edge and decoding of the compact result. It writes those messages into kombu's Redis
+lists itself (the message ``send_task`` would write, field for field), so a job costs the producer little CPU;
+where the app is configured in a way it does not reproduce, it sends through ``send_task``.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import datetime as dt
 import logging
+import math
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,6 +42,7 @@ from embedq.protocol import (
     EMBED_ALL,
     EMBED_HYBRID,
     EMBED_SPARSE,
+    KINDS,
     MAX_DEADLINE_SECONDS,
     PREDICT,
     RERANK,
@@ -72,6 +80,14 @@ EPOCH_KEY = "embedq.epoch"
 DEADLINE_GRACE = 1.0
 #: Longest pause between two looks at a full bulk queue.
 BULK_WAIT_MAX_SLICE = 1.0
+#: Messages per LPUSH command of a batch, and the bytes after which a command is closed: one round trip sends
+#: many jobs, and no single command grows past what Redis reads comfortably at once.
+PUSH_MESSAGES = 1000
+PUSH_BYTES = 8 * 1024 * 1024
+#: Keys per MGET, DEL or SUBSCRIBE command of :meth:`Client.collect`.
+COLLECT_KEYS = 1000
+#: The third part of a Celery protocol-2 body (no callbacks, errbacks, chain or chord).
+_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
 
 class JobHandle:
@@ -84,11 +100,16 @@ class JobHandle:
     the same id (workers treat a repeated id as the same job).
     """
 
-    def __init__(self, result: AsyncResult, client: Client | None = None, *, texts: list[Any] | None = None,
-                 options: dict[str, Any] | None = None, queue: str | None = None, epoch: str | None = None,
-                 traffic_class: str = ONLINE, deadline: dt.datetime | None = None, spec: TaskSpec = EMBED,
-                 return_text: bool = False) -> None:
-        self._result = result
+    def __init__(self, result: AsyncResult | None, client: Client | None = None, *, job_id: str | None = None,
+                 texts: list[Any] | None = None, options: dict[str, Any] | None = None, queue: str | None = None,
+                 epoch: str | None = None, traffic_class: str = ONLINE, deadline: dt.datetime | None = None,
+                 spec: TaskSpec = EMBED, return_text: bool = False) -> None:
+        """``result``: Celery's handle of the job, or None with ``job_id`` (it is then made on first use, so a
+        batch of handles costs no Celery object each)."""
+        if result is None and (job_id is None or client is None):
+            raise ValueError("a JobHandle needs a Celery AsyncResult, or a job id and a client")
+        self._async = result
+        self._id: str = result.id if result is not None else job_id  # type: ignore[assignment]
         self._client = client
         #: the kind of job (embed, rerank, predict, tokenize)
         self.spec = spec
@@ -103,12 +124,22 @@ class JobHandle:
         self.fingerprint: Fingerprint | None = None
         self.usage: dict[str, int] | None = None
         self.resent = 0
+        self._forgotten = False  # its stored record was deleted (after it was collected)
         self._pubsub_ok = True
         self._sent_at = time.monotonic()
 
     @property
     def id(self) -> str:
-        return self._result.id
+        return self._id
+
+    @property
+    def _result(self) -> AsyncResult:
+        """Celery's handle of the job (made on first use). Never marked ``ignored``: Celery's ``get`` of an ignored
+        result answers None at once, whereas this handle waits for the stored record."""
+        if self._async is None:
+            assert self._client is not None
+            self._async = self._client.app.AsyncResult(self._id)
+        return self._async
 
     @property
     def _collected(self) -> bool:
@@ -155,9 +186,7 @@ class JobHandle:
                     stored = self._poll()
                     if stored is not None:
                         return stored
-                    self._error = errors.Expired(f"job {self.id} has no result {DEADLINE_GRACE:.0f}s after its "
-                                                 f"deadline ({self.deadline.isoformat()})")
-                    raise self._error
+                    raise self._expire()
                 raise errors.JobTimeout(f"job {self.id} has no result after {timeout}s")
             step = WAIT_SLICE if left is None else max(min(WAIT_SLICE, left), 0.01)
             try:
@@ -200,7 +229,11 @@ class JobHandle:
     def _poll(self) -> dict[str, Any] | None:
         """Read the stored record directly (a notification can be lost while Redis restarts)."""
         backend = self._result.backend
-        meta = backend.get_task_meta(self.id, cache=False)
+        return self._settle(backend, backend.get_task_meta(self.id, cache=False))
+
+    def _settle(self, backend: Any, meta: dict[str, Any]) -> dict[str, Any] | None:
+        """A stored record's outcome: its payload, or the job's error raised (a typed one stays on the handle);
+        None while the record holds no outcome."""
         if meta.get("status") == states.SUCCESS:
             return meta["result"]
         if meta.get("status") in states.PROPAGATE_STATES:
@@ -209,6 +242,13 @@ class JobHandle:
                 self._error = exc
             raise exc
         return None
+
+    def _expire(self) -> errors.Expired:
+        """The job's deadline (and its grace) passed with no result: it ends ``expired``."""
+        assert self.deadline is not None
+        self._error = errors.Expired(f"job {self.id} has no result {DEADLINE_GRACE:.0f}s after its deadline "
+                                     f"({self.deadline.isoformat()})")
+        return self._error
 
     def _check_broker(self, *, refresh: bool = False) -> None:
         """Between two waits: has Redis lost its data since this job was sent? Then the client sends
@@ -261,7 +301,11 @@ class JobHandle:
             payload = self.payload(timeout)
         finally:
             if forget and self._collected:
-                self._result.forget()
+                self.forget()
+        return self._output(payload)
+
+    def _output(self, payload: dict[str, Any]) -> Any:
+        """``payload`` decoded for the job's kind (see :meth:`result`); sets ``usage`` and ``fingerprint``."""
         self.usage = payload.get("usage")
         if self.spec.kind == "embed":
             vectors, self.fingerprint = decode_result(payload)
@@ -271,7 +315,9 @@ class JobHandle:
         return decode_output(self.spec.kind, payload, texts)
 
     def forget(self) -> None:
+        """Delete the job's stored record from Redis (its outcome, once collected, stays on this handle)."""
         self._result.forget()
+        self._forgotten = True
 
     def cancel(self) -> bool:
         """Cancel the job unless it already has an outcome.
@@ -335,14 +381,83 @@ def worker_stats(app: Celery, timeout: float = 1.0) -> dict[str, dict[str, Any]]
     return {node: stats for reply in replies for node, stats in reply.items()}
 
 
+@dataclass(frozen=True)
+class _Route:
+    """Where and how ``app.send_task`` publishes a task to a queue on kombu's Redis transport."""
+
+    key: str  # the Redis list: the queue's list for priority 0
+    routing_key: str  # delivery_info's (the anonymous exchange routes by queue name)
+    delivery_mode: int
+    binding: tuple[str, str, str] | None  # kombu's binding set, its permanent copy, the member; None: no declare
+
+
+def _direct_route(app: Celery, name: str, queue: str, broker_url: str | None) -> _Route | None:
+    """The route of ``name`` to ``queue`` if this client can write the message ``app.send_task`` would send
+    straight into Redis; None where send_task would do something else (another transport, protocol, serializer
+    or compression, sent events, a key prefix, a route with options of its own, a queue bound otherwise than
+    kombu's direct default or that expires, a task registered here with options): then jobs go through
+    ``send_task``."""
+    from bisect import bisect
+
+    from kombu.entity import maybe_delivery_mode
+    from kombu.transport import redis as kombu_redis
+
+    conf = app.conf
+    url = conf.broker_write_url or conf.broker_url
+    if (conf.task_protocol != 2 or conf.task_send_sent_event or conf.task_compression
+            or conf.task_serializer not in ("json", "msgpack") or not isinstance(url, str) or url != broker_url
+            or not url.startswith(("redis://", "rediss://")) or name in getattr(app, "_tasks", {})):
+        return None
+    options = conf.broker_transport_options or {}
+    if options.get("global_keyprefix"):
+        return None
+    try:
+        routed = app.amqp.router.route({"queue": queue}, name, (), {}, None)
+    except Exception:  # whatever it is, send_task will say it
+        return None
+    target = routed.get("queue")
+    if set(routed) != {"queue"} or getattr(target, "name", None) != queue:
+        return None
+    exchange = target.exchange
+    if (getattr(exchange, "type", None) != "direct" or target.bindings or target.expires is not None
+            or "x-expires" in (target.queue_arguments or {})):
+        return None
+    sep = options.get("sep", kombu_redis.Channel.sep)
+    steps = options.get("priority_steps", kombu_redis.PRIORITY_STEPS)
+    priority = steps[bisect(steps, 0) - 1]  # kombu's list for a message of priority 0
+    binding = None
+    if not target.no_declare and exchange.name:
+        binding = (kombu_redis.Channel.keyprefix_queue % exchange.name,
+                   kombu_redis.Channel.keyprefix_binding_permanent % exchange.name,
+                   sep.join([target.routing_key or "", "", queue]))
+    return _Route(key=f"{queue}{sep}{priority}" if priority else queue, routing_key=queue,
+                  delivery_mode=maybe_delivery_mode(exchange.delivery_mode or conf.task_default_delivery_mode),
+                  binding=binding)
+
+
+def _job_args(kind: str, job: Any) -> list[Any]:
+    """One job's task arguments from what the kind's single submit takes: texts, a (query, texts) pair
+    (rerank), inputs (predict) or token ids (decode)."""
+    if kind == "rerank":
+        if not isinstance(job, (list, tuple)) or len(job) != 2:
+            raise errors.InvalidType(f"a rerank job is a (query, texts) pair, got {type(job).__name__}")
+        return [job[0], _as_list(job[1])]
+    if kind == "predict":
+        return [[job] if isinstance(job, str) else [t if isinstance(t, str) else list(t) for t in job]]
+    if kind == "decode":
+        return [[list(x) for x in id_lists(job)]]
+    return [_as_list(job)]
+
+
 class Client:
     """Send embedding jobs to embedq workers and collect their results."""
 
     def __init__(self, settings: Settings | None = None, *, broker_url: str | None = None,
                  app: Celery | None = None, follow_results: bool = True) -> None:
-        """``follow_results=False``: jobs are sent without subscribing Celery's result consumer to their
-        channels, for a caller that reads results itself (the gateway's asyncio waiter); ``JobHandle.result``
-        still works by reading the stored record."""
+        """``follow_results``: the ``ignore_result`` header of the jobs' messages: False for a caller that reads
+        results itself (the gateway's asyncio waiter). Either way no job's result channel is subscribed when it
+        is sent (a round trip per job): ``JobHandle.result`` subscribes when it first waits, after reading the
+        stored record, and :meth:`collect` reads many records per round trip."""
         settings = settings or Settings()
         if broker_url is not None:
             settings = settings.model_copy(update={"broker_url": broker_url})
@@ -350,6 +465,9 @@ class Client:
         self.app = app or make_app(settings)
         self.follow_results = follow_results
         self._redis: Any = None
+        self._redis_lock = threading.Lock()
+        self._listeners = threading.local()  # each thread's result-notification connection (collect)
+        self._all_listeners: list[Any] = []
         self.pending: weakref.WeakSet[JobHandle] = weakref.WeakSet()  # submitted, not yet collected
         self._resend_lock = threading.Lock()
         self.resend_after = settings.resend_after or 2.0 * settings.visibility_timeout
@@ -362,6 +480,10 @@ class Client:
         #: Called on every look at a full bulk queue with (queue, jobs waiting, seconds waited); may raise to
         #: stop waiting (the indexer stops on Ctrl-C that way).
         self.on_bulk_wait: Callable[[str, int, float], None] | None = None
+        #: (task name, queue) -> where its messages go when written directly (None: through send_task)
+        self._routes: dict[tuple[str, str], _Route | None] = {}
+        #: (queue binding, broker epoch) pairs already declared by this client (kombu declares once per connection)
+        self._declared: set[tuple[Any, str]] = set()
 
     def submit(self, texts: str | Sequence[str], *, queue: str | None = None, traffic_class: str = ONLINE,
                deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
@@ -415,15 +537,14 @@ class Client:
         model's limit fails with ``too_many_tokens``), ``truncation_side``, ``raw_scores`` (logits instead
         of the model's activation). ``return_text`` puts each text in its result (from this handle, not
         through Redis)."""
-        return self._send(RERANK, [query, _as_list(texts)], {**options, "raw_scores": raw_scores}, queue=queue,
-                          traffic_class=traffic_class, deadline=deadline, return_text=return_text)
+        return self._send(RERANK, _job_args("rerank", (query, texts)), {**options, "raw_scores": raw_scores},
+                          queue=queue, traffic_class=traffic_class, deadline=deadline, return_text=return_text)
 
     def submit_predict(self, inputs: str | Sequence[str | Sequence[str]], *, raw_scores: bool = False,
                        queue: str | None = None, traffic_class: str = ONLINE,
                        deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
         """Enqueue a classification of ``inputs``: texts, or (text, text) pairs (a classifier's queue)."""
-        items = [inputs] if isinstance(inputs, str) else [t if isinstance(t, str) else list(t) for t in inputs]
-        return self._send(PREDICT, [items], {**options, "raw_scores": raw_scores}, queue=queue,
+        return self._send(PREDICT, _job_args("predict", inputs), {**options, "raw_scores": raw_scores}, queue=queue,
                           traffic_class=traffic_class, deadline=deadline)
 
     def submit_tokenize(self, texts: str | Sequence[str], *, queue: str | None = None, traffic_class: str = ONLINE,
@@ -438,38 +559,196 @@ class Client:
                       deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
         """Enqueue a decode: token ids (one list, or a list of lists) back to text by the worker's tokenizer
         (TEI's ``/decode``). ``skip_special_tokens=False`` keeps [CLS], </s> and the like."""
-        return self._send(DECODE, [[list(x) for x in id_lists(ids)]],
-                          {**options, "skip_special_tokens": skip_special_tokens}, queue=queue,
-                          traffic_class=traffic_class, deadline=deadline)
+        return self._send(DECODE, _job_args("decode", ids), {**options, "skip_special_tokens": skip_special_tokens},
+                          queue=queue, traffic_class=traffic_class, deadline=deadline)
+
+    def submit_many(self, jobs: Iterable[Any], *, kind: str = "embed", queue: str | None = None,
+                    traffic_class: str = ONLINE, deadline: float | dt.datetime | None = None,
+                    return_text: bool = False, **options: Any) -> list[JobHandle]:
+        """Validate and enqueue many jobs of one kind with the same options: their handles, in order, sent to
+        Redis in one round trip (a pipeline; one backpressure check for the batch).
+
+        ``jobs`` holds one entry per job, what the kind's single submit takes as its input: texts (a list, or
+        one string) for ``embed`` (:meth:`submit`), ``embed_sparse``, ``embed_all``, ``embed_hybrid`` and
+        ``tokenize``; a ``(query, texts)`` pair for ``rerank``; inputs (texts or text pairs) for ``predict``;
+        token ids for ``decode``. ``options`` are the kind's options, the single submits' keywords included
+        (``top_k``, ``return_tokens``, ``outputs``, ``raw_scores``, ``skip_special_tokens``; ``return_text``
+        for rerank); ``queue``, ``traffic_class`` and ``deadline`` as for :meth:`submit`, for every job.
+
+        Every job is checked before any is sent: the first invalid one raises the error its single submit would
+        raise (a note names its index) and nothing is sent. An online batch is refused with
+        :class:`~embedq.errors.Overloaded` when its queue is full before it; a bulk batch waits for room (it may
+        then fill the queue past its limit by its own size). Results are not subscribed to: read them with
+        :meth:`collect` (many per round trip) or each handle's ``result``. Each message is the one
+        ``app.send_task`` would send for the job, written straight into kombu's Redis list.
+        """
+        spec = KINDS.get(kind) if isinstance(kind, str) else None
+        if spec is None:
+            raise errors.InvalidOption(f"unknown job kind {kind!r}; use one of {', '.join(KINDS)}")
+        argses = [_job_args(spec.kind, job) for job in jobs]
+        if not argses:
+            return []
+        return self._submit(spec, argses, options, queue=queue, traffic_class=traffic_class, deadline=deadline,
+                            return_text=return_text)
 
     def _send(self, spec: TaskSpec, args: list[Any], options: dict[str, Any], *, queue: str | None,
               traffic_class: str, deadline: float | dt.datetime | None, return_text: bool = False) -> JobHandle:
+        return self._submit(spec, [args], options, queue=queue, traffic_class=traffic_class, deadline=deadline,
+                            return_text=return_text)[0]
+
+    def _submit(self, spec: TaskSpec, argses: list[list[Any]], options: dict[str, Any], *, queue: str | None,
+                traffic_class: str, deadline: float | dt.datetime | None, return_text: bool) -> list[JobHandle]:
+        """Jobs of one kind and options (``argses``: each job's task arguments): checked, admitted, sent."""
         if traffic_class not in TRAFFIC_CLASSES:
             raise errors.InvalidOption(f"traffic_class must be one of {', '.join(TRAFFIC_CLASSES)}, "
                                        f"got {traffic_class!r}")
         expires = _expires(deadline)
-        spec.items(args, self.settings.max_texts_per_job, self.settings.max_chars)  # validation at the edge
+        limits = self.settings
+        for i, args in enumerate(argses):  # validation at the edge, every job before any is sent
+            try:
+                spec.items(args, limits.max_texts_per_job, limits.max_chars)
+            except errors.EmbedqError as exc:
+                if len(argses) > 1 and hasattr(exc, "add_note"):
+                    exc.add_note(f"job {i} of the {len(argses)} submitted together; none was sent")
+                raise
         wire = spec.parse_options(options).wire()
-        check_message_size(args, wire, serializer=self.settings.serializer, limit=self.settings.max_message_bytes)
-        queue = queue or self.settings.queue_for(traffic_class)
+        queue = queue or limits.queue_for(traffic_class)
+        route = self._route(spec.name, queue)
+        bodies = None if route is None else [self._body(args, wire, i, len(argses)) for i, args in enumerate(argses)]
+        if bodies is None:
+            for args in argses:
+                check_message_size(args, wire, serializer=limits.serializer, limit=limits.max_message_bytes)
         try:
-            self._admit(queue, traffic_class)
+            self._admit(queue, traffic_class, len(argses))
             epoch = self.epoch()
-            result = self.app.send_task(spec.name, args=args, kwargs=wire, queue=queue,
-                                        task_id=str(uuid.uuid4()),  # random: job ids cannot be guessed
-                                        expires=expires, ignore_result=not self.follow_results,
-                                        headers={SENT_HEADER: time.time()},
-                                        **task_reprs(args[-1], wire, spec.kind))
+            if bodies is not None and route is not None and self._direct_now():
+                ids = self._push(route, spec, argses, bodies, wire, expires, epoch)
+            else:
+                ids = [self._send_task(spec, args, wire, queue, expires) for args in argses]
         except BROKER_ERRORS as exc:
             raise self._unreachable(exc) from None
-        handle = JobHandle(result, self, texts=args, options=wire, queue=queue, epoch=epoch,
-                           traffic_class=traffic_class, deadline=expires, spec=spec, return_text=return_text)
+        handles = [JobHandle(None, self, job_id=job_id, texts=args, options=wire, queue=queue, epoch=epoch,
+                             traffic_class=traffic_class, deadline=expires, spec=spec, return_text=return_text)
+                   for job_id, args in zip(ids, argses)]
         with self._resend_lock:
-            self.pending.add(handle)
-        return handle
+            for handle in handles:
+                self.pending.add(handle)
+        return handles
 
-    def _admit(self, queue: str, traffic_class: str) -> None:
-        """Backpressure: refuse an online job at once when its queue is full; wait for room for a bulk one."""
+    def _send_task(self, spec: TaskSpec, args: list[Any], wire: dict[str, Any], queue: str,
+                   expires: dt.datetime | None) -> str:
+        """One job through ``app.send_task`` (where :meth:`_route` finds no direct route): its id."""
+        job_id = str(uuid.uuid4())  # random: job ids cannot be guessed
+        self.app.send_task(spec.name, args=args, kwargs=wire, queue=queue, task_id=job_id, expires=expires,
+                           ignore_result=not self.follow_results, headers={SENT_HEADER: time.time()},
+                           **task_reprs(args[-1], wire, spec.kind))
+        return job_id
+
+    # -- messages written straight into kombu's Redis lists ---------------------------------------------------
+    def _route(self, name: str, queue: str) -> _Route | None:
+        """Where ``app.send_task(name, queue=queue)`` would put a job, when this client can write that message
+        itself (else None: see :func:`_direct_route`); worked out once per task and queue."""
+        key = (name, queue)
+        if key not in self._routes:
+            self._routes[key] = _direct_route(self.app, name, queue, self.settings.broker_url)
+        return self._routes[key]
+
+    def _direct_now(self) -> bool:
+        """What ``send_task`` does per call that a direct write would miss: a parent task (called from inside a
+        Celery task, its ids go in the message) and publish signals someone listens to."""
+        from celery import signals
+
+        if self.app.current_worker_task is not None:
+            return False
+        return not any(getattr(getattr(signals, name, None), "receivers", None)
+                       for name in ("before_task_publish", "after_task_publish", "task_sent"))
+
+    def _body(self, args: list[Any], wire: dict[str, Any], index: int, count: int) -> tuple[str, str, bytes]:
+        """A job's message body as kombu's Redis transport stores it: (content type, content encoding, base64
+        of the serialized ``(args, kwargs, embed)``), checked against ``max_message_bytes``."""
+        from kombu.serialization import dumps
+
+        serializer = self.app.conf.task_serializer
+        content_type, encoding, body = dumps((args, wire, _EMBED), serializer=serializer)
+        limit = self.settings.max_message_bytes
+        if len(body) > limit:  # the error check_message_size raises, from the body it measures
+            try:
+                check_message_size(args, wire, serializer=serializer, limit=limit)
+                raise errors.MessageTooLarge(f"the job's message would have {len(body)} bytes; the limit is {limit}")
+            except errors.MessageTooLarge as exc:
+                if count > 1 and hasattr(exc, "add_note"):
+                    exc.add_note(f"job {index} of the {count} submitted together; none was sent")
+                raise
+        raw = body.encode("utf-8") if isinstance(body, str) else body
+        return content_type, encoding, base64.b64encode(raw)
+
+    def _push(self, route: _Route, spec: TaskSpec, argses: list[list[Any]], bodies: list[tuple[str, str, bytes]],
+              wire: dict[str, Any], expires: dt.datetime | None, epoch: str) -> list[str]:
+        """Write the jobs' messages into their queue's Redis list, in one pipeline: the messages
+        ``app.send_task`` would publish (Celery's protocol 2 on kombu's Redis transport: headers, properties,
+        base64 body; see ``celery.app.amqp.AMQP.as_task_v2`` and ``kombu.transport.redis.Channel._put``), and
+        the queue's binding as kombu declares it before its first publish (again after Redis lost its data).
+        Returns the job ids."""
+        from celery.utils.nodenames import anon_nodename
+        from kombu.utils.json import dumps
+
+        ids = [str(uuid.uuid4()) for _ in argses]  # random: job ids cannot be guessed
+        origin, reply_to = anon_nodename(), self.app.thread_oid
+        ignore_result = not self.follow_results
+        sent_at = time.time()
+        expires_at = expiration = None
+        if expires is not None:
+            expires_at = expires.isoformat()
+            left = max((expires - dt.datetime.now(dt.timezone.utc)).total_seconds(), 0)  # as send_task clamps it
+            expiration = str(int(left * 1000))
+        reprs: dict[int, dict[str, str]] = {}
+        messages = []
+        for job_id, args, (content_type, encoding, body) in zip(ids, argses, bodies):
+            items = len(args[-1])  # the reprs say how many texts: made once per count
+            if items not in reprs:
+                reprs[items] = task_reprs(args[-1], wire, spec.kind)
+            argsrepr, kwargsrepr = reprs[items]["argsrepr"], reprs[items]["kwargsrepr"]
+            headers = {"lang": "py", "task": spec.name, "id": job_id, "shadow": None, "eta": None,
+                       "expires": expires_at, "group": None, "group_index": None, "retries": 0,
+                       "timelimit": [None, None], "root_id": job_id, "parent_id": None, "argsrepr": argsrepr,
+                       "kwargsrepr": kwargsrepr, "origin": origin, "ignore_result": ignore_result,
+                       "replaced_task_nesting": 0, "stamped_headers": None, "stamps": {}, SENT_HEADER: sent_at}
+            properties: dict[str, Any] = {"correlation_id": job_id, "reply_to": reply_to, "argsrepr": argsrepr,
+                                          "kwargsrepr": kwargsrepr, "delivery_mode": route.delivery_mode}
+            if expiration is not None:
+                properties["expiration"] = expiration
+            properties["delivery_info"] = {"exchange": "", "routing_key": route.routing_key}
+            properties["priority"] = 0
+            properties["body_encoding"] = "base64"
+            properties["delivery_tag"] = str(uuid.uuid4())
+            # the body first, as kombu writes it: base64 needs no escaping, so it is not run through the encoder
+            rest = dumps({"content-encoding": encoding, "content-type": content_type, "headers": headers,
+                          "properties": properties})
+            messages.append(b'{"body": "' + body + b'", ' + rest[1:].encode("utf-8"))
+        commands: list[tuple[str, ...]] = []
+        declared = (route.binding, epoch)
+        if route.binding is not None and declared not in self._declared:
+            commands += [("SADD", key, route.binding[2]) for key in route.binding[:2]]
+        # LPUSH of several values is several LPUSHes in a row: the list ends in the same order
+        start, size = 0, 0
+        for i, message in enumerate(messages):
+            size += len(message)
+            if i + 1 - start >= PUSH_MESSAGES or size >= PUSH_BYTES or i + 1 == len(messages):
+                commands.append(("LPUSH", route.key, *messages[start:i + 1]))
+                start, size = i + 1, 0
+        if len(commands) == 1:
+            self.redis().execute_command(*commands[0])
+        else:
+            pipe = self.redis().pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)
+            pipe.execute()
+        self._declared.add(declared)
+        return ids
+
+    def _admit(self, queue: str, traffic_class: str, count: int = 1) -> None:
+        """Backpressure, once for ``count`` jobs sent together: refuse online jobs at once when their queue is
+        full; wait for room for bulk ones."""
         limit = self.settings.bulk_queue_limit if traffic_class == BULK else self.settings.online_queue_limit
         if not limit:
             return
@@ -478,11 +757,11 @@ class Client:
         # job, and the queue can overshoot its limit only by what other producers sent within that time.
         now = time.monotonic()
         read_at, counted = self._depths.get(queue, (0.0, 0))
-        if now - read_at < DEPTH_REUSE and counted < limit * DEPTH_REUSE_SHARE:
-            self._depths[queue] = (read_at, counted + 1)
+        if now - read_at < DEPTH_REUSE and counted + count - 1 < limit * DEPTH_REUSE_SHARE:
+            self._depths[queue] = (read_at, counted + count)
             return
         depth = monitor.waiting(self.redis(), queue)
-        self._depths[queue] = (now, depth + 1)
+        self._depths[queue] = (now, depth + count)
         if depth < limit:
             return
         if traffic_class != BULK:
@@ -502,8 +781,267 @@ class Client:
             time.sleep(pause if timeout is None else min(pause, max(timeout - waited, 0.0)))
             pause = min(pause * 2, BULK_WAIT_MAX_SLICE)
             depth = monitor.waiting(self.redis(), queue)
+        self._depths[queue] = (time.monotonic(), depth + count)
         self.bulk_waits += 1
         self.bulk_waited_seconds += time.monotonic() - started
+
+    # -- collecting many results ----------------------------------------------------------------------------
+    def collect(self, handles: Iterable[JobHandle], timeout: float | None = DEFAULT_RESULT_TIMEOUT, *,
+                return_exceptions: bool = False, forget: bool = True, decode: bool = True) -> list[Any]:
+        """The results of many jobs, in the order of ``handles``: each what ``handle.result()`` returns (with
+        ``decode=False``, what ``handle.payload()`` returns, for a caller that decodes payloads itself).
+
+        Stored records are read many per round trip (MGET); the jobs still running are awaited on their
+        result channels, all on one subscription, not polled. A failed job raises its typed error, as
+        ``handle.result()`` does, as soon as it is read (the first in ``handles``' order of those read);
+        the jobs still running go on and can be collected later. With ``return_exceptions=True`` (as in
+        ``asyncio.gather``) each job's error takes its place in the list instead, and the jobs with no result
+        after ``timeout`` seconds get :class:`~embedq.errors.JobTimeout` (else it is raised). As with
+        ``handle.result()``: a job past its deadline ends :class:`~embedq.errors.Expired`, a broker that stays
+        away ``broker_timeout`` raises :class:`~embedq.errors.BrokerUnavailable`, and jobs Redis lost, or
+        with no result long after sending, are sent again. Every handle keeps its outcome. With ``forget``
+        (the default) the records read are deleted from Redis, in one round trip.
+        """
+        handles = list(handles)
+        try:
+            unkept = self._gather(handles, timeout, fail_fast=not return_exceptions)
+        finally:
+            if forget:
+                self._forget([h for h in handles if h._collected])
+        if not return_exceptions:
+            for handle in handles:
+                error = handle._error if handle._error is not None else unkept.get(handle)
+                if error is not None:
+                    raise error
+        out: list[Any] = []
+        for handle in handles:
+            error = handle._error if handle._error is not None else unkept.get(handle)
+            if error is not None:
+                out.append(error)
+            else:
+                assert handle._payload is not None
+                out.append(handle._output(handle._payload) if decode else handle._payload)
+        return out
+
+    def _gather(self, handles: list[JobHandle], timeout: float | None, *,
+                fail_fast: bool) -> dict[JobHandle, BaseException]:
+        """Wait until every handle has its outcome (kept on the handle), ``timeout`` passes or, with
+        ``fail_fast``, a job failed. Returns the errors a handle does not keep (a timeout, an error that is not
+        embedq's): the same steps as :meth:`JobHandle._wait`, for many jobs at once."""
+        backend = self.app.backend
+        unkept: dict[JobHandle, BaseException] = {}
+        waiting: dict[bytes, list[JobHandle]] = {}  # record key -> its handles without an outcome
+        for handle in handles:
+            if not handle._collected and handle not in unkept:
+                waiting.setdefault(_key_bytes(backend.get_key_for_task(handle.id)), []).append(handle)
+        if not waiting:
+            return unkept
+        start, wall = time.monotonic(), time.time()
+        limit = math.inf if timeout is None else start + timeout
+        expiry = {}  # past a job's deadline (and a grace for a job that started in time) nothing will come
+        for key, some in waiting.items():
+            ends = [start + (h.deadline.timestamp() - wall) + DEADLINE_GRACE for h in some if h.deadline is not None]
+            if ends:
+                expiry[key] = min(ends)
+        failed = False
+
+        def done(handle: JobHandle) -> None:
+            if handle._client is not None:
+                handle._client.pending.discard(handle)
+
+        def take(key: bytes, raw: Any) -> None:
+            """A job's stored record (from MGET or its notification)."""
+            nonlocal failed
+            some = waiting.get(key)
+            if some is None or raw is None:
+                return
+            meta = backend.decode_result(raw)
+            left = []
+            for handle in some:
+                try:
+                    payload = handle._settle(backend, meta)
+                except Exception as exc:  # the job's own error: a typed one is kept on the handle
+                    if handle._error is None:
+                        unkept[handle] = exc
+                    failed = True
+                    done(handle)
+                    continue
+                if payload is None:
+                    left.append(handle)
+                else:
+                    handle._payload = payload
+                    done(handle)
+            if left:
+                waiting[key] = left
+            else:
+                del waiting[key]
+                expiry.pop(key, None)
+
+        def read(keys: list[bytes]) -> None:
+            if not keys:
+                return
+            pipe = backend.client.pipeline(transaction=False)
+            for i in range(0, len(keys), COLLECT_KEYS):
+                pipe.mget(keys[i:i + COLLECT_KEYS])
+            for key, raw in zip(keys, (raw for chunk in pipe.execute() for raw in chunk)):
+                take(key, raw)
+
+        def listen(pubsub: Any, until: float, pong: str | None = None) -> bool:
+            """Take the records published until ``until`` (or, with ``pong``, until that ping's answer)."""
+            while True:
+                left = until - time.monotonic()
+                message = pubsub.get_message(timeout=max(left, 0.0))
+                if message is None:
+                    if left <= 0:
+                        return False
+                    continue
+                if message["type"] == "message":
+                    take(_key_bytes(message["channel"]), message["data"])
+                    if pong is None and (not waiting or (fail_fast and failed)):
+                        return True
+                elif message["type"] == "pong" and pong is not None and _key_bytes(message["data"]) == pong.encode():
+                    return True
+
+        subscribed: list[bytes] = []
+
+        def subscribe() -> Any:
+            """This thread's result connection, subscribed to every waiting job's channel before this returns."""
+            pubsub = self._listener(backend)
+            keys = list(waiting)
+            try:
+                for i in range(0, len(keys), COLLECT_KEYS):
+                    pubsub.subscribe(*keys[i:i + COLLECT_KEYS])
+                token = uuid.uuid4().hex
+                pubsub.ping(token)  # answered after every subscription took hold
+                if not listen(pubsub, time.monotonic() + self.settings.broker_timeout, pong=token):
+                    raise OSError("the result channels were not subscribed in time")
+            except BaseException:
+                self._drop_listener()  # its subscriptions are unknown now
+                raise
+            subscribed.extend(keys)
+            return pubsub
+
+        def check_lost(refresh: bool) -> None:
+            """Has Redis lost jobs since they were sent (then every waiting job of this client is sent again),
+            or has a job had no result long after sending (then it is)?"""
+            if refresh:
+                self.epoch(refresh=True)
+            for some in list(waiting.values()):
+                for handle in some:
+                    if handle._client is not None:
+                        handle._check_broker()
+                        handle._maybe_resend()
+
+        broker_timeout = self.settings.broker_timeout
+        pubsub: Any = None
+        down_since: float | None = None
+        outage = False  # the broker did not answer: compare its epoch as soon as it answers again
+        checked = start
+        try:
+            while waiting and not (fail_fast and failed):
+                now = time.monotonic()
+                if now >= limit:
+                    for some in waiting.values():
+                        for handle in some:
+                            unkept[handle] = errors.JobTimeout(f"job {handle.id} has no result after {timeout}s")
+                    break
+                try:
+                    if outage:
+                        # Before taking any result: a restart may have lost jobs that a result arriving now
+                        # would hide until the next check.
+                        check_lost(refresh=True)
+                        outage = False
+                    overdue = [key for key, at in expiry.items() if at <= now]
+                    if overdue:
+                        read(overdue)
+                        for key in overdue:
+                            for handle in waiting.pop(key, ()):
+                                handle._expire()
+                                done(handle)
+                                failed = True
+                            expiry.pop(key, None)
+                        continue
+                    if pubsub is None:
+                        read(list(waiting))
+                        if not waiting or (fail_fast and failed):
+                            break
+                        pubsub = subscribe()
+                        read(list(waiting))  # stored before the subscriptions took hold
+                        checked = time.monotonic()
+                        continue
+                    listen(pubsub, min(checked + WAIT_SLICE, limit, min(expiry.values(), default=math.inf)))
+                    if waiting and time.monotonic() >= checked + WAIT_SLICE:
+                        read(list(waiting))  # a notification is lost while Redis restarts
+                        check_lost(refresh=False)
+                        checked = time.monotonic()
+                    down_since = None
+                except BROKER_ERRORS as exc:
+                    self._drop_listener()
+                    pubsub = None
+                    now = time.monotonic()
+                    down_since = down_since or now
+                    outage = True
+                    if now - down_since >= broker_timeout:
+                        raise errors.BrokerUnavailable(
+                            f"the broker has not answered for {now - down_since:.0f}s while waiting for "
+                            f"{sum(map(len, waiting.values()))} jobs ({type(exc).__name__})") from None
+                    time.sleep(min(0.5, broker_timeout / 10))
+        finally:
+            if pubsub is not None and subscribed:
+                try:  # not waited for: the answers are read (and ignored) by the next collect on this thread
+                    for i in range(0, len(subscribed), COLLECT_KEYS):
+                        pubsub.unsubscribe(*subscribed[i:i + COLLECT_KEYS])
+                except Exception:
+                    self._drop_listener()
+        return unkept
+
+    def _listener(self, backend: Any) -> Any:
+        """This thread's connection for result notifications (made once, like Celery's result consumer): a
+        collect subscribes its jobs' channels on it and unsubscribes them when it returns."""
+        pubsub = getattr(self._listeners, "pubsub", None)
+        if pubsub is None:
+            pubsub = backend.client.pubsub(ignore_subscribe_messages=True)
+            self._listeners.pubsub = pubsub
+            with self._resend_lock:
+                self._all_listeners.append(pubsub)
+        return pubsub
+
+    def _drop_listener(self) -> None:
+        """Close this thread's notification connection (after a broker error: the next collect makes another)."""
+        pubsub = getattr(self._listeners, "pubsub", None)
+        self._listeners.pubsub = None
+        if pubsub is not None:
+            with self._resend_lock:
+                if pubsub in self._all_listeners:
+                    self._all_listeners.remove(pubsub)
+            with contextlib.suppress(Exception):
+                pubsub.close()
+
+    def _forget(self, handles: list[JobHandle]) -> None:
+        """Delete the stored records of ``handles`` in one round trip (``result(forget=True)`` for many)."""
+        handles = [h for h in handles if not h._forgotten]
+        if not handles:
+            return
+        backend = self.app.backend
+        keys = [backend.get_key_for_task(h.id) for h in handles]
+        try:
+            pipe = backend.client.pipeline(transaction=False)
+            for i in range(0, len(keys), COLLECT_KEYS):
+                pipe.delete(*keys[i:i + COLLECT_KEYS])
+            pipe.execute()
+        except BROKER_ERRORS as exc:
+            log.warning("could not delete %d collected results (%s: %s); they expire after EMBEDQ_RESULT_TTL",
+                        len(keys), type(exc).__name__, exc)
+        else:
+            for handle in handles:
+                handle._forgotten = True
+        # a handle that waited through Celery (JobHandle.result) is subscribed there: unsubscribe it, as forget does
+        consumer = getattr(backend, "result_consumer", None)
+        subscribed = getattr(consumer, "subscribed_to", None)
+        if subscribed:
+            for handle, key in zip(handles, keys):
+                if key in subscribed:
+                    consumer.cancel_for(handle.id)
 
     def cancel(self, job_id: str) -> bool:
         """Cancel a job by id (see :meth:`JobHandle.cancel`): True if it had no outcome yet.
@@ -520,10 +1058,16 @@ class Client:
             raise self._unreachable(exc) from None
 
     def redis(self) -> Any:
-        """This client's redis-py connection to the broker (epoch, queue depths, cancellations)."""
-        if self._redis is None:
-            self._redis = redis_client(self.settings, timeout=5.0)
-        return self._redis
+        """This client's redis-py connection to the broker (jobs, epoch, queue depths, cancellations)."""
+        client = self._redis
+        if client is None:
+            # once, whatever the threads: a second client made in a race would close its pool, in use, when
+            # dropped (redis-py's __del__)
+            with self._redis_lock:
+                if self._redis is None:
+                    self._redis = redis_client(self.settings, timeout=5.0)
+                client = self._redis
+        return client
 
     def resend_lost(self, epoch: str) -> None:
         """Redis restarted (or came back without its data): send every job of this client still waiting
@@ -621,6 +1165,11 @@ class Client:
         return worker_stats(self.app, timeout)
 
     def close(self) -> None:
+        with self._resend_lock:
+            listeners, self._all_listeners = self._all_listeners, []
+        for pubsub in listeners:
+            with contextlib.suppress(Exception):
+                pubsub.close()
         if self._redis is not None:
             self._redis.close()
         self.app.close()
@@ -630,6 +1179,11 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _key_bytes(value: Any) -> bytes:
+    """A Redis key or channel name as bytes (redis-py answers bytes unless it decodes responses)."""
+    return value if isinstance(value, bytes) else str(value).encode()
 
 
 def _as_list(texts: Any) -> Any:

@@ -67,7 +67,7 @@ def _m3(pa: Any, payload: dict[str, Any], dtype: str) -> dict[str, Any]:
 @dataclass(frozen=True)
 class IndexKind:
     name: str
-    submit: str  # the Client method that enqueues a chunk
+    job_kind: str  # the kind of a chunk's job (``Client.submit_many``'s ``kind``)
     options: type[JobOptions]
     columns: Callable[[Any, dict[str, Any], str], dict[str, Any]] | None  # None: the dense ``vector`` path
     fixed: dict[str, Any] = field(default_factory=dict)  # options the kind always sends
@@ -89,10 +89,10 @@ class IndexKind:
 
 
 INDEX_KINDS: dict[str, IndexKind] = {
-    "embed": IndexKind("embed", "submit", EmbedOptions, None),
-    "sparse": IndexKind("sparse", "submit_sparse", SparseOptions, _sparse, wire_dtype=False),
-    "multi": IndexKind("multi", "submit_all", EmbedAllOptions, _multi),
-    "bge-m3": IndexKind("bge-m3", "submit_hybrid", HybridOptions, _m3,
+    "embed": IndexKind("embed", "embed", EmbedOptions, None),
+    "sparse": IndexKind("sparse", "embed_sparse", SparseOptions, _sparse, wire_dtype=False),
+    "multi": IndexKind("multi", "embed_all", EmbedAllOptions, _multi),
+    "bge-m3": IndexKind("bge-m3", "embed_hybrid", HybridOptions, _m3,
                         {"outputs": ["dense", "lexical", "colbert"]}),
 }
 

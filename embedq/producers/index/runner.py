@@ -2,9 +2,10 @@
 
 Records are read one at a time, checked (id, duplicates, text) and grouped into jobs of
 ``chunk_size`` texts; at most ``max_in_flight`` jobs are submitted and not yet collected. Jobs are
-collected oldest first, written, and deleted from Redis at once, so memory here and in Redis is
-bounded by the window however large the input. Ids already in the output are skipped, which is how a
-run continues after an interruption.
+sent many at a time (``Client.submit_many``: the window is refilled once half of it is collected) and
+collected oldest first, many per round trip (``Client.collect``), written, and deleted from Redis at
+once, so memory here and in Redis is bounded by the window however large the input. Ids already in the
+output are skipped, which is how a run continues after an interruption.
 
 Failure handling, per job:
 - a text the job's worker refuses (``empty_text``, ``too_many_tokens``, ...) fails the whole job, so
@@ -237,6 +238,8 @@ class Indexer:
     def _loop(self) -> None:
         assert self.sink is not None
         chunk = _Chunk([], [])
+        staged: list[_Chunk] = []  # full chunks not sent yet: sent together once the window has room for them
+        refill = self.config.max_in_flight // 2  # the window is refilled when it is down to this many jobs
         limits = self.client.settings
         for rec in self.source:
             self._check_stop()
@@ -263,11 +266,16 @@ class Indexer:
             chunk.ids.append(rec.id)
             chunk.texts.append(rec.text)
             if len(chunk.ids) >= self.config.chunk_size:
-                self._submit(chunk)
+                staged.append(chunk)
                 chunk = _Chunk([], [])
-                self._drain(self.config.max_in_flight - 1)
+                if len(self.window) + len(staged) >= self.config.max_in_flight:
+                    self._submit(staged)
+                    staged = []
+                    self._drain(refill)
         if chunk.ids:
-            self._submit(chunk)
+            staged.append(chunk)
+        if staged:
+            self._submit(staged)
         self._drain(0)
 
     def _finish(self, t0: float, *, complete: bool) -> None:
@@ -323,45 +331,60 @@ class Indexer:
 
     # -- submitting and collecting ---------------------------------------------------------------
     def _submit_job(self, texts: list[str]) -> Any:
+        return self._submit_jobs([texts])[0]
+
+    def _submit_jobs(self, jobs: list[list[str]]) -> list[JobHandle]:
         # bulk: behind online traffic on the same workers; waits (does not fail) while the bulk queue is full
-        return getattr(self.client, self.kind.submit)(texts, traffic_class="bulk", **self.job_options)
+        return self.client.submit_many(jobs, kind=self.kind.job_kind, traffic_class="bulk", **self.job_options)
 
-    def _send(self, chunk: _Chunk) -> None:
-        chunk.handle = self._broker(lambda: self._submit_job(chunk.texts))
-        chunk.head_since = None
-        chunk.attempts += 1
+    def _send(self, *chunks: _Chunk) -> None:
+        """Send ``chunks`` as jobs, together (one round trip)."""
+        handles = self._broker(lambda: self._submit_jobs([c.texts for c in chunks]))
+        for chunk, handle in zip(chunks, handles):
+            chunk.handle = handle
+            chunk.head_since = None
+            chunk.attempts += 1
 
-    def _submit(self, chunk: _Chunk) -> None:
-        self._send(chunk)
-        self.window.append(chunk)
+    def _submit(self, chunks: list[_Chunk]) -> None:
+        self._send(*chunks)
+        self.window.extend(chunks)
 
     def _drain(self, keep: int) -> None:
         while len(self.window) > keep:
             self._check_stop()
-            self._collect_head()
+            self._collect_heads(len(self.window) - keep)
             self._maybe_commit()
 
-    def _collect_head(self) -> None:
-        chunk = self.window[0]
-        assert chunk.handle is not None
+    def _collect_heads(self, count: int) -> None:
+        """Collect the oldest ``count`` jobs in one go (results read many per round trip) and write those that
+        are done, in window order, up to the first that is not."""
+        heads = [self.window[i] for i in range(count)]
+        head = heads[0]
         now = time.monotonic()
-        if chunk.head_since is None:
-            chunk.head_since = now
-        deadline = chunk.head_since + self.config.job_timeout
-        handle = chunk.handle
-        try:
-            payload = self._broker(lambda: handle.payload(timeout=max(min(deadline - now, 5.0), 0.05)))
-        except errors.JobTimeout:  # no result yet (not an error the worker sent)
-            if time.monotonic() >= deadline:
-                self._on_timeout()
-            return
-        except errors.EmbedqError as exc:  # the job's own typed error, from the worker
+        if head.head_since is None:
+            head.head_since = now
+        deadline = head.head_since + self.config.job_timeout
+        wait = max(min(deadline - now, 5.0), 0.05)
+        # the records read leave Redis at once; every handle keeps its outcome for the next look
+        outcomes = self._broker(lambda: self.client.collect([c.handle for c in heads], timeout=wait,
+                                                            return_exceptions=True, decode=False))
+        for chunk, outcome in zip(heads, outcomes):
+            if not self.window or self.window[0] is not chunk:
+                return  # a retried or split job went back to the head: it is collected next
+            if isinstance(outcome, errors.JobTimeout):  # no result yet (not an error the worker sent)
+                if chunk is head and time.monotonic() >= deadline:
+                    self._on_timeout()
+                return
             self.window.popleft()
-            handle.forget()
-            self._on_job_error(chunk, exc)
-            return
-        self.window.popleft()
-        handle.forget()  # the result leaves Redis as soon as it is here
+            if isinstance(outcome, errors.EmbedqError):  # the job's own typed error, from the worker
+                self._on_job_error(chunk, outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                self._write(chunk, outcome)
+
+    def _write(self, chunk: _Chunk, payload: dict[str, Any]) -> None:
+        """A chunk's result into the output."""
         if self.kind.columns is None:
             data, fingerprint = decode_result(payload)
         else:
@@ -393,16 +416,19 @@ class Indexer:
             return
         self._no_worker_warned = False
         overdue = self._broker(lambda: [c for c in self.window if c.handle is not None and not c.handle.ready()])
+        resend = []
         for chunk in overdue:
             assert chunk.handle is not None
             chunk.handle.forget()
             if chunk.attempts < self.config.max_attempts:
                 self.summary.resubmitted += 1
-                self._send(chunk)
+                resend.append(chunk)
             else:
                 self.window.remove(chunk)
                 self._give_up(chunk, errors.JobTimeout(
                     f"no result after {chunk.attempts} attempts of {self.config.job_timeout:.0f}s"))
+        if resend:
+            self._send(*resend)
         if overdue:
             log.warning("resubmitted %d jobs with no result after %.0fs", len(overdue), self.config.job_timeout)
 
@@ -423,9 +449,9 @@ class Indexer:
             self._fail(chunk.ids[0], exc)
             return
         half = len(chunk.ids) // 2
-        for part in (_Chunk(chunk.ids[half:], chunk.texts[half:]), _Chunk(chunk.ids[:half], chunk.texts[:half])):
-            self._send(part)
-            self.window.appendleft(part)
+        parts = (_Chunk(chunk.ids[:half], chunk.texts[:half]), _Chunk(chunk.ids[half:], chunk.texts[half:]))
+        self._send(*parts)
+        self.window.extendleft(reversed(parts))
 
     # -- failures, commits ---------------------------------------------------------------------------
     def _fail(self, doc_id: str, exc: errors.EmbedqError) -> None:
