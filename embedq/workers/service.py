@@ -207,14 +207,13 @@ class EmbeddingService:
             except Exception as exc:  # a tokenizer crash must not take the consumer down
                 log.exception("preparing %d job(s) failed", len(group))
                 prepared = [errors.BackendError(f"could not tokenize: {type(exc).__name__}")] * len(group)
-            if self.metrics is not None:
-                each = (time.perf_counter() - t0) / len(group)
-                for _ in group:
-                    self.metrics.observe("tokenize_seconds", each)
+            each = (time.perf_counter() - t0) / len(group)
             for job, outcome in zip(group, prepared):
                 if isinstance(outcome, errors.EmbedqError):
                     self.fail(job, outcome)
                 else:
+                    if self.metrics is not None:  # a job's share of the call (jobs that failed it are not counted)
+                        self.metrics.observe("tokenize_seconds", each)
                     job.prepared = outcome
                     job.rows = [None] * job.n_items
                     job.remaining = job.n_items
