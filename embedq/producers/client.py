@@ -217,14 +217,8 @@ class JobHandle:
                     self._maybe_resend()
                 down_since = None
             except BROKER_ERRORS as exc:
-                now = time.monotonic()
-                down_since = down_since or now
                 outage = True
-                if now - down_since >= broker_timeout:
-                    raise errors.BrokerUnavailable(
-                        f"the broker has not answered for {now - down_since:.0f}s while waiting for job "
-                        f"{self.id} ({type(exc).__name__})") from None
-                time.sleep(min(0.5, broker_timeout / 10))
+                down_since = _ride_out(down_since, broker_timeout, exc, f"job {self.id}")
 
     def _poll(self) -> dict[str, Any] | None:
         """Read the stored record directly (a notification can be lost while Redis restarts)."""
@@ -433,6 +427,18 @@ def _direct_route(app: Celery, name: str, queue: str, broker_url: str | None) ->
     return _Route(key=f"{queue}{sep}{priority}" if priority else queue, routing_key=queue,
                   delivery_mode=maybe_delivery_mode(exchange.delivery_mode or conf.task_default_delivery_mode),
                   binding=binding)
+
+
+def _ride_out(down_since: float | None, broker_timeout: float, exc: BaseException, waiting_for: str) -> float:
+    """A wait's read failed because the broker is away: raise :class:`~embedq.errors.BrokerUnavailable` once it has
+    been away ``broker_timeout`` seconds, else pause before the next try. Returns when the outage began."""
+    now = time.monotonic()
+    down_since = down_since or now
+    if now - down_since >= broker_timeout:
+        raise errors.BrokerUnavailable(f"the broker has not answered for {now - down_since:.0f}s while waiting for "
+                                       f"{waiting_for} ({type(exc).__name__})") from None
+    time.sleep(min(0.5, broker_timeout / 10))
+    return down_since
 
 
 def _job_args(kind: str, job: Any) -> list[Any]:
@@ -978,14 +984,9 @@ class Client:
                 except BROKER_ERRORS as exc:
                     self._drop_listener()
                     pubsub = None
-                    now = time.monotonic()
-                    down_since = down_since or now
                     outage = True
-                    if now - down_since >= broker_timeout:
-                        raise errors.BrokerUnavailable(
-                            f"the broker has not answered for {now - down_since:.0f}s while waiting for "
-                            f"{sum(map(len, waiting.values()))} jobs ({type(exc).__name__})") from None
-                    time.sleep(min(0.5, broker_timeout / 10))
+                    down_since = _ride_out(down_since, broker_timeout, exc,
+                                           f"{sum(map(len, waiting.values()))} jobs")
         finally:
             if pubsub is not None and subscribed:
                 try:  # not waited for: the answers are read (and ignored) by the next collect on this thread

@@ -134,7 +134,7 @@ class Worker:
         plan: list[tuple[list[str], int]] = []
         for bulk in (False, True):
             group = [q for q in queues if (q in self.bulk_queues) == bulk]
-            n = min(window.fetch_room(bulk=bulk, most=most), most) if group and most > 0 else 0
+            n = window.fetch_room(bulk=bulk, most=most) if group and most > 0 else 0
             if n > 0:
                 plan.append((group, n))
                 most -= n
