@@ -726,7 +726,7 @@ def register(app: Celery, worker: Worker) -> list[Task]:
     transport.fetch_plan = worker.fetch_plan
     transport.fetch_admits = worker.fetch_admits
     transport.after_fetch = worker.flush_intake
-    transport.max_body_bytes = worker.settings.max_message_bytes
+    transport.max_body_bytes = transport.fetch_bytes = worker.settings.max_message_bytes
     app.steps["consumer"].add(GracefulStop)
     app.steps["consumer"].add(WorkerInfo)
     return [app.register_task(task_class(spec)()) for spec in TASKS.values()]

@@ -214,22 +214,33 @@ fetch_admits: Callable[[str], bool] | None = None
 #: together then).
 after_fetch: Callable[[], None] | None = None
 
+#: Set by the worker: the most bytes of queue entries one fetch of many may bring (``EMBEDQ_MAX_MESSAGE_BYTES``, so a
+#: fetch holds at most about one largest message beyond the BRPOP's), whatever its count allows.
+fetch_bytes: int = 16 * 1024 * 1024
+
 #: Pop entries from the lists KEYS[3..], in order, and record each in kombu's unacked hash (KEYS[1]) and index
-#: (KEYS[2]) at time ARGV[1], as kombu's QoS.append does. ARGV[2] = G groups, ARGV[3..2+G] = the most each group
-#: may take, then one group number per list (a queue's priority lists, or a class's queues, share a group). The
-#: record is the one kombu writes: [envelope, exchange, routing key]. An entry without a string delivery tag and
-#: delivery info is returned unrecorded (the worker drops it, as it drops one from BRPOP). Returns key, entry,
-#: tag-or-"" triples.
+#: (KEYS[2]) at time ARGV[1], as kombu's QoS.append does. ARGV[2] = the most bytes of entries to take (an entry that
+#: would pass it goes back where it was, unread, and the fetch ends: the next BRPOP takes it), ARGV[3] = G groups,
+#: ARGV[4..3+G] = the most each group may take, then one group number per list (a queue's priority lists, or a
+#: class's queues, share a group). The record is the one kombu writes: [envelope, exchange, routing key]. An entry
+#: without a string delivery tag and delivery info is returned unrecorded (the worker drops it, as it drops one from
+#: BRPOP). Returns key, entry, tag-or-"" triples.
 _FETCH_MORE = """
 local out = {}
-local groups = tonumber(ARGV[2])
+local room = tonumber(ARGV[2])
+local groups = tonumber(ARGV[3])
 local left = {}
-for g = 1, groups do left[g] = tonumber(ARGV[2 + g]) end
+for g = 1, groups do left[g] = tonumber(ARGV[3 + g]) end
 for i = 3, #KEYS do
-  local g = tonumber(ARGV[groups + i])
+  local g = tonumber(ARGV[groups + i + 1])
   while left[g] > 0 do
     local item = redis.call('RPOP', KEYS[i])
     if not item then break end
+    if #item > room then
+      redis.call('RPUSH', KEYS[i], item)
+      return out
+    end
+    room = room - #item
     left[g] = left[g] - 1
     local tag = ''
     local ok, env = pcall(cjson.decode, item)
@@ -298,7 +309,7 @@ class Channel(kombu_redis.Channel):
                 if self._fetch_script is None:
                     self._fetch_script = client.register_script(_FETCH_MORE)
                 reply = self._fetch_script(keys=[self.unacked_key, self.unacked_index_key, *keys],
-                                           args=[time.time(), *most], client=client)
+                                           args=[time.time(), fetch_bytes, *most], client=client)
         except (*self.connection_errors, kombu_redis.redis.exceptions.ResponseError) as exc:
             # Either nothing was taken (the script is atomic), or the reply was lost with the connection: what it
             # took is in the unacked hash and comes back after visibility_timeout. kombu reconnects at the next
