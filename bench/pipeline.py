@@ -340,10 +340,43 @@ def model_floor(corpus: Path, n: int, budget: int = 2048) -> dict[str, Any]:
             "batches": len(tensors)}
 
 
-def run_floor(kind: str, corpus: Path, n: int, chunk: int, parallel: bool = False) -> dict[str, Any]:
+def backend_floor(corpus: Path, n: int) -> dict[str, Any]:
+    """CPU ms per text of embedq's own backend forward, loaded as the worker loads it (its settings from the same
+    EMBEDQ_* environment: runtime, threads, memory policy), on the same texts, length-sorted into micro-batches of at
+    most ``batch_tokens`` padded tokens; tokenizing not counted. What the model costs the worker's inference thread
+    when nothing else runs: the queue path's own cost is the rest."""
+    from embedq.settings import Settings
+    from embedq.workers import memory
+
+    settings = Settings()
+    memory.configure(settings.memory_policy)  # before torch is imported, as the worker does
+    from embedq.backends import load_backend
+    from embedq.protocol import EmbedOptions
+
+    backend = load_backend(str(MODEL_DIR), torch_threads=settings.torch_threads, linear_kernel=settings.linear_kernel,
+                           batch_tokens=settings.batch_tokens, online_tokens=settings.online_tokens)
+    policy = memory.settle(settings.memory_policy, backend.info.linear_kernel)
+    items = [item for text in load_texts(corpus, n) for item in backend.prepare("embed", [text], EmbedOptions()).items]
+    items.sort(key=lambda item: len(item.ids))
+    batches, start = [], 0
+    for end in range(1, len(items) + 1):
+        if end == len(items) or len(items[end].ids) * (end + 1 - start) > settings.batch_tokens:
+            batches.append(items[start:end])
+            start = end
+    for batch in batches[:8]:  # warm-up
+        backend.forward(batch)
+    c0, t0 = self_cpu(), time.perf_counter()
+    for batch in batches:
+        backend.forward(batch)
+    return {"texts": n, "seconds": time.perf_counter() - t0, "ms_text": (self_cpu() - c0) * 1e3 / n,
+            "batches": len(batches), "runtime": backend.info.linear_kernel, "memory_policy": policy}
+
+
+def run_floor(kind: str, corpus: Path, n: int, chunk: int, parallel: bool = False,
+              env_extra: dict[str, str] | None = None) -> dict[str, Any]:
     """A floor in a fresh process: TOKENIZERS_PARALLELISM is read once per process, and this one must not set it
     for the workers it starts."""
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "true" if parallel else "false"}
+    env = {**os.environ, **(env_extra or {}), "TOKENIZERS_PARALLELISM": "true" if parallel else "false"}
     out = subprocess.run([sys.executable, __file__, "--floor-only", kind, "--corpus", str(corpus), "--texts", str(n),
                           "--chunk", str(chunk)], env=env, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -391,7 +424,9 @@ def print_report(args: argparse.Namespace, med: dict[str, dict[str, Any]], ratio
               f"{r['submit_ms_job']:>13.3f} {r['collect_ms_result']:>14.3f} {r['redis_ms_job']:>12.3f}")
     for key, label in (("tok1", f"tokenizer alone (1 thread, calls of {args.chunk})"),
                        ("tokp", f"tokenizer alone (parallel, calls of {args.chunk})"),
-                       ("model", "model forward alone (1 thread, 2048 tok)")):
+                       ("model", "model forward alone (1 thread, 2048 tok)"),
+                       ("backend", f"embedq backend forward alone ({med['backend'].get('runtime', '?')}, "
+                                   f"{med['backend'].get('memory_policy', '?')})")):
         t = med[key]
         print(f"{label:<40} {'':>6} {t['texts']:>6} "
               f"{t['seconds']:>7.2f} {'':>8} {t['texts'] / t['seconds']:>8.1f} {'':>10} {t['ms_text']:>11.4f}")
@@ -431,11 +466,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=16, help="jobs (tasks) after the worker is ready, before pausing")
     p.add_argument("--chunk", type=int, default=1000, help="texts per tokenizer call (floor)")
     p.add_argument("--json", type=Path, help="also write every figure here")
-    p.add_argument("--floor-only", choices=["tokenizer", "model"], help=argparse.SUPPRESS)
+    p.add_argument("--floor-only", choices=["tokenizer", "model", "backend"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.floor_only:
-        floor = tokenizer_floor(args.corpus, args.texts, args.chunk) if args.floor_only == "tokenizer" else \
-            model_floor(args.corpus, args.texts)
+        floor = (tokenizer_floor(args.corpus, args.texts, args.chunk) if args.floor_only == "tokenizer" else
+                 model_floor(args.corpus, args.texts) if args.floor_only == "model" else
+                 backend_floor(args.corpus, args.texts))
         print(json.dumps(floor))
         return
     if args.traffic_class:
@@ -454,6 +490,8 @@ def main() -> None:
             "tok1": run_floor("tokenizer", args.corpus, args.texts, args.chunk),
             "tokp": run_floor("tokenizer", args.corpus, args.texts, args.chunk, parallel=True),
             "model": run_floor("model", args.corpus, args.texts, args.chunk),
+            "backend": run_floor("backend", args.corpus, args.texts, args.chunk,
+                                 env_extra={**WORKER_ENV, **args.worker_env}),
             "noop": run_noop(args.jobs, logdir / "pipeline-noop.log", args.warmup),
             "one": run_embedq(one_texts, 1, args.one_class, args.worker_env, logdir / "pipeline-one.log",
                               force_loop=args.loop, warmup=args.warmup),
@@ -476,6 +514,8 @@ def main() -> None:
          "≤ 2.2", bulk["worker_ms_text"] / tok["ms_text"] <= 2.2),
         ("(worker CPU per text, 32-text jobs - model alone) / tokenizer",
          (bulk["worker_ms_text"] - med["model"]["ms_text"]) / tok["ms_text"], "", None),
+        ("(worker CPU per text, 32-text jobs - embedq backend alone) / tokenizer",
+         (bulk["worker_ms_text"] - med["backend"]["ms_text"]) / tok["ms_text"], "", None),
         ("producer CPU per submitted 1-text job (ms)", one["submit_ms_job"], "≤ 0.2", one["submit_ms_job"] <= 0.2),
         ("producer CPU per submitted 32-text job (ms)", bulk["submit_ms_job"], "≤ 0.2", bulk["submit_ms_job"] <= 0.2),
         ("producer CPU per collected 1-text result (ms)", one["collect_ms_result"], "", None),

@@ -34,6 +34,14 @@ return 0
 """
 
 
+def _script(client: Any) -> Any:
+    """The store-once script for ``client`` (pipelines send its SHA, loading it once when Redis lacks it)."""
+    script = getattr(client, "_embedq_store_once", None)
+    if script is None:
+        script = client._embedq_store_once = client.register_script(_STORE_ONCE)
+    return script
+
+
 class ResultStore:
     """Terminal records of jobs, written once. Uses the app's (thread-local) result backend."""
 
@@ -51,17 +59,23 @@ class ResultStore:
         """:meth:`store` for many jobs in one round trip (a pipeline of the same atomic script, one per job);
         each job's record is written once, as with :meth:`store`. Returns, per job, whether this call wrote it."""
         backend = self.app.backend
-        pipe = backend.client.pipeline(transaction=False)
+        client = backend.client
+        pipe = client.pipeline(transaction=False)
+        script = _script(client)
+        # Celery's record (what _get_result_meta builds with no request: a batch is stored at one instant, so its
+        # records share date_done); the record's fields other than result and task_id are the same for every job.
+        success = backend._get_result_meta(result=None, state=states.SUCCESS, traceback=None, request=None)
+        failure_ttl = int(getattr(backend, "failure_expires", None) or backend.expires or 0)
+        success_ttl = int(backend.expires or 0)
         for job_id, outcome in outcomes:
             if isinstance(outcome, errors.EmbedqError):
-                state = states.FAILURE
-                result = backend.encode_result(outcome, state)
-                ttl = getattr(backend, "failure_expires", None) or backend.expires
+                meta = backend._get_result_meta(result=backend.encode_result(outcome, states.FAILURE),
+                                                state=states.FAILURE, traceback=None, request=None)
+                ttl = failure_ttl
             else:
-                state, result, ttl = states.SUCCESS, outcome, backend.expires
-            meta = backend._get_result_meta(result=result, state=state, traceback=None, request=None)
+                meta, ttl = {**success, "result": outcome}, success_ttl
             meta["task_id"] = job_id
-            pipe.eval(_STORE_ONCE, 1, backend.get_key_for_task(job_id), backend.encode(meta), int(ttl or 0))
+            script(keys=[backend.get_key_for_task(job_id)], args=[backend.encode(meta), ttl], client=pipe)
         return [bool(written) for written in pipe.execute()]
 
     def outcome(self, job_id: str) -> dict[str, Any]:
