@@ -23,6 +23,7 @@ import yaml
 
 from embedq.settings import Settings
 from embedq.workers.metrics import CATALOG, PREFIX, exported_names
+from embedq.workers.replicas import METRICS_PORT_STEP
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = ROOT / "ops"
@@ -359,7 +360,10 @@ def test_prometheus_bare_metal_config() -> None:
     assert "%i" in port_template
     for target, labels in targets:
         assert "gpu" in labels, f"{target}: label the GPU"
-        assert target.rsplit(":", 1)[1] == port_template.replace("%i", labels["gpu"]), target
+        # replica r of a worker (embedq worker --processes N) serves on its port + METRICS_PORT_STEP x r
+        port = int(port_template.replace("%i", labels["gpu"])) + METRICS_PORT_STEP * int(labels.get("replica", 0))
+        assert int(target.rsplit(":", 1)[1]) == port, target
+    assert any("replica" in labels for _, labels in targets), "example: a worker with replicas"
 
 
 def test_alert_rules_are_complete() -> None:
