@@ -126,6 +126,7 @@ class WorkerMetrics:
         self.hist = {name: Histogram(PREFIX + name, CATALOG[name][1], buckets=BUCKETS[name], registry=self.registry,
                                      labelnames=("traffic_class",) if name in BY_CLASS else ())
                      for name in BUCKETS}
+        self._children: dict[tuple[str, str], Any] = {}  # (name, class) -> the histogram (child) to observe
         self.rates = Rates()
         self.model_load_seconds = 0.0
         self.service: Any = None
@@ -151,8 +152,12 @@ class WorkerMetrics:
         self.hist["inference_seconds"].observe(seconds)
 
     def observe(self, name: str, value: float, traffic_class: str | None = None) -> None:
-        hist = self.hist[name]
-        (hist.labels(traffic_class or "online") if name in BY_CLASS else hist).observe(value)
+        key = (name, traffic_class or "online")
+        child = self._children.get(key)
+        if child is None:  # prometheus_client's labels() looks the child up on every call: once per name and class
+            hist = self.hist[name]
+            child = self._children[key] = hist.labels(key[1]) if name in BY_CLASS else hist
+        child.observe(value)
 
     # -- scrape ------------------------------------------------------------------------------
     def depths(self) -> dict[str, monitor.QueueDepth] | None:
