@@ -11,7 +11,10 @@ online jobs; 32-text bulk jobs) a private redis-server and one ``embedq worker``
 the worker's process group is paused (SIGSTOP), every job is submitted (producer CPU per job), the group
 is resumed (SIGCONT, the clock starts) and every result collected (the clock stops at the last one).
 Worker CPU is utime+stime of every process of its tree, from /proc. Floors, in the same run: the
-tokenizer alone on the same texts, and a plain Celery no-op task on a solo worker (bench/noop_worker.py).
+tokenizer alone on the same texts, and a plain Celery no-op task on a solo worker (bench/noop_worker.py); and two
+rows for the model: transformers' own forward, and embedq's backend forward loaded as the worker loads it (the same
+EMBEDQ_* settings: runtime, threads, memory policy), so the worker's CPU beyond that row is the queue path's own.
+``--worker-env EMBEDQ_LINEAR_KERNEL=onnxruntime`` runs the runtime ``auto`` usually picks on a CPU.
 The last line is the headline ratio: worker CPU per one-text job / no-op task.
 """
 
