@@ -34,14 +34,6 @@ return 0
 """
 
 
-def _script(client: Any) -> Any:
-    """The store-once script for ``client`` (pipelines send its SHA, loading it once when Redis lacks it)."""
-    script = getattr(client, "_embedq_store_once", None)
-    if script is None:
-        script = client._embedq_store_once = client.register_script(_STORE_ONCE)
-    return script
-
-
 class ResultStore:
     """Terminal records of jobs, written once. Uses the app's (thread-local) result backend."""
 
@@ -59,9 +51,7 @@ class ResultStore:
         """:meth:`store` for many jobs in one round trip (a pipeline of the same atomic script, one per job);
         each job's record is written once, as with :meth:`store`. Returns, per job, whether this call wrote it."""
         backend = self.app.backend
-        client = backend.client
-        pipe = client.pipeline(transaction=False)
-        script = _script(client)
+        pipe = backend.client.pipeline(transaction=False)
         # Celery's record (what _get_result_meta builds with no request: a batch is stored at one instant, so its
         # records share date_done); the record's fields other than result and task_id are the same for every job.
         success = backend._get_result_meta(result=None, state=states.SUCCESS, traceback=None, request=None)
@@ -75,7 +65,9 @@ class ResultStore:
             else:
                 meta, ttl = {**success, "result": outcome}, success_ttl
             meta["task_id"] = job_id
-            script(keys=[backend.get_key_for_task(job_id)], args=[backend.encode(meta), ttl], client=pipe)
+            # EVAL, not a registered script: redis-py's pipeline asks SCRIPT EXISTS before every execute, a second
+            # round trip per batch
+            pipe.eval(_STORE_ONCE, 1, backend.get_key_for_task(job_id), backend.encode(meta), ttl)
         return [bool(written) for written in pipe.execute()]
 
     def outcome(self, job_id: str) -> dict[str, Any]:
