@@ -308,6 +308,18 @@ def tokenizer_floor(corpus: Path, n: int, chunk: int) -> dict[str, Any]:
     return {"texts": n, "seconds": time.perf_counter() - t0, "ms_text": (self_cpu() - c0) * 1e3 / n}
 
 
+def budget_batches(rows: list, length: Callable[[Any], int], budget: int) -> list[list]:
+    """``rows`` sorted by ``length`` and cut into batches of at most ``budget`` padded tokens (a row longer than the
+    budget is a batch of its own)."""
+    rows = sorted(rows, key=length)
+    batches, start = [], 0
+    for end in range(1, len(rows) + 1):  # sorted: the last row of a batch is its longest
+        if end == len(rows) or length(rows[end]) * (end + 1 - start) > budget:
+            batches.append(rows[start:end])
+            start = end
+    return batches
+
+
 def model_floor(corpus: Path, n: int, budget: int = 2048) -> dict[str, Any]:
     """CPU ms per text of the model's forward alone (transformers, 1 thread, mean pooling + normalize) on the same
     texts, length-sorted into batches of at most ``budget`` padded tokens; tokenizing not counted."""
@@ -316,12 +328,7 @@ def model_floor(corpus: Path, n: int, budget: int = 2048) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     ids = AutoTokenizer.from_pretrained(str(MODEL_DIR))(load_texts(corpus, n), **TOKENIZE)["input_ids"]
-    ids.sort(key=len)
-    batches, start = [], 0
-    for end in range(1, len(ids) + 1):  # sorted: the last row is the longest
-        if end == len(ids) or len(ids[end]) * (end + 1 - start) > budget:
-            batches.append(ids[start:end])
-            start = end
+    batches = budget_batches(ids, len, budget)
     tensors = []
     for batch in batches:
         width = len(batch[-1])
@@ -360,12 +367,7 @@ def backend_floor(corpus: Path, n: int) -> dict[str, Any]:
                            batch_tokens=settings.batch_tokens, online_tokens=settings.online_tokens)
     policy = memory.settle(settings.memory_policy, backend.info.linear_kernel)
     items = [item for text in load_texts(corpus, n) for item in backend.prepare("embed", [text], EmbedOptions()).items]
-    items.sort(key=lambda item: len(item.ids))
-    batches, start = [], 0
-    for end in range(1, len(items) + 1):
-        if end == len(items) or len(items[end].ids) * (end + 1 - start) > settings.batch_tokens:
-            batches.append(items[start:end])
-            start = end
+    batches = budget_batches(items, lambda item: len(item.ids), settings.batch_tokens)
     for batch in batches[:8]:  # warm-up
         backend.forward(batch)
     c0, t0 = self_cpu(), time.perf_counter()
