@@ -131,6 +131,16 @@ class Backend(ABC):
     @abstractmethod
     def forward(self, batch: Sequence[Encoded]) -> list[np.ndarray]: ...
 
+    #: :meth:`launch` returns before the device has finished (CUDA): the worker then launches the next micro-batch
+    #: before it waits for this one, so the device always has work queued. False: ``launch`` computes the rows.
+    launches_async: bool = False
+
+    def launch(self, batch: Sequence[Encoded]) -> Callable[[], list[Any]]:
+        """Start :meth:`forward` on ``batch``; the returned call waits for its rows (and raises what it raised).
+        Here the rows are computed at once; a device backend may queue the work and return first."""
+        rows = self.forward(batch)
+        return lambda: rows
+
     @abstractmethod
     def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]: ...
 

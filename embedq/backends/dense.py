@@ -83,6 +83,11 @@ class DenseHead(Head):
                                            f"{self.dimension}")
 
     def rows(self, output: Any, mask: torch.Tensor, index: Any, batch: Sequence[Encoded]) -> list[np.ndarray]:
+        return list(self.vectors(output, mask, index, batch).cpu().numpy().astype(np.float32, copy=False))
+
+    def vectors(self, output: Any, mask: torch.Tensor, index: Any, batch: Sequence[Encoded]) -> torch.Tensor:
+        """The batch's vectors (pooled, then the Dense steps; the trailing Normalize is left to finish), in float32
+        on the model's device."""
         tokens = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
         items = list(batch)
         if index is not None:
@@ -94,7 +99,7 @@ class DenseHead(Head):
         vectors = pool(self.pooling, tokens, mask, plens)
         for _kind, module in self.steps:
             vectors = module(vectors) if module is not None else normalize(vectors)
-        return list(vectors.float().cpu().numpy().astype(np.float32, copy=False))
+        return vectors.float()
 
     def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]:
         assert self.info is not None

@@ -603,6 +603,15 @@ class Encoder:
             for handle in handles:
                 handle.remove()
 
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """An input array on the model's device. On CUDA through pinned host memory (PyTorch's caching host
+        allocator reuses its blocks, and keeps one until the copies from it are done) with a non-blocking copy:
+        the copy is queued behind the work already on the device instead of waiting for it."""
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
     def run(self, batch: Sequence[Encoded], forward: Any = None) -> tuple[Any, torch.Tensor]:
         """One padded forward pass: (the model's output, the attention mask). Call under inference_mode.
         ``forward``: another runtime than the encoder's own (the runtime tuner's candidates)."""
@@ -622,11 +631,10 @@ class Encoder:
             if types is not None and item.type_ids is not None:
                 types[i, cols] = item.type_ids
         with self._attention():
-            input_ids = torch.from_numpy(ids).to(self.device)
-            attention_mask = torch.from_numpy(mask).to(self.device)
+            input_ids, attention_mask = self._to_device(ids), self._to_device(mask)
             inputs: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": attention_mask}
             if types is not None:
-                inputs["token_type_ids"] = torch.from_numpy(types).to(self.device)
+                inputs["token_type_ids"] = self._to_device(types)
             if self.left_padding and self._position_ids and min(lengths) < width:
                 # Positions as the unpadded text would have them (left padding only).
                 inputs["position_ids"] = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)

@@ -81,6 +81,40 @@ class ModelBackend(Backend):
             raise errors.BackendError(f"the forward pass failed: {exc}") from exc
         return rows
 
+    @property
+    def launches_async(self) -> bool:  # type: ignore[override]
+        return self.encoder.device.type == "cuda"
+
+    def launch(self, batch: Sequence[Encoded]) -> Callable[[], list[Any]]:
+        """On CUDA, a batch of dense items only: the forward pass and pooling are queued on the device, the vectors
+        copied (non-blocking) into pinned host memory behind them, and the returned call waits for that copy
+        alone. Everything else computes its rows at once (:meth:`forward`)."""
+        head = self._by_name.get("dense")
+        if not self.launches_async or not batch or head is None or any(item.head != "dense" for item in batch):
+            return super().launch(batch)
+        try:
+            with torch.inference_mode():
+                output, mask = self.encoder.run(batch)
+                vectors = head.vectors(output, mask, None, batch)  # type: ignore[attr-defined]
+                host = torch.empty(vectors.shape, dtype=vectors.dtype, pin_memory=True)
+                host.copy_(vectors, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record()
+        except errors.EmbedqError:
+            raise
+        except (RuntimeError, ValueError) as exc:
+            raise errors.BackendError(f"the forward pass failed: {exc}") from exc
+
+        def rows() -> list[Any]:
+            try:
+                copied.synchronize()  # an error of the queued work surfaces here
+            except RuntimeError as exc:
+                raise errors.BackendError(f"the forward pass failed: {exc}") from exc
+            # Out of the pinned block at once: rows live until their job's result is written, pinned memory is dear.
+            return list(host.numpy().copy())
+
+        return rows
+
     def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]:
         return self.heads[kind].finish(kind, rows, prepared, options)
 

@@ -22,6 +22,7 @@ online cap bounds the wait instead (``TrafficScheduler``), and the worker says s
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import queue
 import threading
@@ -125,6 +126,7 @@ class EmbeddingService:
         # and the jobs of the micro-batch(es) it has in the model now.
         self.beat = time.monotonic()
         self.running: tuple[Job, ...] = ()
+        self._in_model: list[tuple[Job, ...]] = []  # the jobs of each micro-batch in the model now
         self.deadlines = Deadlines()
         self._cond = threading.Condition()
         self._stopping = False
@@ -278,33 +280,52 @@ class EmbeddingService:
 
     # -- inference thread --------------------------------------------------------------------
     def _loop(self) -> None:
+        # On a device that runs behind the CPU (backend.launches_async), the micro-batch launched last is landed
+        # (waited for, its rows stored) only after the next one is launched, so the device always has work queued
+        # while this thread stores rows, picks and assembles the next batch. Elsewhere each lands as it is launched.
+        pending: _Flight | None = None
         while True:
-            suspect = None
+            suspect = batch = None
             with self._cond:
-                while True:
-                    if self._stopping:
-                        return
+                while not self._stopping:
                     now = self.beat = time.monotonic()
                     self._expire(now)
-                    if len(self.scheduler) or self._suspects:
+                    if len(self.scheduler) or self._suspects or pending is not None:
                         break
                     wake = self.deadlines.next_deadline(lambda job: job.done)
                     self._cond.wait(IDLE_WAIT if wake is None else min(max(wake - now, 0.0) + 0.001, IDLE_WAIT))
-                if self._suspects:
-                    suspect = self._suspects.popleft()
-                    starting = self._start([suspect])
-                else:
+                stopping = self._stopping
+                if stopping:
+                    pass
+                elif self._suspects:
+                    if pending is None:  # a suspect runs alone: nothing else in the model with it
+                        suspect = self._suspects.popleft()
+                        starting = self._start([suspect])
+                elif len(self.scheduler):
                     batch = self.scheduler.next_batch()
                     starting = self._start(item.key[0] for item in batch)
-            self._started(starting)
+            if suspect is not None or batch is not None:
+                self._started(starting)
             try:
                 if suspect is not None:
                     self._run_alone(suspect)
-                else:
+                elif batch is not None:
                     keys = [item.key for item in batch]
-                    self._run(keys, preemptible=self.preemptive and all(j.traffic_class == BULK for j, _ in keys))
+                    flight = self._launch(keys, self.preemptive and all(j.traffic_class == BULK for j, _ in keys))
+                    landing, pending = pending, flight
+                    if landing is not None:
+                        self._land(landing)
+                    if not self.backend.launches_async:
+                        landing, pending = pending, None
+                        if landing is not None:
+                            self._land(landing)
+                elif pending is not None:
+                    landing, pending = pending, None
+                    self._land(landing)
             except Exception:  # never let the inference thread die
                 log.exception("micro-batch bookkeeping failed")
+            if stopping and pending is None:
+                return
             if self._trimmer is not None:  # outside the lock: a trim takes milliseconds
                 if len(self.scheduler) or self._suspects:
                     self._trimmer.after_batch()
@@ -397,36 +418,53 @@ class EmbeddingService:
             self.on_isolated_run(job, False)
 
     def _run(self, keys: list[tuple[Job, int]], preemptible: bool = False) -> None:
-        """One micro-batch through the model. ``preemptible``: a bulk batch online batches may pause between
-        two layers (its model time leaves out the pauses)."""
+        """One micro-batch through the model, to its stored rows. ``preemptible``: a bulk batch online batches may
+        pause between two layers (its model time leaves out the pauses)."""
+        flight = self._launch(keys, preemptible)
+        if flight is not None:
+            self._land(flight)
+
+    def _launch(self, keys: list[tuple[Job, int]], preemptible: bool = False) -> _Flight | None:
+        """Start a micro-batch in the model (``backend.launch``); :meth:`_land` waits for it and stores its rows."""
         keys = [(job, i) for job, i in keys if not job.done]
         if not keys:
-            return
+            return None
         batch = [job.prepared.items[i] for job, i in keys]
         lengths = [len(item.ids) for item in batch]
-        cost = batch_cost(lengths, padded=self.backend.is_padded)
         if preemptible:  # (not in a preempting batch: that one runs inside the bulk batch's pause)
             self._paused, self._layer = 0.0, 0
-        outer = self.running  # a preempting batch runs inside a bulk one: both are in the model
-        self.running = outer + tuple(dict.fromkeys(job for job, _ in keys))
+        jobs = tuple(dict.fromkeys(job for job, _ in keys))
+        self._in_model.append(jobs)  # a preempting batch runs inside a bulk one: both are in the model
+        self.running = tuple(itertools.chain.from_iterable(self._in_model))
         t0 = time.perf_counter()
         try:
             if preemptible:
                 with self.backend.between_layers(self._between_layers):
-                    rows = self.backend.forward(batch)
+                    rows = self.backend.launch(batch)
             else:
-                rows = self.backend.forward(batch)
+                rows = self.backend.launch(batch)
+        except Exception as exc:
+            rows = _raising(exc)
+        return _Flight(keys, jobs, rows, lengths, t0, preemptible, self._paused if preemptible else 0.0)
+
+    def _land(self, flight: _Flight) -> None:
+        """Wait for a launched micro-batch's rows and store them; a batch that failed is split (:meth:`_isolate`)."""
+        keys = flight.keys
+        try:
+            rows = flight.rows()
             bad = [not row_is_finite(row) for row in rows]
         except Exception as exc:
             rows, bad = None, None
             failure: Exception = exc
         # Not in a finally: if something the thread cannot survive escapes the model, these jobs stay "running",
         # and the worker's watchdog counts the delivery against them (see health()).
-        self.running = outer
+        self._in_model = [jobs for jobs in self._in_model if jobs is not flight.jobs]
+        self.running = tuple(itertools.chain.from_iterable(self._in_model))
         self.beat = time.monotonic()
-        elapsed = time.perf_counter() - t0
-        if preemptible:
-            elapsed -= self._paused
+        # From launch to rows: with two micro-batches in flight (launches_async) their times overlap.
+        elapsed = time.perf_counter() - flight.t0 - flight.paused
+        lengths = flight.lengths
+        cost = batch_cost(lengths, padded=self.backend.is_padded)
         real = sum(lengths)
         by_class: dict[str, int] = {}
         by_kind: dict[str, int] = {}
@@ -436,11 +474,11 @@ class EmbeddingService:
         self.stats.batch(items=len(keys), real=real, padded=cost, seconds=elapsed, by_class=by_class, by_kind=by_kind)
         log.info("micro-batch: %d items, %d real / %d padded tokens, %.1f ms (%s)%s", len(keys), real, cost,
                  elapsed * 1e3, ", ".join(f"{n} {k}" for k, n in by_kind.items()),
-                 f", paused {self._paused * 1e3:.1f} ms" if preemptible and self._paused else "")
+                 f", paused {flight.paused * 1e3:.1f} ms" if flight.paused else "")
         if self.metrics is not None:
             self.metrics.observe_batch(len(keys), real, cost, elapsed)
         if rows is None:
-            self._isolate(keys, failure, preemptible)
+            self._isolate(keys, failure, flight.preemptible)
             return
         good = [(key, row) for key, row, b in zip(keys, rows, bad) if not b]
         self._store_rows([k for k, _ in good], [r for _, r in good])
@@ -573,6 +611,26 @@ class EmbeddingService:
                 f"the result would take about {size} bytes; the limit is {self.settings.max_result_bytes} "
                 "(EMBEDQ_MAX_RESULT_BYTES): send fewer inputs per job or a compact encoding")
         return payload
+
+
+@dataclass
+class _Flight:
+    """A launched micro-batch: ``rows()`` waits for its rows."""
+
+    keys: list[tuple[Job, int]]
+    jobs: tuple[Job, ...]
+    rows: Callable[[], list[Any]]
+    lengths: list[int]
+    t0: float
+    preemptible: bool
+    paused: float  # seconds its launch spent paused for online batches
+
+
+def _raising(exc: Exception) -> Callable[[], list[Any]]:
+    def rows() -> list[Any]:
+        raise exc
+
+    return rows
 
 
 def _expired(job: Job) -> errors.Expired:
