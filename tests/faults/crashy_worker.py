@@ -15,16 +15,16 @@ from embedq.producers.cli import main
 from embedq.workers import service
 
 MARKER = "POISON"
-_run = service.EmbeddingService._run
+_launch = service.EmbeddingService._launch  # every micro-batch enters the model here
 
 
-def _run_or_die(self: service.EmbeddingService, keys: list, *args: object, **kwargs: object) -> None:
+def _launch_or_die(self: service.EmbeddingService, keys: list, *args: object, **kwargs: object) -> object:
     if any(isinstance(job.texts, list) and MARKER in job.texts[i] for job, i in keys):
         os.kill(os.getpid(), signal.SIGKILL)
-    _run(self, keys, *args, **kwargs)
+    return _launch(self, keys, *args, **kwargs)
 
 
-service.EmbeddingService._run = _run_or_die
+service.EmbeddingService._launch = _launch_or_die
 
 if __name__ == "__main__":
     sys.exit(main(["worker"]))
