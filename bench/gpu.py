@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.models import DEFAULT_DIR, build_sentence_encoder  # noqa: E402
-from bench.pipeline import budget_batches, tree_cpu  # noqa: E402
+from bench.pipeline import padded_batches, tree_cpu  # noqa: E402
 
 CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
 MODELS = ("minilm", "bert-base", "bert-large")
@@ -101,12 +101,7 @@ def forward_row(folder: Path, texts: list[str], device: str, dtype: str, budget:
     max_len = json.loads((folder / "sentence_bert_config.json").read_text()).get("max_seq_length", 512)
     ids = tok(texts, padding=False, truncation=True, max_length=max_len, return_attention_mask=False,
               return_token_type_ids=False)["input_ids"]
-    batches = budget_batches(ids, len, budget)
-    tensors = []
-    for batch in batches:
-        width = len(batch[-1])
-        tensors.append((torch.tensor([row + [0] * (width - len(row)) for row in batch]),
-                        torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in batch])))
+    tensors = padded_batches(ids, budget)
     real = sum(len(row) for row in ids)
     torch_dtype = getattr(torch, dtype)
     model = AutoModel.from_pretrained(str(folder), dtype=torch_dtype).to(device).eval()

@@ -13,6 +13,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 #: hidden, layers, heads, intermediate: BERT-large and -base, MiniLM-L6 (quick runs), and a near-free one (one
 #: layer of width 32: what is left of a worker's cost is its own, bench/pipeline.py).
@@ -26,26 +27,28 @@ def default_model_dir(small: bool) -> Path:
     return DEFAULT_DIR / ("minilm-ce" if small else "bert-base-ce")
 
 
+def _built(out: Path, shape: str, marker: str) -> bool:
+    """``out`` already holds a complete model folder (config.json and ``marker``) of ``shape``; one of another
+    shape stops the benchmark."""
+    if not ((out / "config.json").exists() and (out / marker).exists()):
+        return False
+    hidden, layers = SHAPES[shape][:2]
+    found = json.loads((out / "config.json").read_text())
+    if (found.get("hidden_size"), found.get("num_hidden_layers")) != (hidden, layers):
+        raise SystemExit(f"{out} holds a {found.get('hidden_size')}-hidden, {found.get('num_hidden_layers')}-layer "
+                         f"model, not {shape}: delete it or pass another folder")
+    return True
+
+
 def build_cross_encoder(out: Path, *, shape: str = "bert-base", seed: int = 0) -> Path:
     """Build the CrossEncoder folder ``out`` once (an existing complete folder is kept as it is)."""
-    hidden, layers, heads, intermediate = SHAPES[shape]
-    if (out / "config.json").exists() and (out / "config_sentence_transformers.json").exists():
-        found = json.loads((out / "config.json").read_text())
-        if (found.get("hidden_size"), found.get("num_hidden_layers")) != (hidden, layers):
-            raise SystemExit(f"{out} holds a {found.get('hidden_size')}-hidden, {found.get('num_hidden_layers')}-layer "
-                             f"model, not {shape}: pass another --model-dir")
+    if _built(out, shape, "config_sentence_transformers.json"):
         return out
-    import torch
     from sentence_transformers import CrossEncoder
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
     tokenizer = _tokenizer(None)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
-                        num_attention_heads=heads, intermediate_size=intermediate, max_position_embeddings=512,
-                        type_vocab_size=2, num_labels=1, pad_token_id=tokenizer.pad_token_id,
-                        architectures=["BertForSequenceClassification"])
-    torch.manual_seed(seed)
-    model = BertForSequenceClassification(config).eval()
+    model = _random_bert(BertForSequenceClassification, shape, tokenizer, seed, num_labels=1)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))  # renamed into place: no half folders
@@ -60,6 +63,19 @@ def build_cross_encoder(out: Path, *, shape: str = "bert-base", seed: int = 0) -
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _random_bert(cls: Any, shape: str, tokenizer: Any, seed: int, **config: Any) -> Any:
+    """A randomly initialised (``seed``) BERT of ``shape`` for ``tokenizer``'s vocabulary, as ``cls``."""
+    import torch
+    from transformers import BertConfig
+
+    hidden, layers, heads, intermediate = SHAPES[shape]
+    torch.manual_seed(seed)
+    return cls(BertConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
+                          num_attention_heads=heads, intermediate_size=intermediate, max_position_embeddings=512,
+                          type_vocab_size=2, pad_token_id=tokenizer.pad_token_id, architectures=[cls.__name__],
+                          **config)).eval()
 
 
 def _tokenizer(tokenizer_dir: Path | None):
@@ -78,16 +94,11 @@ def build_sentence_encoder(out: Path, *, shape: str, max_seq_length: int = 256, 
                            tokenizer_dir: Path | None = None) -> Path:
     """Build the SentenceTransformer folder ``out`` once: a random BERT of ``shape`` with MiniLM's tokenizer, mean
     pooling and Normalize (an existing folder of the same shape is kept as it is)."""
-    hidden, layers, heads, intermediate = SHAPES[shape]
-    if (out / "modules.json").exists() and (out / "config.json").exists():
-        found = json.loads((out / "config.json").read_text())
-        if (found.get("hidden_size"), found.get("num_hidden_layers")) != (hidden, layers):
-            raise SystemExit(f"{out} holds a {found.get('hidden_size')}-hidden, {found.get('num_hidden_layers')}-layer "
-                             f"model, not {shape}: delete it or pass another folder")
+    hidden = SHAPES[shape][0]
+    if _built(out, shape, "modules.json"):
         return out
-    import torch
     from sentence_transformers import SentenceTransformer
-    from transformers import BertConfig, BertModel
+    from transformers import BertModel
 
     try:
         from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
@@ -95,11 +106,7 @@ def build_sentence_encoder(out: Path, *, shape: str, max_seq_length: int = 256, 
         from sentence_transformers.models import Normalize, Pooling, Transformer
 
     tokenizer = _tokenizer(tokenizer_dir)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
-                        num_attention_heads=heads, intermediate_size=intermediate, max_position_embeddings=512,
-                        type_vocab_size=2, pad_token_id=tokenizer.pad_token_id, architectures=["BertModel"])
-    torch.manual_seed(seed)
-    model = BertModel(config).eval()
+    model = _random_bert(BertModel, shape, tokenizer, seed)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))  # renamed into place: no half folders
     try:

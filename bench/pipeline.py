@@ -291,6 +291,18 @@ def budget_batches(rows: list, length: Callable[[Any], int], budget: int) -> lis
     return batches
 
 
+def padded_batches(ids: list[list[int]], budget: int) -> list[tuple[Any, Any]]:
+    """Token ids cut by :func:`budget_batches` into (input_ids, attention_mask) tensors, right-padded with 0."""
+    import torch
+
+    tensors = []
+    for batch in budget_batches(ids, len, budget):
+        width = len(batch[-1])
+        tensors.append((torch.tensor([row + [0] * (width - len(row)) for row in batch]),
+                        torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in batch])))
+    return tensors
+
+
 def model_floor(corpus: Path, n: int, budget: int = 2048) -> dict[str, Any]:
     """CPU ms per text of the model's forward alone (transformers, 1 thread, mean pooling + normalize) on the same
     texts, length-sorted into batches of at most ``budget`` padded tokens; tokenizing not counted."""
@@ -299,12 +311,7 @@ def model_floor(corpus: Path, n: int, budget: int = 2048) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     ids = AutoTokenizer.from_pretrained(str(MODEL_DIR))(load_texts(corpus, n), **TOKENIZE)["input_ids"]
-    batches = budget_batches(ids, len, budget)
-    tensors = []
-    for batch in batches:
-        width = len(batch[-1])
-        tensors.append((torch.tensor([row + [0] * (width - len(row)) for row in batch]),
-                        torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in batch])))
+    tensors = padded_batches(ids, budget)
     model = AutoModel.from_pretrained(str(MODEL_DIR)).eval()
 
     def run(part: list) -> None:
