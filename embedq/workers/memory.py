@@ -18,7 +18,8 @@ free space in the middle of the heap that glibc keeps: RSS creeps up by tens of 
     Runtime; with PyTorch's kernels it is not: under ``bench/load.py`` (60 s on the AVX2 machine) oneDNN's
     prepacked kernels ended at +16.3 % over their starting RSS at the peak (the free space is fragmented
     between live blocks, which no trim can return), PyTorch's own kernels at +6.5 % (inside issue 4's
-    limit, but on one short soak only), so ``auto`` keeps ``mmap`` for both.
+    limit, but on one short soak only); a 10-minute soak of PyTorch's kernels (Zen 5, issue 36) ended level
+    (-0.2 %) but peaked at +17.8 %, so ``auto`` keeps ``mmap`` for both.
 ``mmap``
     issue 4's fix: a fixed mmap threshold of 128 KiB, so every activation buffer is mapped and unmapped
     per use. Flat, but every batch pays its page faults (PyTorch's kernels lose a quarter of their speed
