@@ -1,8 +1,9 @@
 """The wire contract between producers and workers.
 
 A job is an ordinary Celery task message: ``send_task(spec.name, args=..., kwargs=options)`` where
-``spec`` is one entry of :data:`TASKS`, the table of job kinds (``embedq.embed``, ``embedq.rerank``,
-``embedq.predict``, ``embedq.tokenize``). Each spec says how a message's arguments become *items*
+``spec`` is one entry of :data:`TASKS`, the table of job kinds (``embedq.embed``, ``embedq.embed_sparse``,
+``embedq.embed_all``, ``embedq.embed_hybrid``, ``embedq.rerank``, ``embedq.predict``, ``embedq.tokenize``,
+``embedq.decode``). Each spec says how a message's arguments become *items*
 (what the scheduler packs: a text, or a text pair), which options the kind takes, and which named
 arrays its result holds. A result is a plain JSON/msgpack-able dict so that clients in any language
 can read it; Python clients turn it back into numpy with :func:`decode_result` / :func:`decode_arrays`.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -126,3 +127,14 @@ def test_producer_imports_without_torch_transformers_tokenizers():
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_the_docstrings_that_list_the_kinds_name_every_kind():
+    """protocol's and the consumer's module docstrings enumerate the Celery task of every kind: a kind added to the
+    table without them fails here (issue 38: they listed four kinds of eight)."""
+    import embedq.protocol
+    import embedq.workers.consumer
+
+    for module in (embedq.protocol, embedq.workers.consumer):
+        listed = set(re.findall(r"``(embedq\.[a-z_]+)``", module.__doc__ or ""))
+        assert set(embedq.protocol.TASKS) <= listed, (module.__name__, set(embedq.protocol.TASKS) - listed)

@@ -1,7 +1,8 @@
 """Celery integration: tasks whose messages bypass the pool and go to the coalescing service.
 
-There is one Celery task per job kind (``protocol.TASKS``: ``embedq.embed``, ``embedq.rerank``,
-``embedq.predict``, ``embedq.tokenize``), all with the same *strategy*: Celery hands each message to it.
+There is one Celery task per job kind (``protocol.TASKS``: ``embedq.embed``, ``embedq.embed_sparse``,
+``embedq.embed_all``, ``embedq.embed_hybrid``, ``embedq.rerank``, ``embedq.predict``, ``embedq.tokenize``,
+``embedq.decode``), all with the same *strategy*: Celery hands each message to it.
 It builds the Celery request, lets the :class:`~embedq.workers.service.EmbeddingService` validate, tokenize and buffer
 it, and returns at once: the consumer keeps pulling messages up to the prefetch window (the
 unacknowledged limit), so the scheduler sees the texts of *all* waiting jobs. When a job is done,
