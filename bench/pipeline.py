@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 import embedq  # noqa: E402
 from bench.models import SHAPES, build_sentence_encoder  # noqa: E402
 from embedq.backends.cpu import cpu_summary  # noqa: E402
-from embedq.monitor import KOMBU_UNACKED  # noqa: E402
+from embedq.keys import KOMBU_UNACKED  # noqa: E402
 from embedq.producers.client import Client  # noqa: E402
 from embedq.producers.embedded import RedisServer, start_worker, stop_worker, wait_for_worker  # noqa: E402
 from embedq.settings import Settings  # noqa: E402

@@ -21,8 +21,6 @@ from embedq.settings import Settings
 #: What a call to the broker raises while Redis is down or restarting (kombu, redis-py or the socket).
 BROKER_ERRORS = (OperationalError, RedisConnectionError, RedisTimeout, OSError, errors.BrokerUnavailable)
 
-#: List of JSON records of dead-lettered jobs, newest first (written by workers, read by ``embedq status``).
-DEAD_LETTERS = "embedq.dead-letters"
 
 
 def lease_interval(settings: Settings) -> float:

@@ -14,7 +14,8 @@ from typing import Any
 
 from celery.utils.collections import LimitedSet
 
-STREAM = "embedq.cancelled"
+from embedq.keys import CANCELLED_STREAM
+
 RETENTION = 24 * 3600  # seconds a cancellation is remembered (by the stream and by each worker)
 MAXLEN = 100_000  # announcements kept at most (approximate trimming)
 READ_COUNT = 1000
@@ -22,7 +23,7 @@ READ_COUNT = 1000
 
 def announce(client: Any, job_id: str) -> None:
     """Producer side: every worker drops ``job_id`` if it has not started it."""
-    client.xadd(STREAM, {"id": job_id}, maxlen=MAXLEN, approximate=True)
+    client.xadd(CANCELLED_STREAM, {"id": job_id}, maxlen=MAXLEN, approximate=True)
 
 
 class CancelFeed:
@@ -43,7 +44,7 @@ class CancelFeed:
         started = time.monotonic()
         new: list[str] = []
         while True:
-            reply = self.client.xread({STREAM: self.last_id}, count=READ_COUNT)
+            reply = self.client.xread({CANCELLED_STREAM: self.last_id}, count=READ_COUNT)
             entries = reply[0][1] if reply else []
             for entry_id, fields in entries:
                 self.last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id

@@ -23,18 +23,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from embedq.broker import DEAD_LETTERS
+from embedq.keys import DEAD_LETTERS, DEPTHS_KEY, KOMBU_BINDINGS, KOMBU_SEP, KOMBU_UNACKED, WORKER_KEY
 
-DEPTHS_KEY = "embedq.queue-depths"  # the last depths read by any worker, shared for DEPTHS_TTL seconds
 DEPTHS_TTL = 5.0
-WORKER_KEY = "embedq.worker.{}"  # one JSON record per live worker, keyed by its Celery node name
 REPORT_INTERVAL = 5.0  # seconds between two records of a worker
 WORKER_TTL = int(3 * REPORT_INTERVAL)
-KOMBU_BINDINGS = "_kombu.binding.{}"  # one set per exchange; members: routing key, pattern, queue
 #: Celery's own exchanges (remote control, replies, events): their queues are not job queues.
 CELERY_EXCHANGES = frozenset({"celery.pidbox", "reply.celery.pidbox", "celeryev"})
-KOMBU_SEP = "\x06\x16"
-KOMBU_UNACKED = "unacked"
 KOMBU_PRIORITY_STEPS = (3, 6, 9)  # kombu keeps priority messages in lists "<queue>\x06\x16<n>"
 
 #: Counts kombu's unacked hash per routing key (the last element of each JSON entry). Only each

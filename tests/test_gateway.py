@@ -469,7 +469,7 @@ def test_async_job_webhook_signed_retried_and_delivered_after_its_gateway_died(r
     webhook is called with the job's state, signed; a 500 is tried again. URLs outside the allowed prefix, and
     webhooks on a gateway that allows none, are refused with 422."""
     from embedq.broker import redis_client
-    from embedq.gateway.webhooks import LEASE_KEY, PENDING_KEY
+    from embedq.keys import WEBHOOK_LEASE_KEY, WEBHOOKS_KEY
 
     queue = f"embedq.test.gw-hook-{os.getpid()}"
     redis = redis_client(Settings(broker_url=redis_server.url))
@@ -499,7 +499,7 @@ def test_async_job_webhook_signed_retried_and_delivered_after_its_gateway_died(r
         # settles: the job leaves the set of owed webhooks and its lease is deleted. Past that nothing is owed,
         # so no replica calls again.
         deadline = time.monotonic() + 60
-        while redis.sismember(PENDING_KEY, job_id) or redis.exists(LEASE_KEY.format(job_id)):
+        while redis.sismember(WEBHOOKS_KEY, job_id) or redis.exists(WEBHOOK_LEASE_KEY.format(job_id)):
             state = httpx.get(f"{second.url}/jobs/{job_id}").text
             assert time.monotonic() < deadline, f"job {job_id}'s webhook was still owed 60 s after its call: {state}"
             time.sleep(0.1)

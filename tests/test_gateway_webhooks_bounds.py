@@ -173,19 +173,19 @@ def _wait(what: str, ready: Callable[[], bool], timeout: float = 60) -> None:
 # -- finding 5: what /jobs stores -----------------------------------------------------------------------------
 def test_a_job_stores_its_validated_request_not_unknown_fields(gateway, redis):
     """Unknown fields are dropped, as every route ignores them (``extra="ignore"``): they are not stored."""
-    from embedq.gateway.app import JOB_KEY
+    from embedq.keys import GATEWAY_JOB_KEY
 
     pad = "A" * 2_000_000
     started = _post(gateway, inputs=["hello there"], truncate=True, pad=pad, parameters={"pad": pad})
     assert started.status_code == 202, started.text
-    raw = redis.get(JOB_KEY.format(started.json()["id"]))
+    raw = redis.get(GATEWAY_JOB_KEY.format(started.json()["id"]))
     assert len(raw) < 2000, f"the job's record is {len(raw)} bytes"
     assert json.loads(raw)["body"] == {"inputs": ["hello there"], "truncate": True}
     nested = httpx.post(gateway.url + "/jobs", json={"kind": "similarity", "body": {
         "inputs": {"source_sentence": "a cat", "sentences": ["a dog"], "pad": pad},
         "parameters": {"truncate": False, "pad": pad}, "pad": pad}}, timeout=60)
     assert nested.status_code == 202, nested.text
-    raw = redis.get(JOB_KEY.format(nested.json()["id"]))
+    raw = redis.get(GATEWAY_JOB_KEY.format(nested.json()["id"]))
     assert len(raw) < 2000, f"the job's record is {len(raw)} bytes"
     assert json.loads(raw)["body"] == {"inputs": {"source_sentence": "a cat", "sentences": ["a dog"]},
                                        "parameters": {"truncate": False}}
@@ -300,19 +300,18 @@ def test_a_large_answer_is_read_up_to_the_limit_and_its_connection_closed(gatewa
 def test_an_owed_webhook_with_a_url_the_client_refuses_fails_instead_of_staying_owed(gateway, receivers, redis):
     """A record stored before this check (or by a gateway with another allow-list) names a URL with a tab: its
     delivery ends as failed, not retried under a lease for the job's lifetime."""
-    from embedq.gateway.app import JOB_KEY
-    from embedq.gateway.webhooks import LEASE_KEY, PENDING_KEY
+    from embedq.keys import GATEWAY_JOB_KEY, WEBHOOK_LEASE_KEY, WEBHOOKS_KEY
 
     job_id = _post(gateway).json()["id"]
-    key = JOB_KEY.format(job_id)
+    key = GATEWAY_JOB_KEY.format(job_id)
     record = json.loads(redis.get(key))
     record["webhook"] = {"url": receivers["ok"].url + "/hooks/a\tb", "state": "pending"}  # allowed but for its tab
     redis.set(key, json.dumps(record), keepttl=True)
-    redis.sadd(PENDING_KEY, job_id)  # owed; no replica holds its lease: the next sweep claims it
+    redis.sadd(WEBHOOKS_KEY, job_id)  # owed; no replica holds its lease: the next sweep claims it
     state = _settled(gateway, job_id)
     assert state["webhook"]["state"] == "failed", state
     _wait("the webhook is no longer owed",
-          lambda: not redis.sismember(PENDING_KEY, job_id) and not redis.exists(LEASE_KEY.format(job_id)))
+          lambda: not redis.sismember(WEBHOOKS_KEY, job_id) and not redis.exists(WEBHOOK_LEASE_KEY.format(job_id)))
 
 
 def test_an_exception_of_the_http_client_ends_the_call_as_failed():

@@ -24,7 +24,7 @@ from conftest import WorkerHandle
 from kombu import Connection
 from prometheus_client.parser import text_string_to_metric_families
 
-from embedq import monitor
+from embedq import keys, monitor
 from embedq.broker import redis_client
 from embedq.producers.embedded import RedisServer, free_port
 from embedq.settings import Settings
@@ -281,7 +281,7 @@ def test_queue_depth_counts_waiting_and_unacknowledged_messages(stack, monkeypat
         assert (depths[qa].waiting, depths[qa].unacked, depths[qa].depth) == (3, 2, 5)
         assert (depths[qb].waiting, depths[qb].unacked) == (3, 0)
         # Shared between workers: the first read counts and stores, the next reads within the TTL reuse it ...
-        client.delete(monitor.DEPTHS_KEY)
+        client.delete(keys.DEPTHS_KEY)
         assert monitor.shared_queue_depths(client, [qa])[qa].unacked == 2
         for message in taken:
             message.ack()
@@ -290,12 +290,12 @@ def test_queue_depth_counts_waiting_and_unacknowledged_messages(stack, monkeypat
         # ... unless a queue is missing from it (just declared), or the shared copy has expired (deleted here).
         qc = f"embedq.test.depth-c-{uuid.uuid4().hex[:6]}"
         assert monitor.shared_queue_depths(client, [qa, qc])[qa].unacked == 0
-        client.delete(monitor.DEPTHS_KEY)
+        client.delete(keys.DEPTHS_KEY)
         assert monitor.shared_queue_depths(client, [qa])[qa].unacked == 0
-        assert client.pttl(monitor.DEPTHS_KEY) > 60_000  # stored for DEPTHS_TTL as read at call time (patched)
+        assert client.pttl(keys.DEPTHS_KEY) > 60_000  # stored for DEPTHS_TTL as read at call time (patched)
         a.close()
         b.close()
-    client.delete(monitor.DEPTHS_KEY)  # the worker's scrapes must not reuse this test's hour-long copy
+    client.delete(keys.DEPTHS_KEY)  # the worker's scrapes must not reuse this test's hour-long copy
     client.close()
 
 

@@ -46,6 +46,7 @@ from embedq.batching.traffic import BULK, ONLINE
 from embedq.broker import tls_options
 from embedq.gateway.results import AsyncResults
 from embedq.gateway.webhooks import Webhooks, check_url
+from embedq.keys import GATEWAY_JOB_KEY
 from embedq.producers.client import DEADLINE_GRACE, DEFAULT_RESULT_TIMEOUT, Client, decode_output
 from embedq.protocol import MAX_DEADLINE_SECONDS, decode_result, id_lists
 from embedq.settings import Settings
@@ -60,8 +61,6 @@ REGISTRY_TTL = 1.0
 RETRY_AFTER = 1
 #: Seconds between looks, while requests wait, at whether Redis restarted or lost its data (then: resend).
 EPOCH_CHECK = 1.0
-#: The record of an async job (``POST /jobs``): its kind, its request body and its embedq job ids.
-JOB_KEY = "embedq.gateway.job.{}"
 
 
 class JSONResponse(_StarletteJSON):
@@ -876,18 +875,18 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
                                   "model": gateway.target(request, body.model)[0], "created": time.time()}
         if webhook is not None:
             record["webhook"] = {"url": webhook, "state": "pending"}
-        await gateway.results.redis.set(JOB_KEY.format(job_id), json.dumps(record), ex=settings.result_ttl)
+        await gateway.results.redis.set(GATEWAY_JOB_KEY.format(job_id), json.dumps(record), ex=settings.result_ttl)
         if webhook is not None:
             await webhooks[0].owe(job_id)
         return JSONResponse({"id": job_id, "status": "queued"}, status_code=202,
                             headers={"Location": f"/jobs/{job_id}"})
 
     async def stored_record(job_id: str) -> dict[str, Any] | None:
-        raw = await gateway.results.redis.get(JOB_KEY.format(job_id))
+        raw = await gateway.results.redis.get(GATEWAY_JOB_KEY.format(job_id))
         return None if raw is None else json.loads(raw)
 
     async def save_record(job_id: str, record: dict[str, Any]) -> None:
-        await gateway.results.redis.set(JOB_KEY.format(job_id), json.dumps(record), keepttl=True)
+        await gateway.results.redis.set(GATEWAY_JOB_KEY.format(job_id), json.dumps(record), keepttl=True)
 
     async def job_record(job_id: str) -> dict[str, Any]:
         record = await stored_record(job_id)
@@ -929,7 +928,8 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
             webhooks[0].cancel(job_id)
             await webhooks[0].settle(job_id)
         cancelled = [await asyncio.to_thread(client.cancel, j) for j in record["jobs"]]
-        await gateway.results.redis.delete(JOB_KEY.format(job_id), *[gateway.results.key(j) for j in record["jobs"]])
+        await gateway.results.redis.delete(GATEWAY_JOB_KEY.format(job_id),
+                                           *[gateway.results.key(j) for j in record["jobs"]])
         return JSONResponse({"id": job_id, "status": "cancelled" if any(cancelled) else "deleted"})
 
     @app.post("/", summary="TEI: the served model's own route (embed, rerank, predict or embed_sparse)",

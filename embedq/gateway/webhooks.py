@@ -20,8 +20,8 @@ refuses (a URL it cannot send), ends it. The outcome is kept in the job's record
 ``GET /jobs/{id}``): its state, calls, status code and the error's kind, never what the receiver answered, so a
 webhook cannot be used to read other addresses.
 
-The gateway keeps no state of its own: a webhook owed is the job's id in the Redis set :data:`PENDING_KEY`,
-and the replica delivering it holds a lease (:data:`LEASE_KEY`, renewed while it works). A replica that stops
+The gateway keeps no state of its own: a webhook owed is the job's id in the Redis set :data:`WEBHOOKS_KEY`,
+and the replica delivering it holds a lease (:data:`WEBHOOK_LEASE_KEY`, renewed while it works). A replica that stops
 or dies leaves the id in the set and its lease lapses; any replica's sweep (three a lease) claims it and
 delivers it. A call can therefore come twice (a replica killed between the call and its record):
 receivers should treat ``X-Embedq-Job`` as an idempotency key.
@@ -44,13 +44,10 @@ from urllib.parse import quote, urlsplit
 import orjson
 
 from embedq import __version__, errors
+from embedq.keys import WEBHOOK_LEASE_KEY, WEBHOOKS_KEY
 
 log = logging.getLogger(__name__)
 
-#: Redis set of the async jobs whose webhook is owed.
-PENDING_KEY = "embedq.gateway.webhooks"
-#: A replica's claim on delivering one job's webhook (``EMBEDQ_WEBHOOK_LEASE`` seconds unless renewed).
-LEASE_KEY = "embedq.gateway.webhook.lease.{}"
 #: Characters of a webhook URL (it is stored with its job for EMBEDQ_RESULT_TTL).
 MAX_URL_LENGTH = 2048
 #: Seconds one call of a webhook may take in all, and bytes of its answer read, unless configured
@@ -246,8 +243,8 @@ class Webhooks:
 
     async def owe(self, job_id: str) -> None:
         """Record that ``job_id``'s webhook is owed and start delivering it from this replica."""
-        await self.redis.sadd(PENDING_KEY, job_id)
-        if await self.redis.set(LEASE_KEY.format(job_id), self.owner, nx=True, px=self.lease_ms):
+        await self.redis.sadd(WEBHOOKS_KEY, job_id)
+        if await self.redis.set(WEBHOOK_LEASE_KEY.format(job_id), self.owner, nx=True, px=self.lease_ms):
             self._start(job_id)
 
     def cancel(self, job_id: str) -> None:
@@ -272,12 +269,12 @@ class Webhooks:
 
     async def _sweep(self) -> None:
         for job_id in list(self._tasks):  # leases of the deliveries under way: renewed
-            await self.redis.pexpire(LEASE_KEY.format(job_id), self.lease_ms)
-        for raw in await self.redis.smembers(PENDING_KEY):
+            await self.redis.pexpire(WEBHOOK_LEASE_KEY.format(job_id), self.lease_ms)
+        for raw in await self.redis.smembers(WEBHOOKS_KEY):
             job_id = raw.decode() if isinstance(raw, bytes) else str(raw)
             if job_id in self._tasks:
                 continue
-            if await self.redis.set(LEASE_KEY.format(job_id), self.owner, nx=True, px=self.lease_ms):
+            if await self.redis.set(WEBHOOK_LEASE_KEY.format(job_id), self.owner, nx=True, px=self.lease_ms):
                 log.info("delivering the webhook of job %s (owed, no replica held it)", job_id)
                 self._start(job_id)
 
@@ -309,8 +306,8 @@ class Webhooks:
 
     async def settle(self, job_id: str) -> None:
         """Nothing is owed for ``job_id`` any more."""
-        await self.redis.srem(PENDING_KEY, job_id)
-        await self.redis.delete(LEASE_KEY.format(job_id))
+        await self.redis.srem(WEBHOOKS_KEY, job_id)
+        await self.redis.delete(WEBHOOK_LEASE_KEY.format(job_id))
 
     async def _call(self, job_id: str, url: str, state: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """Calls of ``url`` until one is answered below 300, or with another status that is not retried, or the

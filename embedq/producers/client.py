@@ -36,6 +36,7 @@ from kombu.utils.url import maybe_sanitize_url
 from embedq import cancellation, errors, monitor
 from embedq.batching.traffic import BULK, ONLINE, TRAFFIC_CLASSES
 from embedq.broker import BROKER_ERRORS, make_app, redis_client
+from embedq.keys import EPOCH_KEY
 from embedq.protocol import (
     DECODE,
     EMBED,
@@ -74,8 +75,6 @@ POLL_SLICE = 0.25
 #: Seconds a queue's depth read by the backpressure check is reused, while under this share of the limit.
 DEPTH_REUSE = 0.05
 DEPTH_REUSE_SHARE = 0.5
-#: A key with no TTL that changes when Redis loses its data (restarted without persistence, flushed).
-EPOCH_KEY = "embedq.epoch"
 #: Seconds a handle waits past its job's deadline for a result of a job that started just in time.
 DEADLINE_GRACE = 1.0
 #: Longest pause between two looks at a full bulk queue.

@@ -31,12 +31,10 @@ from typing import Any
 
 from celery import states
 
-from embedq.broker import DEAD_LETTERS
+from embedq.keys import ATTEMPTS_KEY, DEAD_LETTERS, RETURNED_KEY
 
 log = logging.getLogger(__name__)
 
-ATTEMPTS_KEY = "embedq-attempts-{}"  # counted isolated runs of a suspect job (exists = suspect)
-RETURNED_KEY = "embedq-returned-{}"  # set when a stopping worker handed the job back gracefully
 DEAD_LETTERS_KEPT = 10_000
 BOOKKEEPING_TTL = 7 * 24 * 3600
 

@@ -22,10 +22,10 @@ from celery.result import AsyncResult
 from conftest import CONTROLLED_WORKER, WorkerHandle, closed_gate
 
 from embedq import errors, monitor
+from embedq.keys import ATTEMPTS_KEY, RETURNED_KEY
 from embedq.protocol import TASK_NAME
 from embedq.settings import Settings
 from embedq.workers.consumer import EXIT_FAILED
-from embedq.workers.delivery import ATTEMPTS_KEY, RETURNED_KEY
 
 pytestmark = pytest.mark.timeout(600)
 
