@@ -28,6 +28,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import subprocess
 import sys
 import threading
 import time
@@ -323,8 +324,6 @@ def versions(device: str) -> dict[str, Any]:
     if device.startswith("cuda"):
         out.update(gpu=torch.cuda.get_device_name(torch.device(device)), cuda=torch.version.cuda)
         try:
-            import subprocess
-
             out["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                            capture_output=True, text=True, timeout=30).stdout.strip()
         except (OSError, subprocess.SubprocessError):

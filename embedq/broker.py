@@ -22,7 +22,6 @@ from embedq.settings import Settings
 BROKER_ERRORS = (OperationalError, RedisConnectionError, RedisTimeout, OSError, errors.BrokerUnavailable)
 
 
-
 def lease_interval(settings: Settings) -> float:
     """Seconds between a worker's renewals of the messages it holds (see workers/delivery.py)."""
     return max(settings.visibility_timeout / 4, 1.0)

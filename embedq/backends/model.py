@@ -10,8 +10,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
 from typing import Any
@@ -68,17 +69,12 @@ class ModelBackend(Backend):
         for i, item in enumerate(batch):
             groups.setdefault(item.head, []).append(i)
         rows: list[Any] = [None] * len(batch)
-        try:
-            with torch.inference_mode():
-                output, mask = self.encoder.run(batch)
-                for name, positions in groups.items():
-                    index = None if len(groups) == 1 else torch.tensor(positions, device=mask.device)
-                    for i, row in zip(positions, self._by_name[name].rows(output, mask, index, batch)):
-                        rows[i] = row
-        except errors.EmbedqError:
-            raise
-        except (RuntimeError, ValueError) as exc:
-            raise errors.BackendError(f"the forward pass failed: {exc}") from exc
+        with _forward_errors(), torch.inference_mode():
+            output, mask = self.encoder.run(batch)
+            for name, positions in groups.items():
+                index = None if len(groups) == 1 else torch.tensor(positions, device=mask.device)
+                for i, row in zip(positions, self._by_name[name].rows(output, mask, index, batch)):
+                    rows[i] = row
         return rows
 
     @property
@@ -92,24 +88,17 @@ class ModelBackend(Backend):
         head = self._by_name.get("dense")
         if not self.launches_async or not batch or head is None or any(item.head != "dense" for item in batch):
             return super().launch(batch)
-        try:
-            with torch.inference_mode():
-                output, mask = self.encoder.run(batch)
-                vectors = head.vectors(output, mask, None, batch)  # type: ignore[attr-defined]
-                host = torch.empty(vectors.shape, dtype=vectors.dtype, pin_memory=True)
-                host.copy_(vectors, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record()
-        except errors.EmbedqError:
-            raise
-        except (RuntimeError, ValueError) as exc:
-            raise errors.BackendError(f"the forward pass failed: {exc}") from exc
+        with _forward_errors(), torch.inference_mode():
+            output, mask = self.encoder.run(batch)
+            vectors = head.vectors(output, mask, None, batch)  # type: ignore[attr-defined]
+            host = torch.empty(vectors.shape, dtype=vectors.dtype, pin_memory=True)
+            host.copy_(vectors, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
 
         def rows() -> list[Any]:
-            try:
+            with _forward_errors():
                 copied.synchronize()  # an error of the queued work surfaces here
-            except RuntimeError as exc:
-                raise errors.BackendError(f"the forward pass failed: {exc}") from exc
             # Out of the pinned block at once: rows live until their job's result is written, pinned memory is dear.
             return list(host.numpy().copy())
 
@@ -126,6 +115,17 @@ class ModelBackend(Backend):
 
     def health(self) -> dict[str, Any]:
         return {**super().health(), "max_seq_length": self.max_seq_length, "pooling": self.info.pooling}
+
+
+@contextlib.contextmanager
+def _forward_errors() -> Iterator[None]:
+    """What a forward pass raises, as the typed error of its micro-batch (an EmbedqError passes as it is)."""
+    try:
+        yield
+    except errors.EmbedqError:
+        raise
+    except (RuntimeError, ValueError) as exc:
+        raise errors.BackendError(f"the forward pass failed: {exc}") from exc
 
 
 def read_modules(folder: Path) -> list[tuple[str, Path]]:

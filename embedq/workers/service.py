@@ -125,8 +125,7 @@ class EmbeddingService:
         # Liveness (read by the worker's watchdog, see health()): when the inference thread last showed progress,
         # and the jobs of the micro-batch(es) it has in the model now.
         self.beat = time.monotonic()
-        self.running: tuple[Job, ...] = ()
-        self._in_model: list[tuple[Job, ...]] = []  # the jobs of each micro-batch in the model now
+        self._in_model: list[tuple[Job, ...]] = []  # the jobs of each micro-batch in the model now (see running)
         self.deadlines = Deadlines()
         self._cond = threading.Condition()
         self._stopping = False
@@ -295,15 +294,14 @@ class EmbeddingService:
                     wake = self.deadlines.next_deadline(lambda job: job.done)
                     self._cond.wait(IDLE_WAIT if wake is None else min(max(wake - now, 0.0) + 0.001, IDLE_WAIT))
                 stopping = self._stopping
-                if stopping:
-                    pass
-                elif self._suspects:
-                    if pending is None:  # a suspect runs alone: nothing else in the model with it
-                        suspect = self._suspects.popleft()
-                        starting = self._start([suspect])
-                elif len(self.scheduler):
-                    batch = self.scheduler.next_batch()
-                    starting = self._start(item.key[0] for item in batch)
+                if not stopping:
+                    if self._suspects:
+                        if pending is None:  # a suspect runs alone: nothing else in the model with it
+                            suspect = self._suspects.popleft()
+                            starting = self._start([suspect])
+                    elif len(self.scheduler):
+                        batch = self.scheduler.next_batch()
+                        starting = self._start(item.key[0] for item in batch)
             if suspect is not None or batch is not None:
                 self._started(starting)
             try:
@@ -312,13 +310,10 @@ class EmbeddingService:
                 elif batch is not None:
                     keys = [item.key for item in batch]
                     flight = self._launch(keys, self.preemptive and all(j.traffic_class == BULK for j, _ in keys))
-                    landing, pending = pending, flight
-                    if landing is not None:
-                        self._land(landing)
-                    if not self.backend.launches_async:
-                        landing, pending = pending, None
-                        if landing is not None:
-                            self._land(landing)
+                    if self.backend.launches_async:  # the last one lands now, this one after the next launch
+                        flight, pending = pending, flight
+                    if flight is not None:
+                        self._land(flight)
                 elif pending is not None:
                     landing, pending = pending, None
                     self._land(landing)
@@ -347,6 +342,11 @@ class EmbeddingService:
             self.stats.add(online_started=online)
             self.stats.time("online_wait_seconds", waited)
         return starting
+
+    @property
+    def running(self) -> tuple[Job, ...]:
+        """The jobs of the micro-batches in the model now (read by the watchdog from other threads)."""
+        return tuple(itertools.chain.from_iterable(self._in_model))
 
     def _started(self, starting: list[Job]) -> None:
         if self.on_started is not None:
@@ -435,7 +435,6 @@ class EmbeddingService:
             self._paused, self._layer = 0.0, 0
         jobs = tuple(dict.fromkeys(job for job, _ in keys))
         self._in_model.append(jobs)  # a preempting batch runs inside a bulk one: both are in the model
-        self.running = tuple(itertools.chain.from_iterable(self._in_model))
         t0 = time.perf_counter()
         try:
             if preemptible:
@@ -459,7 +458,6 @@ class EmbeddingService:
         # Not in a finally: if something the thread cannot survive escapes the model, these jobs stay "running",
         # and the worker's watchdog counts the delivery against them (see health()).
         self._in_model = [jobs for jobs in self._in_model if jobs is not flight.jobs]
-        self.running = tuple(itertools.chain.from_iterable(self._in_model))
         self.beat = time.monotonic()
         # From launch to rows: with two micro-batches in flight (launches_async) their times overlap.
         elapsed = time.perf_counter() - flight.t0 - flight.paused
