@@ -15,7 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeout
 
 from embedq import errors
-from embedq.protocol import TASKS
+from embedq.kinds import TASKS, load_plugins
 from embedq.settings import Settings
 
 #: What a call to the broker raises while Redis is down or restarting (kombu, redis-py or the socket).
@@ -108,6 +108,7 @@ def celery_config(settings: Settings) -> dict[str, object]:
 
 
 def make_app(settings: Settings, *, name: str = "embedq") -> Celery:
+    load_plugins(settings.kind_plugins)  # before the routes: a plugin's kind is routed like the others
     app = Celery(name, set_as_current=False)
     app.conf.update(celery_config(settings))
     return app

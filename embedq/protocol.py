@@ -1,19 +1,17 @@
-"""The wire contract between producers and workers.
+"""The wire contract between producers and workers: what a job's message and its result hold.
 
-A job is an ordinary Celery task message: ``send_task(spec.name, args=..., kwargs=options)`` where
-``spec`` is one entry of :data:`TASKS`, the table of job kinds (``embedq.embed``, ``embedq.embed_sparse``,
-``embedq.embed_all``, ``embedq.embed_hybrid``, ``embedq.rerank``, ``embedq.predict``, ``embedq.tokenize``,
-``embedq.decode``). Each spec says how a message's arguments become *items*
-(what the scheduler packs: a text, or a text pair), which options the kind takes, and which named
-arrays its result holds. A result is a plain JSON/msgpack-able dict so that clients in any language
-can read it; Python clients turn it back into numpy with :func:`decode_result` / :func:`decode_arrays`.
-Adding a kind is one entry here and a head in ``embedq/backends`` (docs/ARCHITECTURE.md).
+A job is an ordinary Celery task message: ``send_task(spec.name, args=..., kwargs=options)`` where ``spec`` is one
+entry of the table of job kinds (``embedq/kinds.py``). This module holds what every kind shares: the options models
+(one per built-in kind, all under :class:`JobOptions`), the checks of texts at the edge and again in the worker, the
+message-size check, the encoding of result arrays, and the :class:`Fingerprint` of an embedding space. A result is a
+plain JSON/msgpack-able dict so that clients in any language can read it; Python clients turn it back into numpy
+with :func:`decode_result` / :func:`decode_arrays`.
 """
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -159,13 +157,7 @@ def short_options(options: Any) -> str:
     return repr(shown)[:200]
 
 
-def task_reprs(texts: Sequence[Any], options: dict[str, Any], kind: str = "embed") -> dict[str, str]:
-    """Celery's ``argsrepr``/``kwargsrepr`` for a job: what Celery and Flower show instead of the texts."""
-    what = {"rerank": "query, {} texts", "predict": "{} inputs", "decode": "{} id lists"}.get(kind, "{} texts")
-    return {"argsrepr": "[" + what.format(len(texts)) + "]", "kwargsrepr": short_options(options)}
-
-
-def _job_list(values: Any, *, max_texts: int, what: str, one: str, many: str) -> list[Any]:
+def job_list(values: Any, *, max_texts: int, what: str, one: str, many: str) -> list[Any]:
     """A job's inputs as a non-empty list of at most ``max_texts`` entries (a single string is a list of one)."""
     if isinstance(values, str):
         values = [values]
@@ -178,7 +170,7 @@ def _job_list(values: Any, *, max_texts: int, what: str, one: str, many: str) ->
     return list(values)
 
 
-def _text(text: Any, where: str, max_chars: int) -> str:
+def check_text(text: Any, where: str, max_chars: int) -> str:
     """One text of a job, checked where the producer and the worker both check it."""
     if not isinstance(text, str):
         raise errors.InvalidType(f"{where} is {type(text).__name__}, not a string")
@@ -196,12 +188,12 @@ def _text(text: Any, where: str, max_chars: int) -> str:
 
 def validate_texts(texts: Any, *, max_texts: int, max_chars: int) -> list[str]:
     """Check a job's inputs at the edge (producer) and again in the worker."""
-    texts = _job_list(texts, max_texts=max_texts, what="strings", one="text", many="texts")
+    texts = job_list(texts, max_texts=max_texts, what="strings", one="text", many="texts")
     for i, text in enumerate(texts):
         # The common case (a non-empty ASCII str within the limit) in one expression; anything else is checked, and
         # named in its error, by _text.
         if type(text) is not str or len(text) > max_chars or not text.isascii() or not text or text.isspace():
-            texts[i] = _text(text, f"inputs[{i}]", max_chars)
+            texts[i] = check_text(text, f"inputs[{i}]", max_chars)
     return texts
 
 
@@ -406,129 +398,6 @@ def decode_hybrid(payload: dict[str, Any]) -> HybridEmbedding:
                                  "values": payload["lexical_values"], "tokens": payload.get("lexical_tokens")})
     colbert = decode_ragged(payload, "colbert_offsets", "colbert") if "colbert" in payload else None
     return HybridEmbedding(dense, lexical, colbert)
-
-
-# -- the table of job kinds --------------------------------------------------------------------
-#: One item of a job: a text, a text pair (rerank's (query, text), predict's pairs), or token ids (decode).
-Item = str | tuple[str, str] | tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    """One kind of job: its Celery task, its options, how its arguments become items, its result."""
-
-    kind: str
-    name: str  # Celery task name
-    options: type[JobOptions]
-    #: (args, max_texts, max_chars) -> the job's validated items; raises a typed error for that job
-    items: Callable[[Any, int, int], list[Item]]
-    #: items a message holds, read before validation (the prefetch window counts them)
-    size: Callable[[Any], int]
-    #: the named arrays of its result (plus, for some kinds, plain fields: see decode)
-    arrays: tuple[str, ...]
-    #: what the worker's task takes, for error messages
-    signature: str
-
-    def parse_options(self, kwargs: Any) -> JobOptions:
-        return self.options.parse(kwargs)
-
-
-def _one_arg(args: Any, spec: str) -> Any:
-    if not isinstance(args, (list, tuple)) or len(args) != 1:
-        raise errors.InvalidType(f"this task takes exactly one positional argument ({spec})")
-    return args[0]
-
-
-def _text_items(args: Any, max_texts: int, max_chars: int) -> list[Item]:
-    return list(validate_texts(_one_arg(args, "the list of texts"), max_texts=max_texts, max_chars=max_chars))
-
-
-def _rerank_items(args: Any, max_texts: int, max_chars: int) -> list[Item]:
-    if not isinstance(args, (list, tuple)) or len(args) != 2:
-        raise errors.InvalidType("embedq.rerank takes exactly two positional arguments (query, texts)")
-    query, texts = args
-    query = _text(query, "query", max_chars)
-    texts = validate_texts(texts, max_texts=max_texts, max_chars=max_chars)
-    return [(query, text) for text in texts]
-
-
-def _predict_items(args: Any, max_texts: int, max_chars: int) -> list[Item]:
-    inputs = _job_list(_one_arg(args, "the list of inputs: texts or [text, text] pairs"), max_texts=max_texts,
-                       what="texts or text pairs", one="text or pair", many="inputs")
-    items: list[Item] = []
-    for i, entry in enumerate(inputs):
-        if isinstance(entry, str):
-            items.append(_text(entry, f"inputs[{i}]", max_chars))
-        elif isinstance(entry, (list, tuple)) and len(entry) == 2:
-            items.append((_text(entry[0], f"inputs[{i}][0]", max_chars), _text(entry[1], f"inputs[{i}][1]", max_chars)))
-        else:
-            raise errors.InvalidType(f"inputs[{i}] must be a text or a pair of texts, got "
-                                     f"{type(entry).__name__}{f' of {len(entry)}' if isinstance(entry, list) else ''}")
-    return items
-
-
-#: The largest token id a decode job may carry (TEI's ids are u32).
-MAX_TOKEN_ID = 2**32 - 1
-
-
-def id_lists(ids: Any) -> Any:
-    """TEI's ``ids`` as a list of id lists: one list of ints is one input, a list of them a batch (anything else
-    is left for validation to refuse)."""
-    if isinstance(ids, (list, tuple)) and ids and all(isinstance(i, int) for i in ids):
-        return [list(ids)]
-    return ids
-
-
-def _id_items(args: Any, max_texts: int, max_chars: int) -> list[Item]:
-    """A decode job's id lists (:func:`id_lists`), each at most ``max_chars`` ids long."""
-    values = id_lists(_one_arg(args, "the list of token-id lists"))
-    lists = _job_list(values, max_texts=max_texts, what="token-id lists", one="list of token ids", many="id lists")
-    items: list[Item] = []
-    for i, ids in enumerate(lists):
-        if not isinstance(ids, (list, tuple)):
-            raise errors.InvalidType(f"ids[{i}] is {type(ids).__name__}, not a list of token ids")
-        if not ids:
-            raise errors.EmptyText(f"ids[{i}] is empty")
-        if len(ids) > max_chars:
-            raise errors.TextTooLong(f"ids[{i}] has {len(ids)} ids; the limit is {max_chars}")
-        for j, token in enumerate(ids):  # bool is an int to Python, never a token id
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MAX_TOKEN_ID:
-                raise errors.InvalidType(f"ids[{i}][{j}] is {token!r}, not a token id (an integer 0..2^32-1)")
-        items.append(tuple(ids))
-    return items
-
-
-def _first_len(index: int) -> Callable[[Any], int]:
-    def size(args: Any) -> int:
-        try:
-            value = args[index]
-        except (TypeError, IndexError, KeyError):
-            return 1
-        return len(value) if isinstance(value, (list, tuple)) else 1
-    return size
-
-
-EMBED = TaskSpec("embed", TASK_NAME, EmbedOptions, _text_items, _first_len(0), ("vectors",), "(texts)")
-RERANK = TaskSpec("rerank", "embedq.rerank", RerankOptions, _rerank_items, _first_len(1), ("scores",),
-                  "(query, texts)")
-PREDICT = TaskSpec("predict", "embedq.predict", PredictOptions, _predict_items, _first_len(0),
-                   ("scores",), "(inputs)")
-EMBED_SPARSE = TaskSpec("embed_sparse", "embedq.embed_sparse", SparseOptions, _text_items, _first_len(0),
-                        ("offsets", "indices", "values"), "(texts)")
-EMBED_ALL = TaskSpec("embed_all", "embedq.embed_all", EmbedAllOptions, _text_items, _first_len(0),
-                     ("offsets", "tokens"), "(texts)")
-EMBED_HYBRID = TaskSpec("embed_hybrid", "embedq.embed_hybrid", HybridOptions, _text_items, _first_len(0),
-                        ("dense", "lexical_offsets", "lexical_indices", "lexical_values", "colbert_offsets", "colbert"),
-                        "(texts)")
-TOKENIZE = TaskSpec("tokenize", "embedq.tokenize", TokenizeOptions, _text_items, _first_len(0),
-                    ("ids", "offsets", "spans", "special"), "(texts)")
-DECODE = TaskSpec("decode", "embedq.decode", DecodeOptions, _id_items, _first_len(0), (), "(ids)")
-
-#: Every kind of job by Celery task name (the worker registers one task per entry).
-TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (EMBED, EMBED_SPARSE, EMBED_ALL, EMBED_HYBRID, RERANK,
-                                                             PREDICT, TOKENIZE, DECODE)}
-#: The same specs by kind.
-KINDS: dict[str, TaskSpec] = {spec.kind: spec for spec in TASKS.values()}
 
 
 def texts_list(texts: str | Sequence[str]) -> list[str]:

@@ -241,6 +241,13 @@ class Settings(BaseSettings):
         "architecture and serve other vectors silently). On: only modules inside the folder are run, never "
         "downloaded ones; their source is part of the weights hash.",
     )
+    kinds: str = Field(
+        default="",
+        description="Job kinds from plugins: comma-separated import paths, each 'package.module' (its KINDS list) or "
+        "'package.module:NAME' (a TaskSpec or a list of them); packages may also declare kinds under the "
+        "'embedq.kinds' entry-point group. Every process that meets such a kind (worker, producers, gateway, "
+        "indexer) must load the same plugins (docs/ARCHITECTURE.md, Adding a kind).",
+    )
     memory_policy: Literal["auto", "trim", "mmap", "glibc"] = Field(
         default="auto",
         description="How a worker keeps its RSS flat (embedq/workers/memory.py). auto: trim when the chosen runtime "
@@ -290,6 +297,11 @@ class Settings(BaseSettings):
 
     def queue_for(self, traffic_class: str) -> str:
         return self.bulk_queue_name if traffic_class == "bulk" else self.queue_name
+
+    @property
+    def kind_plugins(self) -> list[str]:
+        """:attr:`kinds` as a list of import paths."""
+        return [path.strip() for path in self.kinds.split(",") if path.strip()]
 
     @property
     def queues(self) -> list[str]:

@@ -10,7 +10,7 @@ from conftest import load_corpus
 from embedq import errors
 from embedq.backends import load_backend
 from embedq.backends.base import Prepared
-from embedq.protocol import EMBED
+from embedq.kinds import EMBED
 
 
 @pytest.fixture(scope="module")

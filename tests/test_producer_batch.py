@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 
 from embedq import errors
+from embedq.kinds import KINDS, task_reprs
 from embedq.producers import client as client_module
 from embedq.producers.client import Client
-from embedq.protocol import SENT_HEADER, Fingerprint, encode_result, task_reprs
+from embedq.protocol import SENT_HEADER, Fingerprint, encode_result
 from embedq.results import ResultStore
 from embedq.settings import Settings
 
@@ -46,7 +47,8 @@ def _send_task_copy(client: Client, message: dict, *, kind: str, args: list, opt
     name = message["headers"]["task"]
     client.app.send_task(name, args=args, kwargs=options, queue=queue, task_id=message["headers"]["id"],
                          expires=deadline, ignore_result=not client.follow_results,
-                         headers={SENT_HEADER: message["headers"][SENT_HEADER]}, **task_reprs(args[-1], options, kind))
+                         headers={SENT_HEADER: message["headers"][SENT_HEADER]},
+                         **task_reprs(KINDS[kind], args, options))
 
 
 def _stable(message: dict) -> dict:

@@ -47,8 +47,9 @@ from embedq.broker import tls_options
 from embedq.gateway.results import AsyncResults
 from embedq.gateway.webhooks import Webhooks, check_url
 from embedq.keys import GATEWAY_JOB_KEY
-from embedq.producers.client import DEADLINE_GRACE, DEFAULT_RESULT_TIMEOUT, Client, decode_output
-from embedq.protocol import MAX_DEADLINE_SECONDS, decode_result, id_lists
+from embedq.kinds import KINDS, id_lists
+from embedq.producers.client import DEADLINE_GRACE, DEFAULT_RESULT_TIMEOUT, Client
+from embedq.protocol import MAX_DEADLINE_SECONDS, decode_result
 from embedq.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -707,7 +708,7 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
         return {k: v for k, v in options.items() if v is not None}
 
     def decoded(kind: str) -> Callable[[list[dict[str, Any]]], list[Any]]:
-        return lambda payloads: [decode_output(kind, p) for p in payloads]
+        return lambda payloads: [KINDS[kind].decode(p) for p in payloads]
 
     def embed_plan(texts: list[str], answer: Callable[[np.ndarray, int], Any], **options: Any) -> Plan:
         return Plan("embed", texts, _options(**options), lambda payloads: answer(*_vectors(payloads)))
@@ -763,7 +764,7 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
         def answer(payloads: list[dict[str, Any]]) -> Any:
             size, out = settings.max_texts_per_job, []
             for n, payload in enumerate(payloads):  # TEI's offsets are bytes of the prompted text; none on specials
-                for text, tokens in zip(texts[n * size:(n + 1) * size], decode_output("tokenize", payload)):
+                for text, tokens in zip(texts[n * size:(n + 1) * size], KINDS["tokenize"].decode(payload)):
                     seen = (payload.get("prompt") or "") + text
                     for t in tokens:
                         if t["special"]:
@@ -781,7 +782,7 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
         lists = id_lists(body.ids)
         skip = True if body.skip_special_tokens is None else body.skip_special_tokens
         return Plan("decode", lists, {"skip_special_tokens": skip},
-                    lambda payloads: [t for p in payloads for t in decode_output("decode", p)])
+                    lambda payloads: [t for p in payloads for t in KINDS["decode"].decode(p)])
 
     def plan_similarity(body: SimilarityRequest) -> Plan:
         params = body.parameters or SimilarityParameters()

@@ -37,29 +37,26 @@ from embedq import cancellation, errors, monitor
 from embedq.batching.traffic import BULK, ONLINE, TRAFFIC_CLASSES
 from embedq.broker import BROKER_ERRORS, make_app, redis_client
 from embedq.keys import EPOCH_KEY
-from embedq.protocol import (
+from embedq.kinds import (
     DECODE,
     EMBED,
     EMBED_ALL,
     EMBED_HYBRID,
     EMBED_SPARSE,
-    KINDS,
-    MAX_DEADLINE_SECONDS,
     PREDICT,
     RERANK,
+    TOKENIZE,
+    TaskSpec,
+    as_list,
+    task_reprs,
+)
+from embedq.kinds import kind as kind_spec
+from embedq.protocol import (
+    MAX_DEADLINE_SECONDS,
     RESENT_HEADER,
     SENT_HEADER,
-    TOKENIZE,
     Fingerprint,
-    TaskSpec,
     check_message_size,
-    decode_array,
-    decode_hybrid,
-    decode_ragged,
-    decode_result,
-    decode_sparse,
-    id_lists,
-    task_reprs,
 )
 from embedq.results import ResultStore
 from embedq.settings import Settings
@@ -270,7 +267,7 @@ class JobHandle:
         self._client.app.send_task(self.spec.name, args=args, kwargs=options, queue=queue, task_id=self.id,
                                    expires=self.deadline, ignore_result=not self._client.follow_results,
                                    headers={RESENT_HEADER: self.resent + 1, SENT_HEADER: time.time()},
-                                   **task_reprs(args[-1], options, self.spec.kind))
+                                   **task_reprs(self.spec, args, options))
         self._epoch = epoch
         self._sent_at = time.monotonic()
         self.resent += 1
@@ -300,12 +297,9 @@ class JobHandle:
     def _output(self, payload: dict[str, Any]) -> Any:
         """``payload`` decoded for the job's kind (see :meth:`result`); sets ``usage`` and ``fingerprint``."""
         self.usage = payload.get("usage")
-        if self.spec.kind == "embed":
-            vectors, self.fingerprint = decode_result(payload)
-            return vectors
         self.fingerprint = Fingerprint.model_validate(payload["fingerprint"])
         texts = self._resend_args[0][-1] if self._return_text and self._resend_args[0] else None
-        return decode_output(self.spec.kind, payload, texts)
+        return self.spec.decode(payload, texts)
 
     def forget(self) -> None:
         """Delete the job's stored record from Redis (its outcome, once collected, stays on this handle)."""
@@ -440,20 +434,6 @@ def _ride_out(down_since: float | None, broker_timeout: float, exc: BaseExceptio
     return down_since
 
 
-def _job_args(kind: str, job: Any) -> list[Any]:
-    """One job's task arguments from what the kind's single submit takes: texts, a (query, texts) pair
-    (rerank), inputs (predict) or token ids (decode)."""
-    if kind == "rerank":
-        if not isinstance(job, (list, tuple)) or len(job) != 2:
-            raise errors.InvalidType(f"a rerank job is a (query, texts) pair, got {type(job).__name__}")
-        return [job[0], _as_list(job[1])]
-    if kind == "predict":
-        return [[job] if isinstance(job, str) else [t if isinstance(t, str) else list(t) for t in job]]
-    if kind == "decode":
-        return [[list(x) for x in id_lists(job)]]
-    return [_as_list(job)]
-
-
 class Client:
     """Send embedding jobs to embedq workers and collect their results."""
 
@@ -490,95 +470,90 @@ class Client:
         #: (queue binding, broker epoch) pairs already declared by this client (kombu declares once per connection)
         self._declared: set[tuple[Any, str]] = set()
 
-    def submit(self, texts: str | Sequence[str], *, queue: str | None = None, traffic_class: str = ONLINE,
-               deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
-        """Validate and enqueue one embedding job; returns a :class:`JobHandle` at once.
+    def submit_job(self, kind: str | TaskSpec, job: Any, *, queue: str | None = None, traffic_class: str = ONLINE,
+                   deadline: float | dt.datetime | None = None, return_text: bool = False,
+                   **options: Any) -> JobHandle:
+        """Validate and enqueue one job of any kind (its name, an alias, or its :class:`~embedq.kinds.TaskSpec`,
+        a plugin's included): ``job`` is what the kind takes (texts; a ``(query, texts)`` pair for rerank; inputs
+        for predict; token ids for decode), ``options`` its options. Every named submit below is this call.
 
         ``traffic_class``: ``"online"`` (someone waits: served first) or ``"bulk"`` (indexing: fills the
         rest of each micro-batch); each has its own queue per model. ``deadline``: seconds from now, or
         an aware datetime; a job still queued or buffered then is dropped before it costs compute and
         ends with :class:`~embedq.errors.Expired`. When the online queue holds ``online_queue_limit`` jobs
         an online job is refused at once with :class:`~embedq.errors.Overloaded`; a bulk job waits for
-        room under ``bulk_queue_limit`` instead (up to ``bulk_wait_timeout``). The same holds for every
-        kind of job (``submit_rerank``, ``submit_predict``, ``submit_tokenize``).
-        """
-        return self._send(EMBED, [_as_list(texts)], options, queue=queue, traffic_class=traffic_class,
-                          deadline=deadline)
+        room under ``bulk_queue_limit`` instead (up to ``bulk_wait_timeout``). ``return_text``: the result
+        carries each text (rerank; from this handle, not through Redis)."""
+        spec = kind if isinstance(kind, TaskSpec) else kind_spec(kind)
+        return self._submit(spec, [spec.job_args(job)], options, queue=queue, traffic_class=traffic_class,
+                            deadline=deadline, return_text=return_text)[0]
+
+    def submit(self, texts: str | Sequence[str], **options: Any) -> JobHandle:
+        """Enqueue one embedding job (``embed``); returns a :class:`JobHandle` at once. Options: ``normalize``,
+        ``prompt``, ``prompt_name``, ``dimensions``, ``encoding``, ``truncate``, ``truncation_side``, ``model``;
+        ``queue``, ``traffic_class`` and ``deadline`` as for :meth:`submit_job`, the same for every kind."""
+        return self.submit_job(EMBED, texts, **options)
 
     def submit_sparse(self, texts: str | Sequence[str], *, top_k: int | None = None, return_tokens: bool = False,
-                      queue: str | None = None, traffic_class: str = ONLINE,
-                      deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
-        """Enqueue a sparse (SPLADE) embedding of ``texts`` (a SPLADE model's queue). ``top_k`` keeps each text's
-        k largest weights; ``return_tokens`` adds each id's token string. Other options: ``prompt``,
-        ``prompt_name``, ``truncate``, ``truncation_side``, ``encoding`` (float16 halves the result)."""
+                      **options: Any) -> JobHandle:
+        """Enqueue a sparse (SPLADE) embedding of ``texts`` (``embed_sparse``, a SPLADE model's queue). ``top_k``
+        keeps each text's k largest weights; ``return_tokens`` adds each id's token string. Other options:
+        ``prompt``, ``prompt_name``, ``truncate``, ``truncation_side``, ``encoding`` (float16 halves the result)."""
         if top_k is not None:
             options["top_k"] = top_k
         if return_tokens:
             options["return_tokens"] = True
-        return self._send(EMBED_SPARSE, [_as_list(texts)], options, queue=queue, traffic_class=traffic_class,
-                          deadline=deadline)
+        return self.submit_job(EMBED_SPARSE, texts, **options)
 
-    def submit_all(self, texts: str | Sequence[str], *, queue: str | None = None, traffic_class: str = ONLINE,
-                   deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
-        """Enqueue per-token embeddings of ``texts`` (TEI's ``/embed_all``): every token's last hidden state.
-        Options: ``prompt``, ``prompt_name``, ``truncate``, ``truncation_side``, ``encoding``."""
-        return self._send(EMBED_ALL, [_as_list(texts)], options, queue=queue, traffic_class=traffic_class,
-                          deadline=deadline)
+    def submit_all(self, texts: str | Sequence[str], **options: Any) -> JobHandle:
+        """Enqueue per-token embeddings of ``texts`` (``embed_all``, TEI's ``/embed_all``): every token's last
+        hidden state. Options: ``prompt``, ``prompt_name``, ``truncate``, ``truncation_side``, ``encoding``."""
+        return self.submit_job(EMBED_ALL, texts, **options)
 
     def submit_hybrid(self, texts: str | Sequence[str], *, outputs: Sequence[str] = ("dense", "lexical", "colbert"),
-                      queue: str | None = None, traffic_class: str = ONLINE,
-                      deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
-        """Enqueue a BGE-M3 embedding of ``texts``: any of ``dense``, ``lexical`` and ``colbert`` from one forward
-        pass. Options: ``top_k`` and ``return_tokens`` (lexical), ``encoding`` (float16 halves dense and ColBERT
-        vectors), ``prompt``, ``prompt_name``, ``truncate``, ``truncation_side``."""
-        return self._send(EMBED_HYBRID, [_as_list(texts)], {**options, "outputs": list(outputs)}, queue=queue,
-                          traffic_class=traffic_class, deadline=deadline)
+                      **options: Any) -> JobHandle:
+        """Enqueue a BGE-M3 embedding of ``texts`` (``embed_hybrid``): any of ``dense``, ``lexical`` and ``colbert``
+        from one forward pass. Options: ``top_k`` and ``return_tokens`` (lexical), ``encoding`` (float16 halves
+        dense and ColBERT vectors), ``prompt``, ``prompt_name``, ``truncate``, ``truncation_side``."""
+        return self.submit_job(EMBED_HYBRID, texts, outputs=list(outputs), **options)
 
     def submit_rerank(self, query: str, texts: Sequence[str], *, raw_scores: bool = False, return_text: bool = False,
-                      queue: str | None = None, traffic_class: str = ONLINE,
-                      deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
+                      **options: Any) -> JobHandle:
         """Enqueue a rerank of ``texts`` against ``query`` (a cross-encoder model's queue). Each (query, text)
         pair is one item that packs with other jobs' items. Options: ``truncate`` (False: a pair over the
         model's limit fails with ``too_many_tokens``), ``truncation_side``, ``raw_scores`` (logits instead
         of the model's activation). ``return_text`` puts each text in its result (from this handle, not
         through Redis)."""
-        return self._send(RERANK, _job_args("rerank", (query, texts)), {**options, "raw_scores": raw_scores},
-                          queue=queue, traffic_class=traffic_class, deadline=deadline, return_text=return_text)
+        return self.submit_job(RERANK, (query, texts), raw_scores=raw_scores, return_text=return_text, **options)
 
     def submit_predict(self, inputs: str | Sequence[str | Sequence[str]], *, raw_scores: bool = False,
-                       queue: str | None = None, traffic_class: str = ONLINE,
-                       deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
+                       **options: Any) -> JobHandle:
         """Enqueue a classification of ``inputs``: texts, or (text, text) pairs (a classifier's queue)."""
-        return self._send(PREDICT, _job_args("predict", inputs), {**options, "raw_scores": raw_scores}, queue=queue,
-                          traffic_class=traffic_class, deadline=deadline)
+        return self.submit_job(PREDICT, inputs, raw_scores=raw_scores, **options)
 
-    def submit_tokenize(self, texts: str | Sequence[str], *, queue: str | None = None, traffic_class: str = ONLINE,
-                        deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
+    def submit_tokenize(self, texts: str | Sequence[str], **options: Any) -> JobHandle:
         """Enqueue a tokenization: the tokens the worker's model would be fed (options ``prompt``,
         ``prompt_name``, ``add_special_tokens``, ``truncate``, ``truncation_side``)."""
-        return self._send(TOKENIZE, [_as_list(texts)], options, queue=queue, traffic_class=traffic_class,
-                          deadline=deadline)
+        return self.submit_job(TOKENIZE, texts, **options)
 
     def submit_decode(self, ids: Sequence[int] | Sequence[Sequence[int]], *, skip_special_tokens: bool = True,
-                      queue: str | None = None, traffic_class: str = ONLINE,
-                      deadline: float | dt.datetime | None = None, **options: Any) -> JobHandle:
+                      **options: Any) -> JobHandle:
         """Enqueue a decode: token ids (one list, or a list of lists) back to text by the worker's tokenizer
         (TEI's ``/decode``). ``skip_special_tokens=False`` keeps [CLS], </s> and the like."""
-        return self._send(DECODE, _job_args("decode", ids), {**options, "skip_special_tokens": skip_special_tokens},
-                          queue=queue, traffic_class=traffic_class, deadline=deadline)
+        return self.submit_job(DECODE, ids, skip_special_tokens=skip_special_tokens, **options)
 
-    def submit_many(self, jobs: Iterable[Any], *, kind: str = "embed", queue: str | None = None,
+    def submit_many(self, jobs: Iterable[Any], *, kind: str | TaskSpec = "embed", queue: str | None = None,
                     traffic_class: str = ONLINE, deadline: float | dt.datetime | None = None,
                     return_text: bool = False, **options: Any) -> list[JobHandle]:
         """Validate and enqueue many jobs of one kind with the same options: their handles, in order, sent to
         Redis in one round trip (a pipeline; one backpressure check for the batch).
 
-        ``jobs`` holds one entry per job, what the kind's single submit takes as its input: texts (a list, or
-        one string) for ``embed`` (:meth:`submit`), ``embed_sparse``, ``embed_all``, ``embed_hybrid`` and
-        ``tokenize``; a ``(query, texts)`` pair for ``rerank``; inputs (texts or text pairs) for ``predict``;
-        token ids for ``decode``. ``options`` are the kind's options, the single submits' keywords included
-        (``top_k``, ``return_tokens``, ``outputs``, ``raw_scores``, ``skip_special_tokens``; ``return_text``
-        for rerank); ``queue``, ``traffic_class`` and ``deadline`` as for :meth:`submit`, for every job.
+        ``jobs`` holds one entry per job, what :meth:`submit_job` takes as ``job`` for the kind: texts (a list,
+        or one string) for ``embed``, ``embed_sparse``, ``embed_all``, ``embed_hybrid`` and ``tokenize``; a
+        ``(query, texts)`` pair for ``rerank``; inputs (texts or text pairs) for ``predict``; token ids for
+        ``decode``. ``options`` are the kind's options, the single submits' keywords included (``top_k``,
+        ``return_tokens``, ``outputs``, ``raw_scores``, ``skip_special_tokens``; ``return_text`` for rerank);
+        ``queue``, ``traffic_class`` and ``deadline`` as for :meth:`submit_job`, for every job.
 
         Every job is checked before any is sent: the first invalid one raises the error its single submit would
         raise (a note names its index) and nothing is sent. An online batch is refused with
@@ -587,19 +562,12 @@ class Client:
         :meth:`collect` (many per round trip) or each handle's ``result``. Each message is the one
         ``app.send_task`` would send for the job, written straight into kombu's Redis list.
         """
-        spec = KINDS.get(kind) if isinstance(kind, str) else None
-        if spec is None:
-            raise errors.InvalidOption(f"unknown job kind {kind!r}; use one of {', '.join(KINDS)}")
-        argses = [_job_args(spec.kind, job) for job in jobs]
+        spec = kind if isinstance(kind, TaskSpec) else kind_spec(kind)
+        argses = [spec.job_args(job) for job in jobs]
         if not argses:
             return []
         return self._submit(spec, argses, options, queue=queue, traffic_class=traffic_class, deadline=deadline,
                             return_text=return_text)
-
-    def _send(self, spec: TaskSpec, args: list[Any], options: dict[str, Any], *, queue: str | None,
-              traffic_class: str, deadline: float | dt.datetime | None, return_text: bool = False) -> JobHandle:
-        return self._submit(spec, [args], options, queue=queue, traffic_class=traffic_class, deadline=deadline,
-                            return_text=return_text)[0]
 
     def _submit(self, spec: TaskSpec, argses: list[list[Any]], options: dict[str, Any], *, queue: str | None,
                 traffic_class: str, deadline: float | dt.datetime | None, return_text: bool) -> list[JobHandle]:
@@ -646,7 +614,7 @@ class Client:
         job_id = str(uuid.uuid4())  # random: job ids cannot be guessed
         self.app.send_task(spec.name, args=args, kwargs=wire, queue=queue, task_id=job_id, expires=expires,
                            ignore_result=not self.follow_results, headers={SENT_HEADER: time.time()},
-                           **task_reprs(args[-1], wire, spec.kind))
+                           **task_reprs(spec, args, wire))
         return job_id
 
     # -- messages written straight into kombu's Redis lists ---------------------------------------------------
@@ -711,7 +679,7 @@ class Client:
         for job_id, args, (content_type, encoding, body) in zip(ids, argses, bodies):
             items = len(args[-1])  # the reprs say how many texts: made once per count
             if items not in reprs:
-                reprs[items] = task_reprs(args[-1], wire, spec.kind)
+                reprs[items] = task_reprs(spec, args, wire)
             argsrepr, kwargsrepr = reprs[items]["argsrepr"], reprs[items]["kwargsrepr"]
             headers = {"lang": "py", "task": spec.name, "id": job_id, "shadow": None, "eta": None,
                        "expires": expires_at, "group": None, "group_index": None, "retries": 0,
@@ -1133,7 +1101,7 @@ class Client:
         from embedq import scores
         from embedq.protocol import HybridEmbedding
 
-        texts = [query, *_as_list(documents)]
+        texts = [query, *as_list(documents)]
         both = self.embed_hybrid(texts, outputs=outputs, timeout=timeout, **options)
         docs = HybridEmbedding(*(None if part is None else part[1:] for part in (both.dense, both.lexical,
                                                                                    both.colbert)))
@@ -1184,42 +1152,3 @@ class Client:
 def _key_bytes(value: Any) -> bytes:
     """A Redis key or channel name as bytes (redis-py answers bytes unless it decodes responses)."""
     return value if isinstance(value, bytes) else str(value).encode()
-
-
-def _as_list(texts: Any) -> Any:
-    """A single string is a job of one text; anything else is passed on as sent (validated by the spec)."""
-    if isinstance(texts, str):
-        return [texts]
-    return list(texts) if isinstance(texts, (list, tuple)) else texts
-
-
-def decode_output(kind: str, payload: dict[str, Any], texts: Sequence[str] | None = None) -> Any:
-    """A sparse, rerank, predict, tokenize or decode result, decoded (the last four in the shapes TEI's API
-    returns)."""
-    if kind == "embed_sparse":
-        return decode_sparse(payload)
-    if kind == "embed_hybrid":
-        return decode_hybrid(payload)
-    if kind == "embed_all":
-        return decode_ragged(payload)
-    if kind == "rerank":
-        scores = decode_array(payload["scores"])
-        order = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))
-        out = [{"index": i, "score": float(scores[i])} for i in order]
-        if texts is not None:
-            for entry in out:
-                entry["text"] = texts[entry["index"]]
-        return out
-    if kind == "predict":
-        scores, labels = decode_array(payload["scores"]), payload["labels"]
-        return [sorted(({"label": labels[j], "score": float(row[j])} for j in range(len(labels))),
-                       key=lambda e: -e["score"]) for row in scores]
-    if kind == "tokenize":
-        ids, offsets = decode_array(payload["ids"]), decode_array(payload["offsets"])
-        spans, special, tokens = decode_array(payload["spans"]), decode_array(payload["special"]), payload["tokens"]
-        return [[{"id": int(ids[t]), "text": tokens[t], "special": bool(special[t]), "start": int(spans[t][0]),
-                  "stop": int(spans[t][1])} for t in range(int(offsets[i]), int(offsets[i + 1]))]
-                for i in range(len(offsets) - 1)]
-    if kind == "decode":
-        return list(payload["texts"])
-    raise errors.InvalidOption(f"unknown job kind {kind!r}")

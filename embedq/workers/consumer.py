@@ -1,8 +1,7 @@
 """Celery integration: tasks whose messages bypass the pool and go to the coalescing service.
 
-There is one Celery task per job kind (``protocol.TASKS``: ``embedq.embed``, ``embedq.embed_sparse``,
-``embedq.embed_all``, ``embedq.embed_hybrid``, ``embedq.rerank``, ``embedq.predict``, ``embedq.tokenize``,
-``embedq.decode``), all with the same *strategy*: Celery hands each message to it.
+There is one Celery task per job kind (every entry of the kinds table, ``kinds.TASKS``, plugins' kinds included),
+all with the same *strategy*: Celery hands each message to it.
 It builds the Celery request, lets the :class:`~embedq.workers.service.EmbeddingService` validate, tokenize and buffer
 it, and returns at once: the consumer keeps pulling messages up to the prefetch window (the
 unacknowledged limit), so the scheduler sees the texts of *all* waiting jobs. When a job is done,
@@ -38,7 +37,8 @@ from embedq.batching import PrefetchWindow
 from embedq.batching.traffic import BULK, ONLINE, TrafficClass
 from embedq.broker import BROKER_ERRORS, lease_interval, redis_client
 from embedq.cancellation import CancelFeed
-from embedq.protocol import MAX_DEADLINE_SECONDS, RESENT_HEADER, SENT_HEADER, TASK_NAME, TASKS, TaskSpec
+from embedq.kinds import TASKS, TaskSpec
+from embedq.protocol import MAX_DEADLINE_SECONDS, RESENT_HEADER, SENT_HEADER, TASK_NAME
 from embedq.results import ResultStore
 from embedq.settings import Settings
 from embedq.workers import memory, transport

@@ -16,7 +16,8 @@ from celery.worker.control import inspect_command
 from celery.worker.request import Request
 
 from embedq import __version__
-from embedq.protocol import TASKS, short_options
+from embedq.kinds import TASKS
+from embedq.protocol import short_options
 from embedq.settings import Settings
 from embedq.workers.stats import COUNTERS, TIMERS
 
@@ -42,16 +43,10 @@ def serve_metrics(worker: Worker) -> None:
 
 
 def short_args(req: Any) -> str:
-    """A job's arguments as Flower shows them: counts, never texts."""
+    """A job's arguments as Flower shows them: its kind's one-line summary (counts, never texts)."""
     name = getattr(getattr(req, "task", None), "name", None)  # the task it was delivered to (not ``shadow``)
     spec = TASKS.get(name) if isinstance(name, str) else None
-    try:
-        if spec is not None and spec.kind == "rerank":
-            return f"[query, {len(req.args[1])} texts]"
-        items = req.args[0]
-        return f"[{len(items)} {'inputs' if spec is not None and spec.kind == 'predict' else 'texts'}]"
-    except Exception:
-        return "[?]"
+    return spec.summary(req.args) if spec is not None else "[?]"
 
 
 def event_kwargs(kwargs: Any, service: Any, queue_name: str, traffic_class: str = "online",

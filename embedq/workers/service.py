@@ -35,7 +35,8 @@ from embedq import errors
 from embedq.backends.base import Backend, Prepared, row_is_finite
 from embedq.batching import Scheduler, batch_cost
 from embedq.batching.traffic import BULK, ONLINE, Deadlines, TrafficClass, TrafficScheduler
-from embedq.protocol import EMBED, TaskSpec, result_size
+from embedq.kinds import EMBED, TaskSpec
+from embedq.protocol import result_size
 from embedq.settings import Settings
 from embedq.workers import memory
 from embedq.workers.stats import Stats

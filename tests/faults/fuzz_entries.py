@@ -39,7 +39,8 @@ from typing import Any
 import msgpack
 from hypothesis import strategies as st
 
-from embedq.protocol import TASK_NAME, TASKS
+from embedq.kinds import TASKS
+from embedq.protocol import TASK_NAME
 
 #: Celery's built-in tasks: registered on every Celery app, so a worker that ran them would run them for anyone.
 BUILTIN_TASKS = ("celery.accumulate", "celery.backend_cleanup", "celery.chord_unlock", "celery.chain",
