@@ -71,9 +71,11 @@ def load_backend(
         guard_amx()  # before anything runs oneDNN in this process
     from embedq.backends.model import load_model
 
-    return load_model(path, model_id=model, device=device, dtype=dtype, torch_threads=torch_threads,
-                      linear_kernel=linear_kernel, batch_tokens=batch_tokens, online_tokens=online_tokens,
-                      pooling=pooling, trust_remote_code=trust_remote_code)
+    backend = load_model(path, model_id=model, device=device, dtype=dtype, torch_threads=torch_threads,
+                         linear_kernel=linear_kernel, batch_tokens=batch_tokens, online_tokens=online_tokens,
+                         pooling=pooling, trust_remote_code=trust_remote_code)
+    backend.add_plugin_heads()
+    return backend
 
 
 def __getattr__(name: str):

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager as ContextManager
@@ -40,6 +41,21 @@ class ModelBackend(Backend):
         self._by_name = {head.name: head for head in [*heads.values(), *more_heads]}
         self.info = info
         self.max_seq_length = encoder.max_seq_length
+
+    def add_plugin_heads(self) -> None:
+        """Serve every plugin kind of the kinds table that names a head (``TaskSpec.head``): its factory is called
+        with this backend and returns the :class:`Head` that serves the kind here."""
+        from embedq.kinds import TASKS, resolve_head
+
+        for spec in TASKS.values():
+            if spec.head is None or spec.kind in self.heads:
+                continue
+            head = resolve_head(spec)(self)
+            if not isinstance(head, Head):
+                raise errors.UnsupportedModel(f"{spec.head} returned {type(head).__name__}, not a Head")
+            self.heads[spec.kind] = head
+            self._by_name.setdefault(head.name or spec.kind, head)
+            self.info = dataclasses.replace(self.info, kinds=(*self.info.kinds, spec.kind))
 
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
         self.check_kind(kind)

@@ -261,9 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--text-field", default="text", help="field or column holding the text (default: text)")
     i.add_argument("--id-field", help="field or column holding the id (default: id when present, else the line "
                    "or row number)")
-    i.add_argument("--kind", choices=["embed", "sparse", "multi", "bge-m3"], default="embed",
-                   help="what to store: dense vectors (embed), SPLADE weights (sparse: indices + values), per-token "
-                   "vectors (multi) or BGE-M3's dense + lexical + ColBERT (bge-m3); all but embed write Parquet")
+    i.add_argument("--kind", default="embed",
+                   help="what to store, any kind with index outputs: dense vectors (embed), SPLADE weights "
+                   "(embed_sparse or sparse: indices + values), per-token vectors (embed_all or multi), BGE-M3's dense "
+                   "+ lexical + ColBERT (embed_hybrid or bge-m3), or a plugin's kind (EMBEDQ_KINDS); all but embed "
+                   "write Parquet")
     i.add_argument("--vector-dtype", choices=["float32", "float16"], default="float32",
                    help="how vectors are stored (float16 also halves what crosses Redis)")
     i.add_argument("--chunk-size", type=_positive(int), default=64, help="texts per job (default 64)")

@@ -40,7 +40,7 @@ LABELLED: dict[str, tuple[str, str, str]] = {
     "items_failed_by_code": ("items_failed", "code", "Items in jobs that failed, by error code."),
     "jobs_by_class": ("class_jobs_received", "traffic_class", "Jobs received, by traffic class (online, bulk)."),
     "items_by_class": ("class_items_embedded", "traffic_class", "Items run through the model, by traffic class."),
-    "jobs_by_kind": ("kind_jobs_received", "kind", "Jobs received, by kind (embed, rerank, predict, tokenize)."),
+    "jobs_by_kind": ("kind_jobs_received", "kind", "Jobs received, by kind (every kind of the kinds table)."),
     "items_by_kind": ("kind_items_run", "kind", "Items run through the model, by job kind."),
 }
 #: Largest values seen (gauges of the run so far).

@@ -1,35 +1,34 @@
-"""What ``embedq index --kind`` makes, and the Parquet columns it writes for each kind.
+"""What ``embedq index --kind`` makes: any kind of the kinds table (``embedq/kinds.py``) with index outputs, under its
+own name or an alias, stored in the columns its spec's :class:`~embedq.kinds.Column` entries name. The built-ins:
 
 * ``embed`` (default): ``vector`` — a fixed-size list (every output format);
-* ``sparse`` (a SPLADE model): ``indices`` list<int32> and ``values`` list<float32>, ids ascending: what vector
-  databases take as a sparse vector;
-* ``multi`` (per-token embeddings of any embedding model, TEI's ``/embed_all``): ``vectors``, a list of
-  fixed-size vectors;
-* ``bge-m3`` (a BGE-M3 model): ``dense`` (fixed-size), ``lexical_indices``/``lexical_values`` and ``colbert``
-  (a list of fixed-size vectors), from one forward pass.
+* ``embed_sparse`` (alias ``sparse``; a SPLADE model): ``indices`` list<int32> and ``values`` list<float32>, ids
+  ascending: what vector databases take as a sparse vector;
+* ``embed_all`` (alias ``multi``; per-token embeddings of any embedding model, TEI's ``/embed_all``): ``vectors``, a
+  list of fixed-size vectors;
+* ``embed_hybrid`` (alias ``bge-m3``; a BGE-M3 model): ``dense`` (fixed-size), ``lexical_indices``/``lexical_values``
+  and ``colbert`` (a list of fixed-size vectors), from one forward pass.
 
-The kind and its outputs are in every result's fingerprint and in the output's manifest, so an output is never
-continued with another kind. Kinds other than ``embed`` write Parquet only.
+Each of the four column shapes maps to Parquet here (dense: fixed-size list; sparse: two lists; ragged: a list of
+fixed-size lists; scalar: one value), so a kind from a plugin is indexed with no edit of this module. The kind and
+its outputs are in every result's fingerprint and in the output's manifest, so an output is never continued with
+another kind. Kinds other than ``embed`` write Parquet only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from embedq import errors
-from embedq.protocol import (
-    EmbedAllOptions,
-    EmbedOptions,
-    Fingerprint,
-    HybridOptions,
-    JobOptions,
-    SparseOptions,
-    decode_array,
-)
+from embedq.kinds import EMBED, Column, TaskSpec, kind_names
+from embedq.kinds import kind as kind_spec
+from embedq.protocol import Fingerprint, JobOptions, decode_array
+
+#: The names the manifests of outputs made before the kinds table record for these kinds (kept: they resume).
+MANIFEST_NAMES = {"embed_sparse": "sparse", "embed_all": "multi", "embed_hybrid": "bge-m3"}
 
 
 def _ragged(pa: Any, offsets: np.ndarray, values: Any) -> Any:
@@ -42,41 +41,40 @@ def _vectors(pa: Any, rows: np.ndarray, dtype: str) -> Any:
     return pa.FixedSizeListArray.from_arrays(pa.array(flat, value_type), int(rows.shape[1]))
 
 
-def _sparse(pa: Any, payload: dict[str, Any], dtype: str) -> dict[str, Any]:
-    """Weights stay float32 whatever the vector dtype (a float16 weight loses the ranking's small differences)."""
-    offsets = decode_array(payload["offsets"])
-    return {"indices": _ragged(pa, offsets, pa.array(decode_array(payload["indices"]), pa.int32())),
-            "values": _ragged(pa, offsets, pa.array(decode_array(payload["values"]), pa.float32()))}
-
-
-def _multi(pa: Any, payload: dict[str, Any], dtype: str) -> dict[str, Any]:
-    offsets, tokens = decode_array(payload["offsets"]), decode_array(payload["tokens"])
-    return {"vectors": _ragged(pa, offsets, _vectors(pa, tokens, dtype))}
-
-
-def _m3(pa: Any, payload: dict[str, Any], dtype: str) -> dict[str, Any]:
-    lexical = {"offsets": payload["lexical_offsets"], "indices": payload["lexical_indices"],
-               "values": payload["lexical_values"]}
-    columns = {"dense": _vectors(pa, decode_array(payload["dense"]), dtype)}
-    columns.update({f"lexical_{k}": v for k, v in _sparse(pa, lexical, dtype).items()})
-    colbert = decode_array(payload["colbert"])
-    columns["colbert"] = _ragged(pa, decode_array(payload["colbert_offsets"]), _vectors(pa, colbert, dtype))
-    return columns
+def _column(pa: Any, column: Column, payload: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """One :class:`~embedq.kinds.Column` of a result as pyarrow arrays, one row per text. Sparse weights stay
+    float32 whatever the vector dtype (a float16 weight loses the ranking's small differences)."""
+    arrays = [decode_array(payload[name]) for name in column.arrays]
+    if column.shape == "dense":
+        return {column.name: _vectors(pa, arrays[0], dtype)}
+    if column.shape == "sparse":
+        offsets, indices, values = arrays
+        return {f"{column.name}indices": _ragged(pa, offsets, pa.array(indices, pa.int32())),
+                f"{column.name}values": _ragged(pa, offsets, pa.array(values, pa.float32()))}
+    if column.shape == "ragged":
+        return {column.name: _ragged(pa, arrays[0], _vectors(pa, arrays[1], dtype))}
+    return {column.name: pa.array(arrays[0])}
 
 
 @dataclass(frozen=True)
 class IndexKind:
-    name: str
+    name: str  # as the output's manifest records it
     job_kind: str  # the kind of a chunk's job (``Client.submit_many``'s ``kind``)
     options: type[JobOptions]
-    columns: Callable[[Any, dict[str, Any], str], dict[str, Any]] | None  # None: the dense ``vector`` path
+    columns: tuple[Column, ...] | None  # None: the dense ``vector`` path (every output format)
     fixed: dict[str, Any] = field(default_factory=dict)  # options the kind always sends
     wire_dtype: bool = True  # results cross Redis in the output's vector dtype (sparse weights stay float32)
+
+    @classmethod
+    def of(cls, spec: TaskSpec) -> IndexKind:
+        dense_path = spec.columns == EMBED.columns
+        return cls(MANIFEST_NAMES.get(spec.kind, spec.kind), spec.kind, spec.options,
+                   None if dense_path else spec.columns, dict(spec.index_options), spec.index_dtype)
 
     def job_options(self, options: dict[str, Any], vector_dtype: str) -> dict[str, Any]:
         """The chunk jobs' options: the user's, checked by the kind's options model, with the storage dtype."""
         wire = self.options.parse({**options, **self.fixed}).wire()
-        if self.wire_dtype:
+        if self.wire_dtype and "encoding" in self.options.model_fields:
             wire["encoding"] = vector_dtype
         return wire
 
@@ -85,22 +83,27 @@ class IndexKind:
         import pyarrow as pa
 
         assert self.columns is not None
-        return Fingerprint.model_validate(payload["fingerprint"]), pa.table(self.columns(pa, payload, vector_dtype))
+        data: dict[str, Any] = {}
+        for column in self.columns:
+            data.update(_column(pa, column, payload, vector_dtype))
+        return Fingerprint.model_validate(payload["fingerprint"]), pa.table(data)
 
 
-INDEX_KINDS: dict[str, IndexKind] = {
-    "embed": IndexKind("embed", "embed", EmbedOptions, None),
-    "sparse": IndexKind("sparse", "embed_sparse", SparseOptions, _sparse, wire_dtype=False),
-    "multi": IndexKind("multi", "embed_all", EmbedAllOptions, _multi),
-    "bge-m3": IndexKind("bge-m3", "embed_hybrid", HybridOptions, _m3,
-                        {"outputs": ["dense", "lexical", "colbert"]}),
-}
+#: The built-in kinds' index outputs (``embedq.index.kinds.index_kind`` also finds plugins' kinds).
+INDEX_KINDS: dict[str, IndexKind] = {"embed": IndexKind.of(EMBED)}
 
 
 def index_kind(name: str, output_format: str) -> IndexKind:
-    kind = INDEX_KINDS.get(name)
-    if kind is None:
-        raise errors.InvalidOption(f"unknown index kind {name!r}; use one of {', '.join(INDEX_KINDS)}")
+    """The index outputs of the kind ``name`` (its own name, an alias, or the name an older manifest records)."""
+    indexable = [k for k in kind_names() if kind_spec(k).columns]
+    try:
+        spec = kind_spec({v: k for k, v in MANIFEST_NAMES.items()}.get(name, name))
+    except errors.InvalidOption:
+        spec = None
+    if spec is None or not spec.columns:
+        raise errors.InvalidOption(f"unknown index kind {name!r}; use one of {', '.join(indexable)} "
+                                   f"(or an alias: {', '.join(MANIFEST_NAMES.values())})")
+    kind = IndexKind.of(spec)
     if kind.columns is not None and output_format != "parquet":
         raise errors.InvalidOption(f"--kind {name} writes Parquet only (list columns); name the output .parquet")
     return kind
