@@ -74,28 +74,8 @@ class JSONResponse(_StarletteJSON):
 
 # -- errors -------------------------------------------------------------------------------------------------
 def http_status(exc: errors.EmbedqError) -> tuple[int, str]:
-    """(HTTP status, TEI ``error_type``) of an embedq error, by TEI's mapping."""
-    if isinstance(exc, (JobNotFound, ModelNotFound)):
-        return 404, "NotFound"
-    if isinstance(exc, (errors.EmptyInput, errors.EmptyText)):
-        return 400, "Empty"
-    if isinstance(exc, errors.ResultTooLarge):
-        return 413, "Backend"
-    if isinstance(exc, errors.PayloadTooLarge):
-        return 413, "Validation"
-    if isinstance(exc, errors.UnsupportedTask):  # TEI: a route the model's type does not serve
-        return 424, "Backend"
-    if isinstance(exc, errors.ValidationError):
-        return 422, "Validation"
-    if isinstance(exc, errors.Overloaded):
-        return 429, "Overloaded"
-    if isinstance(exc, errors.Cancelled):  # the client went away (nginx's 499) or cancelled its job
-        return 499, "Cancelled"
-    if isinstance(exc, (errors.Expired, errors.JobTimeout)):
-        return 504, "Timeout"
-    if isinstance(exc, errors.Unavailable):
-        return 503, "Unhealthy"
-    return 424, "Backend"  # the job failed in its worker: BackendError, UnsupportedModel, dead letters
+    """(HTTP status, TEI ``error_type``) of an embedq error: its class's, from the one table (``embedq.errors``)."""
+    return exc.http_status, exc.error_type
 
 
 def _headers(status: int) -> dict[str, str]:
@@ -150,9 +130,9 @@ class OpenAIError(BaseModel):
 
 
 _STATUSES = {400: "empty input, or a body that is not JSON", 401: "missing or wrong API key (when one is set)",
-             404: "no such job, or a model this gateway does not serve",
+             404: "no such job, or a model this gateway does not serve", 409: "the job was cancelled",
              413: "request body or result too large", 422: "invalid request", 424: "the job failed in its worker, or "
-             "the model does not serve this route", 429: "the queue is full (Retry-After)", 499: "cancelled",
+             "the model does not serve this route", 429: "the queue is full (Retry-After)",
              503: "no worker, or the broker is unreachable (Retry-After)", 504: "the deadline passed"}
 
 
@@ -160,8 +140,8 @@ def _responses(model: type[BaseModel], *codes: int) -> dict[int | str, dict[str,
     return {code: {"model": model, "description": _STATUSES[code]} for code in codes}
 
 
-TEI_ERRORS = _responses(TeiError, 400, 401, 404, 413, 422, 424, 429, 499, 503, 504)
-OPENAI_ERRORS = _responses(OpenAIError, 400, 401, 404, 413, 422, 424, 429, 499, 503, 504)
+TEI_ERRORS = _responses(TeiError, 400, 401, 404, 409, 413, 422, 424, 429, 503, 504)
+OPENAI_ERRORS = _responses(OpenAIError, 400, 401, 404, 409, 413, 422, 424, 429, 503, 504)
 
 
 def _header(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
@@ -266,12 +246,8 @@ class JobRequest(_Body):
     model: str | None = None  # of a gateway's several models (else X-Embedq-Model, else its own)
 
 
-class JobNotFound(errors.ValidationError):
-    code = "job_not_found"
-
-
-class ModelNotFound(errors.ValidationError):
-    code = "model_not_found"
+JobNotFound = errors.JobNotFound
+ModelNotFound = errors.ModelNotFound
 
 
 def _texts(inputs: Any) -> list[str]:
