@@ -1,10 +1,57 @@
-"""One error tree for embedq.
+"""One error tree for embedq, and the one table of what each error means over HTTP.
 
-Each error has a stable ``code`` (what clients branch on), a ``retryable`` flag and the HTTP status
-the gateway maps it to. Errors travel through the Celery result backend as
-``{"exc_type", "exc_message", "exc_module"}``; they are rebuilt from their message alone, so every
-subclass takes exactly one positional argument. The message always starts with ``[code]`` so a
-JSON-only client can read the code without importing this module.
+Each error class carries a stable ``code`` (what clients branch on), ``retryable``, the HTTP ``http_status`` the
+gateway answers and TEI's ``error_type`` (the ``{"error", "error_type"}`` body's). Where TEI defines a status
+(400 empty input, 413, 422 validation, 424 backend or a route the model does not serve, 429 overloaded, 503
+unhealthy) it is TEI's, since clients are written against TEI. The gateway renders TEI's and OpenAI's error
+bodies from these attributes alone (:func:`table` is every class, walked from the tree), and README's table is
+tested against it. Errors travel through the Celery result backend as ``{"exc_type", "exc_message",
+"exc_module"}``; they are rebuilt from their message alone, so every subclass takes exactly one positional
+argument. The message always starts with ``[code]`` so a JSON-only client can read the code without importing
+this module.
+
+The tree (class, ``code``, HTTP status, ``error_type``; ``*``: retryable)::
+
+    EmbedqError                  internal_error       424 Backend     a failure without a class of its own
+    ├── ValidationError          invalid_request      422 Validation  the job was wrong: never retried
+    │   ├── EmptyInput           empty_input          400 Empty       no inputs (TEI's 400)
+    │   ├── EmptyText            empty_text           400 Empty       an empty or whitespace-only text
+    │   ├── InvalidType          invalid_type         422 Validation
+    │   ├── InvalidOption        invalid_option       422 Validation
+    │   ├── UnknownPromptName    unknown_prompt_name  422 Validation
+    │   ├── InvalidDimensions    invalid_dimensions   422 Validation
+    │   ├── UnknownModel         unknown_model        422 Validation
+    │   ├── TooLong              too_many_tokens      422 Validation
+    │   ├── UnsupportedTask      unsupported_task     424 Backend     TEI: a route the model does not serve
+    │   ├── InvalidText          invalid_text         422 Validation
+    │   ├── InvalidMessage       invalid_message      422 Validation
+    │   ├── InvalidRecord        invalid_record       422 Validation
+    │   ├── DuplicateId          duplicate_id         422 Validation
+    │   ├── OutputMismatch       output_mismatch      422 Validation
+    │   ├── TooManyInputs        too_many_inputs      422 Validation  TEI: batch size over the client limit
+    │   ├── JobNotFound          job_not_found        404 NotFound    gateway: GET/DELETE /jobs/{id}
+    │   └── ModelNotFound        model_not_found      404 NotFound    gateway: a model it does not serve
+    ├── PayloadTooLarge          payload_too_large    413 Validation
+    │   ├── TooManyTexts         too_many_texts       413 Validation
+    │   ├── TextTooLong          text_too_long        413 Validation
+    │   ├── MessageTooLarge      message_too_large    413 Validation
+    │   └── ResultTooLarge       result_too_large     413 Backend
+    ├── DeadLetter               dead_letter          424 Backend     the job crashed its worker, every time
+    ├── BackendError           * backend_error        424 Backend
+    ├── UnsupportedModel         unsupported_model    424 Backend
+    ├── Overloaded             * overloaded           429 Overloaded
+    ├── Expired                * expired              504 Timeout
+    ├── Cancelled                cancelled            409 Cancelled
+    └── Unavailable            * unavailable          503 Unhealthy
+        ├── BrokerUnavailable  * unavailable          503 Unhealthy
+        ├── JobTimeout         * timeout              504 Timeout     no result in time: a gateway timeout
+        └── JobLost            * job_lost             503 Unhealthy
+
+``Cancelled`` is 409 Conflict, not nginx's 499 "client closed request": a client that reads this status is one
+still connected whose job someone else cancelled (``DELETE /jobs/{id}``, ``JobHandle.cancel()``, a Celery revoke),
+which is a conflict with the job's state, not a request it closed; 409 is a registered status every HTTP client
+knows (the openai SDK raises ``ConflictError``), 499 is not. A request whose own client left is answered to no
+one; the gateway counts those in ``embedq_gateway_disconnects_total``.
 """
 
 from __future__ import annotations
@@ -15,7 +62,11 @@ class EmbedqError(Exception):
 
     code: str = "internal_error"
     retryable: bool = False
-    http_status: int = 500
+    #: the gateway's status for it (TEI's where TEI defines one)
+    http_status: int = 424
+    #: TEI's ``error_type`` (``ErrorType``: Validation, Empty, Tokenizer, Backend, Overloaded, Unhealthy; and the
+    #: gateway's own NotFound, Timeout, Cancelled where TEI has no such error)
+    error_type: str = "Backend"
 
     def __init__(self, message: str = "") -> None:
         prefix = f"[{self.code}] "
@@ -35,14 +86,19 @@ class EmbedqError(Exception):
 class ValidationError(EmbedqError):
     code = "invalid_request"
     http_status = 422
+    error_type = "Validation"
 
 
 class EmptyInput(ValidationError):
     code = "empty_input"
+    http_status = 400
+    error_type = "Empty"
 
 
 class EmptyText(ValidationError):
     code = "empty_text"
+    http_status = 400
+    error_type = "Empty"
 
 
 class InvalidType(ValidationError):
@@ -76,6 +132,8 @@ class UnsupportedTask(ValidationError):
     the kinds it does serve."""
 
     code = "unsupported_task"
+    http_status = 424  # TEI: a route the model's type does not serve is a Backend error
+    error_type = "Backend"
 
 
 class InvalidText(ValidationError):
@@ -112,6 +170,7 @@ class OutputMismatch(ValidationError):
 class PayloadTooLarge(EmbedqError):
     code = "payload_too_large"
     http_status = 413
+    error_type = "Validation"
 
 
 class TooManyTexts(PayloadTooLarge):
@@ -122,6 +181,22 @@ class TooManyInputs(ValidationError):
     """An HTTP request with more inputs than the gateway takes at once (EMBEDQ_MAX_CLIENT_BATCH_SIZE)."""
 
     code = "too_many_inputs"
+
+
+class JobNotFound(ValidationError):
+    """The gateway has no async job by this id (unknown, deleted, or older than EMBEDQ_RESULT_TTL)."""
+
+    code = "job_not_found"
+    http_status = 404
+    error_type = "NotFound"
+
+
+class ModelNotFound(ValidationError):
+    """A gateway of several models was asked for one it does not serve."""
+
+    code = "model_not_found"
+    http_status = 404
+    error_type = "NotFound"
 
 
 class TextTooLong(PayloadTooLarge):
@@ -137,13 +212,15 @@ class ResultTooLarge(PayloadTooLarge):
     per job, or ask for a compact encoding."""
 
     code = "result_too_large"
+    error_type = "Backend"
 
 
 class DeadLetter(EmbedqError):
     """A job that crashed the worker on each of its last deliveries: it is not delivered again."""
 
     code = "dead_letter"
-    http_status = 500
+    http_status = 424  # failed in its worker, as TEI's Backend errors; not retryable
+    error_type = "Backend"
 
 
 # -- the system was wrong: may be retried ----------------------------------------------------------
@@ -151,6 +228,7 @@ class BackendError(EmbedqError):
     code = "backend_error"
     retryable = True
     http_status = 424
+    error_type = "Backend"
 
 
 class UnsupportedModel(EmbedqError):
@@ -158,12 +236,14 @@ class UnsupportedModel(EmbedqError):
 
     code = "unsupported_model"
     http_status = 424
+    error_type = "Backend"
 
 
 class Overloaded(EmbedqError):
     code = "overloaded"
     retryable = True
     http_status = 429
+    error_type = "Overloaded"
 
 
 class Expired(EmbedqError):
@@ -173,19 +253,22 @@ class Expired(EmbedqError):
     code = "expired"
     retryable = True
     http_status = 504
+    error_type = "Timeout"
 
 
 class Cancelled(EmbedqError):
     """The job was cancelled (``JobHandle.cancel()``, or revoked through Celery) before it ran."""
 
     code = "cancelled"
-    http_status = 409
+    http_status = 409  # not 499: see the module's docstring
+    error_type = "Cancelled"
 
 
 class Unavailable(EmbedqError):
     code = "unavailable"
     retryable = True
     http_status = 503
+    error_type = "Unhealthy"
 
 
 class BrokerUnavailable(Unavailable):
@@ -194,6 +277,8 @@ class BrokerUnavailable(Unavailable):
 
 class JobTimeout(Unavailable):
     code = "timeout"
+    http_status = 504  # the gateway waited for the job's result in vain: a gateway timeout
+    error_type = "Timeout"
 
 
 class JobLost(Unavailable):
@@ -202,13 +287,19 @@ class JobLost(Unavailable):
     code = "job_lost"
 
 
-#: HTTP status for each code, for the gateway and the docs.
-HTTP_STATUS: dict[str, int] = {
-    cls.code: cls.http_status
-    for cls in (
-        EmbedqError, ValidationError, EmptyInput, EmptyText, InvalidType, InvalidOption, UnknownPromptName,
-        InvalidDimensions, UnknownModel, UnsupportedTask, TooLong, InvalidText, InvalidMessage, InvalidRecord,
-        DuplicateId, OutputMismatch, PayloadTooLarge, TooManyTexts, TextTooLong, MessageTooLarge, ResultTooLarge,
-        DeadLetter, BackendError, UnsupportedModel, Overloaded, Expired, Cancelled, Unavailable, JobTimeout, JobLost,
-    )
-}
+def table() -> list[type[EmbedqError]]:
+    """Every error class, walked from :class:`EmbedqError` (depth first, in definition order): a new class cannot
+    be missed."""
+    out: list[type[EmbedqError]] = []
+
+    def walk(cls: type[EmbedqError]) -> None:
+        out.append(cls)
+        for sub in cls.__subclasses__():
+            walk(sub)
+
+    walk(EmbedqError)
+    return out
+
+
+#: HTTP status for each code (classes that share a code share its status), for the gateway and the docs.
+HTTP_STATUS: dict[str, int] = {cls.code: cls.http_status for cls in table()}

@@ -233,7 +233,7 @@ def test_c_rerank_and_predict_jobs_coalesce_and_a_bad_pair_fails_alone(redis_ser
 def test_d_a_worker_refuses_kinds_its_model_does_not_serve_and_stays_up(worker, ce_worker):
     with pytest.raises(errors.UnsupportedTask, match=r"serves embed, embed_all, tokenize") as caught:
         worker.client.rerank(QUERY, ["a text"], timeout=120)
-    assert caught.value.http_status == 422
+    assert caught.value.http_status == 424  # TEI: a route the model does not serve
     with pytest.raises(errors.UnsupportedTask, match=r"serves rerank, predict, tokenize"):
         ce_worker.client.embed(["a text"], timeout=120)
     assert worker.proc.poll() is None and ce_worker.proc.poll() is None

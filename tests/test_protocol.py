@@ -84,7 +84,7 @@ def test_errors_survive_the_celery_result_backend_roundtrip():
 
 
 def test_error_tree_codes_unique_and_mapped():
-    assert errors.HTTP_STATUS["empty_text"] == 422
+    assert errors.HTTP_STATUS["empty_text"] == 400  # TEI: empty input is 400 "Empty"
     assert errors.HTTP_STATUS["too_many_texts"] == 413
     assert errors.HTTP_STATUS["overloaded"] == 429
     assert errors.HTTP_STATUS["backend_error"] == 424

@@ -1,0 +1,256 @@
+"""What each route asks of the queue: a request body becomes a :class:`Plan` (the kind of its jobs, its items, the
+job options, how the jobs' payloads become the route's answer). One planner per kind, each a plain function of
+``(body, settings)``. :data:`ROUTE_PLANS` holds the kinds whose bodies are TEI's (and ``similarity``, TEI's route
+of embed jobs); :func:`planner` finds the plan of any kind of the kinds table (``embedq/kinds.py``), a plugin's
+included, for ``/jobs``: its body is ``{"inputs": ..., <the kind's options>}`` and its answer the decoded results."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
+from pydantic import ValidationError as PydanticValidationError
+
+from embedq import errors
+from embedq.gateway.schemas import (
+    DecodeRequest,
+    EmbedRequest,
+    JobInputs,
+    OpenAIEmbeddingRequest,
+    PredictRequest,
+    RerankRequest,
+    SimilarityParameters,
+    SimilarityRequest,
+    TextsRequest,
+    TokenizeRequest,
+)
+from embedq.kinds import KINDS, id_lists
+from embedq.protocol import decode_result
+from embedq.settings import Settings
+
+
+def _as_job(items: list[Any]) -> Any:
+    return items
+
+
+@dataclass
+class Plan:
+    """What a request asks for: the kind of its jobs (``Client.submit_many``'s ``kind``), its items (split into
+    jobs), the job options, how the jobs' result payloads become the route's answer, and how a slice of the items
+    becomes one job's input (rerank: the query with it)."""
+
+    kind: str
+    items: list[Any]
+    options: dict[str, Any]
+    answer: Callable[[list[dict[str, Any]]], Any]
+    job: Callable[[list[Any]], Any] = _as_job
+
+
+def _texts(inputs: Any) -> list[str]:
+    """Strings as a list; token-id arrays are refused (never read as text)."""
+    if isinstance(inputs, str):
+        return [inputs]
+    if any(not isinstance(x, str) for x in inputs):
+        raise errors.InvalidType("token-id inputs are not supported by this gateway; send the texts")
+    return list(inputs)
+
+
+def _options(**options: Any) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def decoded(kind: str) -> Callable[[list[dict[str, Any]]], list[Any]]:
+    spec = KINDS[kind]
+    return lambda payloads: [spec.decode(p) for p in payloads]
+
+
+def _vectors(payloads: list[dict[str, Any]]) -> tuple[np.ndarray, int]:
+    vectors = [decode_result(p)[0] for p in payloads]
+    tokens = sum(int((p.get("usage") or {}).get("tokens", 0)) for p in payloads)
+    return (np.concatenate(vectors) if len(vectors) > 1 else vectors[0]), tokens
+
+
+def embed_plan(texts: list[str], answer: Callable[[np.ndarray, int], Any], **options: Any) -> Plan:
+    return Plan("embed", texts, _options(**options), lambda payloads: answer(*_vectors(payloads)))
+
+
+def plan_embed(body: EmbedRequest, settings: Settings) -> Plan:
+    return embed_plan(_texts(body.inputs), lambda vectors, tokens: vectors, normalize=body.normalize,
+                      dimensions=body.dimensions, prompt_name=body.prompt_name, **body.job_options())
+
+
+def plan_sparse(body: TextsRequest, settings: Settings) -> Plan:
+    answer = decoded("embed_sparse")
+    return Plan("embed_sparse", _texts(body.inputs), _options(prompt_name=body.prompt_name, **body.job_options()),
+                lambda payloads: [v.to_tei() for chunk in answer(payloads) for v in chunk])
+
+
+def plan_all(body: TextsRequest, settings: Settings) -> Plan:
+    answer = decoded("embed_all")
+    return Plan("embed_all", _texts(body.inputs), _options(prompt_name=body.prompt_name, **body.job_options()),
+                lambda payloads: [m for chunk in answer(payloads) for m in chunk])
+
+
+def plan_rerank(body: RerankRequest, settings: Settings) -> Plan:
+    def answer(payloads: list[dict[str, Any]]) -> Any:
+        size = settings.max_texts_per_job
+        ranked = [{"index": e["index"] + n * size, "score": e["score"]}
+                  for n, chunk in enumerate(decoded("rerank")(payloads)) for e in chunk]
+        ranked.sort(key=lambda e: (-e["score"], e["index"]))
+        if body.return_text:
+            ranked = [{"index": e["index"], "text": body.texts[e["index"]], "score": e["score"]} for e in ranked]
+        return ranked
+
+    return Plan("rerank", body.texts, _options(raw_scores=bool(body.raw_scores), **body.job_options()), answer,
+                lambda texts: (body.query, texts))
+
+
+def plan_predict(body: PredictRequest, settings: Settings) -> Plan:
+    inputs = body.inputs  # TEI: "text" and ["a", "b"] (a pair) are one input; anything else a batch
+    single = isinstance(inputs, str) or (len(inputs) == 2 and all(isinstance(x, str) for x in inputs))
+    items: list[Any] = [inputs] if single else [[x] if isinstance(x, str) else list(x) for x in inputs]
+    for item in items:
+        if isinstance(item, list) and len(item) not in (1, 2):
+            raise errors.InvalidType(f"a /predict input is a text or a pair of texts, got {len(item)} texts")
+    items = [item[0] if isinstance(item, list) and len(item) == 1 else item for item in items]
+
+    def answer(payloads: list[dict[str, Any]]) -> Any:
+        scores = [row for chunk in decoded("predict")(payloads) for row in chunk]
+        return scores[0] if single else scores
+
+    return Plan("predict", items, _options(raw_scores=bool(body.raw_scores), **body.job_options()), answer)
+
+
+def plan_tokenize(body: TokenizeRequest, settings: Settings) -> Plan:
+    texts = _texts(body.inputs)
+
+    def answer(payloads: list[dict[str, Any]]) -> Any:
+        size, out = settings.max_texts_per_job, []
+        for n, payload in enumerate(payloads):  # TEI's offsets are bytes of the prompted text; none on specials
+            for text, tokens in zip(texts[n * size:(n + 1) * size], KINDS["tokenize"].decode(payload)):
+                seen = (payload.get("prompt") or "") + text
+                for t in tokens:
+                    if t["special"]:
+                        t["start"] = t["stop"] = None
+                    else:
+                        t["start"] = len(seen[:t["start"]].encode())
+                        t["stop"] = len(seen[:t["stop"]].encode())
+                out.append(tokens)
+        return out
+
+    return Plan("tokenize", texts, _options(add_special_tokens=body.add_special_tokens,
+                                            prompt_name=body.prompt_name), answer)
+
+
+def plan_decode(body: DecodeRequest, settings: Settings) -> Plan:
+    lists = id_lists(body.ids)
+    skip = True if body.skip_special_tokens is None else body.skip_special_tokens
+    return Plan("decode", lists, {"skip_special_tokens": skip},
+                lambda payloads: [t for p in payloads for t in KINDS["decode"].decode(p)])
+
+
+def plan_similarity(body: SimilarityRequest, settings: Settings) -> Plan:
+    params = body.parameters or SimilarityParameters()
+    if not body.inputs.sentences:
+        raise errors.EmptyInput("Input validation error: `sentences` cannot be empty")
+
+    def answer(vectors: np.ndarray, tokens: int) -> list[float]:
+        v = vectors.astype(np.float64)
+        norms = np.linalg.norm(v, axis=1)
+        return [float(c) for c in v[1:] @ v[0] / np.maximum(norms[1:] * norms[0], 1e-300)]
+
+    return embed_plan([body.inputs.source_sentence, *body.inputs.sentences], answer, normalize=False,
+                      prompt_name=params.prompt_name, **params.job_options())
+
+
+def plan_openai(body: OpenAIEmbeddingRequest, settings: Settings, name: str) -> Plan:
+    """OpenAI's embeddings: normalized vectors, as floats or base64 of little-endian float32, under ``name``."""
+
+    def answer(vectors: np.ndarray, tokens: int) -> dict[str, Any]:
+        vectors = np.ascontiguousarray(vectors, dtype="<f4")
+        if body.encoding_format == "base64":
+            data: list[Any] = [base64.b64encode(v.tobytes()).decode("ascii") for v in vectors]
+        else:
+            data = list(vectors)
+        return {"object": "list", "model": name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)]}
+
+    return embed_plan(_texts(body.input), answer, normalize=True, dimensions=body.dimensions)
+
+
+#: The request body and planner of each kind a TEI route serves (and ``similarity``): the TEI routes', ``POST /``'s
+#: and ``/jobs``'.
+ROUTE_PLANS: dict[str, tuple[type[BaseModel], Callable[[Any, Settings], Plan]]] = {
+    "embed": (EmbedRequest, plan_embed),
+    "embed_sparse": (TextsRequest, plan_sparse),
+    "embed_all": (TextsRequest, plan_all),
+    "rerank": (RerankRequest, plan_rerank),
+    "predict": (PredictRequest, plan_predict),
+    "tokenize": (TokenizeRequest, plan_tokenize),
+    "decode": (DecodeRequest, plan_decode),
+    "similarity": (SimilarityRequest, plan_similarity),
+}
+
+
+def jsonable(value: Any) -> Any:
+    """A decoded result as JSON takes it: arrays as (nested) lists, dataclasses as objects."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def plan_any(kind: str) -> Callable[[Any, Settings], Plan]:
+    """The planner of a kind no TEI route serves: ``inputs`` split into jobs, the body's other fields as the kind's
+    options (its options model checks them at the edge), the answer each job's decoded result made JSON — one list
+    in input order when every job's result is a list of one entry per input."""
+    spec = KINDS[kind]
+
+    def plan(body: JobInputs, settings: Settings) -> Plan:
+        inputs = body.inputs if isinstance(body.inputs, list) else [body.inputs]
+
+        def answer(payloads: list[dict[str, Any]]) -> Any:
+            out = [jsonable(spec.decode(p)) for p in payloads]
+            return [entry for part in out for entry in part] if all(isinstance(p, list) for p in out) else out
+
+        return Plan(spec.kind, inputs, dict(body.model_extra or {}), answer)
+
+    return plan
+
+
+def planner(kind: str) -> tuple[type[BaseModel], Callable[[Any, Settings], Plan]]:
+    """The body model and planner of ``kind`` for ``/jobs``: a TEI route's, else the generic one of the kinds
+    table; :class:`~embedq.errors.InvalidOption` naming what is known else."""
+    if kind in ROUTE_PLANS:
+        return ROUTE_PLANS[kind]
+    if kind in KINDS:
+        return JobInputs, plan_any(KINDS[kind].kind)
+    known = list(ROUTE_PLANS) + [k for k in dict.fromkeys(spec.kind for spec in KINDS.values()) if k not in ROUTE_PLANS]
+    raise errors.InvalidOption(f"unknown job kind {kind!r} (known: {', '.join(known)})")
+
+
+def job_plan(record: dict[str, Any], settings: Settings) -> Plan:
+    """The plan of a stored async job (``/jobs``): its kind's planner on its validated body."""
+    model, plan = planner(record["kind"])
+    return plan(model.model_validate(record["body"]), settings)
+
+
+def parse(model: type[BaseModel], payload: Any) -> Any:
+    """A body read by hand (``/jobs``, ``POST /``) validated like a route's own, with the same 422."""
+    try:
+        return model.model_validate(payload)
+    except PydanticValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None

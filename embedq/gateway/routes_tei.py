@@ -1,0 +1,152 @@
+"""TEI's routes: ``POST /embed``, ``/embed_sparse``, ``/embed_all``, ``/rerank``, ``/predict``, ``/tokenize``,
+``/decode``, ``/similarity``, ``POST /`` and ``/invocations`` (the served model's own route), ``GET /info``,
+``GET /health`` (and ``/``, ``/ping``), and ``GET /metrics``. Each job route plans its body
+(:mod:`embedq.gateway.plans`), sends it and awaits its answer on the app's :class:`~embedq.gateway.state.Gateway`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from embedq import __version__, errors
+from embedq.gateway.errors import tei_error
+from embedq.gateway.plans import ROUTE_PLANS, parse
+from embedq.gateway.schemas import (
+    EMPTY_OK,
+    JOB_HEADERS,
+    MODEL_HEADER,
+    TEI_ERRORS,
+    DecodeRequest,
+    EmbedRequest,
+    JSONResponse,
+    PredictRequest,
+    RerankRequest,
+    SimilarityRequest,
+    TeiError,
+    TextsRequest,
+    TokenizeRequest,
+    responses,
+)
+from embedq.gateway.state import gateway_of
+
+router = APIRouter()
+
+
+async def _answer(request: Request, kind: str, body: BaseModel) -> Response:
+    """``body`` planned as jobs of ``kind``, sent, awaited: the route's answer."""
+    gateway = gateway_of(request)
+    return JSONResponse(await gateway.run(request, ROUTE_PLANS[kind][1](body, gateway.settings)))
+
+
+def _job_route(path: str, summary: str) -> Any:
+    return router.post(path, summary=summary, responses=TEI_ERRORS, openapi_extra=JOB_HEADERS)
+
+
+@_job_route("/embed", "TEI: dense embeddings")
+async def embed(request: Request, body: EmbedRequest) -> Response:
+    return await _answer(request, "embed", body)
+
+
+@_job_route("/embed_sparse", "TEI: SPLADE sparse vectors")
+async def embed_sparse(request: Request, body: TextsRequest) -> Response:
+    return await _answer(request, "embed_sparse", body)
+
+
+@_job_route("/embed_all", "TEI: every token's last hidden state")
+async def embed_all(request: Request, body: TextsRequest) -> Response:
+    return await _answer(request, "embed_all", body)
+
+
+@_job_route("/rerank", "TEI: a query against texts, best first")
+async def rerank(request: Request, body: RerankRequest) -> Response:
+    return await _answer(request, "rerank", body)
+
+
+@_job_route("/predict", "TEI: sequence classification of texts or text pairs")
+async def predict(request: Request, body: PredictRequest) -> Response:
+    return await _answer(request, "predict", body)
+
+
+@_job_route("/tokenize", "TEI: the tokens the model sees (byte offsets; truncated at its limit)")
+async def tokenize(request: Request, body: TokenizeRequest) -> Response:
+    return await _answer(request, "tokenize", body)
+
+
+@_job_route("/decode", "TEI: token ids back to text (the model's tokenizer)")
+async def decode(request: Request, body: DecodeRequest) -> Response:
+    return await _answer(request, "decode", body)
+
+
+@_job_route("/similarity", "TEI: cosine similarity of a sentence to others")
+async def similarity(request: Request, body: SimilarityRequest) -> Response:
+    return await _answer(request, "similarity", body)
+
+
+@_job_route("/", "TEI: the served model's own route (embed, rerank, predict or embed_sparse)")
+@_job_route("/invocations", "SageMaker's path of POST /")
+async def root(request: Request) -> Response:
+    gateway = gateway_of(request)
+    workers = await gateway.workers(gateway.target(request)[1])
+    kinds = set((workers[0].get("kinds") or []) if workers else [])
+    try:
+        payload = await request.json()
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes (other routes: 400)
+        raise errors.InvalidType("Input validation error: the body is not JSON, or is nested too deeply") from None
+    kind = next((k for k in ("rerank", "predict", "embed_sparse") if k in kinds), "embed")  # TEI's order
+    return await _answer(request, kind, parse(ROUTE_PLANS[kind][0], payload))
+
+
+@router.get("/metrics", summary="Prometheus: the gateway's requests, latencies, disconnects (public)",
+            response_class=Response,
+            responses={200: {"description": "Prometheus text", "content": {"text/plain": {}}}})
+async def metrics(request: Request) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    return Response(generate_latest(gateway_of(request).meter.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/", summary="TEI: health (GET)", response_class=Response,
+            responses={**EMPTY_OK, **responses(TeiError, 503)})
+@router.get("/ping", summary="SageMaker's health path", response_class=Response,
+            responses={**EMPTY_OK, **responses(TeiError, 503)})
+async def ping(request: Request) -> Response:
+    return await health(request)
+
+
+@router.get("/health", summary="200 when a worker serves the model, else 503", response_class=Response,
+            responses={**EMPTY_OK, **responses(TeiError, 503)})
+async def health(request: Request) -> Response:
+    if await gateway_of(request).workers():
+        return Response(status_code=200, media_type="text/plain")
+    return tei_error(503, "Unhealthy", "unhealthy")
+
+
+@router.get("/info", summary="TEI's model and router information (X-Embedq-Model: of which model)",
+            responses=responses(TeiError, 401, 404, 503), openapi_extra={"parameters": [MODEL_HEADER]})
+async def info(request: Request) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    name, target = gateway.target(request)
+    workers = await gateway.workers(target)
+    if not workers:
+        raise errors.Unavailable(f"no live worker serves queue {target.queue_name}")
+    w = workers[0]
+    kinds = w.get("kinds") or []
+    labels = w.get("labels") or []
+    if "rerank" in kinds:
+        model_type: dict[str, Any] = {"reranker": {"id2label": dict(enumerate(labels)),
+                                                   "label2id": {v: i for i, v in enumerate(labels)}}}
+    elif "predict" in kinds:
+        model_type = {"classifier": {"id2label": dict(enumerate(labels)),
+                                     "label2id": {v: i for i, v in enumerate(labels)}}}
+    else:
+        model_type = {"embedding": {"pooling": str(w.get("pooling", "")).replace("lasttoken", "last_token")}}
+    return {"model_id": w.get("model", name), "model_sha": w.get("weights_sha256"),
+            "model_dtype": w.get("dtype"), "served_model_name": name, "model_type": model_type,
+            "max_concurrent_requests": gateway.settings.online_queue_limit or 0,
+            "max_input_length": w.get("max_seq_length"), "max_batch_tokens": w.get("max_batch_tokens"),
+            "max_batch_requests": None, "max_client_batch_size": gateway.settings.max_texts_per_job,
+            "auto_truncate": True, "tokenization_workers": len(workers), "version": __version__,
+            "sha": None, "docker_label": None}

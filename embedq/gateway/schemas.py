@@ -1,0 +1,172 @@
+"""The gateway's request bodies, its documented error bodies and responses, the request headers it declares, and
+its JSON response class (orjson)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import orjson
+from fastapi.responses import JSONResponse as _StarletteJSON
+from pydantic import BaseModel, ConfigDict
+
+from embedq.protocol import MAX_DEADLINE_SECONDS
+
+
+class JSONResponse(_StarletteJSON):
+    """JSON by orjson: numpy arrays are written as they are (float32 in float32's shortest form, as TEI's serde
+    writes them: shorter than float64's digits, and the same float32 once read back), several times faster
+    than ``json.dumps`` of ``tolist()`` on a request's vectors. NaN is written as ``null``, never as ``NaN``."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+# -- documented responses -----------------------------------------------------------------------------------
+class TeiError(BaseModel):
+    """TEI's error body."""
+
+    error: str
+    error_type: str
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str
+
+
+class OpenAIError(BaseModel):
+    """TEI's OpenAI-route error body, plus OpenAI's nested ``error`` (what the openai SDK reads)."""
+
+    message: str
+    code: int
+    type: str
+    error: OpenAIErrorDetail
+
+
+_STATUSES = {400: "empty input, or a body that is not JSON", 401: "missing or wrong API key (when one is set)",
+             404: "no such job, or a model this gateway does not serve", 409: "the job was cancelled",
+             413: "request body or result too large", 422: "invalid request", 424: "the job failed in its worker, or "
+             "the model does not serve this route", 429: "the queue is full (Retry-After)",
+             503: "no worker, or the broker is unreachable (Retry-After)", 504: "the deadline passed"}
+
+
+def responses(model: type[BaseModel], *codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": model, "description": _STATUSES[code]} for code in codes}
+
+
+TEI_ERRORS = responses(TeiError, 400, 401, 404, 409, 413, 422, 424, 429, 503, 504)
+OPENAI_ERRORS = responses(OpenAIError, 400, 401, 404, 409, 413, 422, 424, 429, 503, 504)
+
+
+def _header(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"name": name, "in": "header", "required": False, "schema": schema, "description": description}
+
+
+#: The request headers the gateway reads, declared in its OpenAPI document (``openapi_extra``): they are read from
+#: the request by hand (``/jobs`` and ``POST /`` read their body by hand too), so FastAPI cannot see them.
+MODEL_HEADER = _header("X-Embedq-Model", {"type": "string"},
+                       "Which served model (a gateway of several models answers 404 for a name it does not serve).")
+CLASS_HEADER = _header("X-Embedq-Class", {"type": "string"},
+                       "`bulk` (any case) sends the request's jobs to the bulk queue; anything else: online.")
+DEADLINE_HEADER = _header("X-Embedq-Deadline", {"type": "number", "exclusiveMinimum": 0,
+                                                "maximum": MAX_DEADLINE_SECONDS},
+                          "Seconds the request's jobs may wait to start (at most one week); past it: 504.")
+JOB_HEADERS = {"parameters": [MODEL_HEADER, CLASS_HEADER, DEADLINE_HEADER]}
+EMPTY_OK = {200: {"description": "healthy (empty body)", "content": {"text/plain": {}}}}
+
+
+# -- request bodies -----------------------------------------------------------------------------------------
+class _Body(BaseModel):
+    # extra: clients send fields of other servers (parameters, options). strict: JSON's types as they are, so
+    # `true` is no integer (`"dimensions": true` is not 1) and `1` no boolean; an integer still is a number.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class OpenAIEmbeddingRequest(_Body):
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class _TeiOptions(_Body):
+    truncate: bool | None = None
+    truncation_direction: Literal["left", "right", "Left", "Right"] | None = None
+
+    def job_options(self) -> dict[str, Any]:
+        return {"truncate": True if self.truncate is None else self.truncate,
+                "truncation_side": (self.truncation_direction or "right").lower()}
+
+
+class EmbedRequest(_TeiOptions):
+    inputs: str | list[str] | list[int] | list[list[int]]
+    normalize: bool | None = True
+    prompt_name: str | None = None
+    dimensions: int | None = None
+
+
+class TextsRequest(_TeiOptions):
+    """``/embed_sparse`` and ``/embed_all``."""
+
+    inputs: str | list[str] | list[int] | list[list[int]]
+    prompt_name: str | None = None
+
+
+class TokenizeRequest(_Body):
+    inputs: str | list[str]
+    add_special_tokens: bool | None = True
+    prompt_name: str | None = None
+
+
+class DecodeRequest(_Body):
+    ids: list[int] | list[list[int]]
+    skip_special_tokens: bool | None = True
+
+
+class RerankRequest(_TeiOptions):
+    query: str
+    texts: list[str]
+    raw_scores: bool | None = False
+    return_text: bool | None = False
+
+
+class PredictRequest(_TeiOptions):
+    inputs: str | list[str] | list[list[str]]
+    raw_scores: bool | None = False
+
+
+class SimilarityInputs(_Body):
+    source_sentence: str
+    sentences: list[str]
+
+
+class SimilarityParameters(_TeiOptions):
+    prompt_name: str | None = None
+
+
+class SimilarityRequest(_Body):
+    inputs: SimilarityInputs
+    parameters: SimilarityParameters | None = None
+
+
+class JobInputs(BaseModel):
+    """The body of a ``/jobs`` job of a kind no TEI route serves (a plugin's): its ``inputs`` and the kind's
+    options (checked by the kind's options model when the jobs are sent)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    inputs: str | list[Any]
+
+
+class JobRequest(_Body):
+    """``POST /jobs``: the job's ``kind`` — any kind of the kinds table (embed, embed_sparse, embed_all, rerank,
+    predict, tokenize, decode, a plugin's) or similarity — and its body: what its TEI route takes, or
+    ``{"inputs": ..., <options>}`` for a kind no TEI route serves."""
+
+    kind: str
+    body: dict[str, Any]
+    webhook: str | None = None  # called with the job's state once it is done (EMBEDQ_WEBHOOK_ALLOW)
+    model: str | None = None  # of a gateway's several models (else X-Embedq-Model, else its own)
