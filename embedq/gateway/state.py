@@ -19,7 +19,8 @@ from embedq.broker import tls_options
 from embedq.gateway.middleware import GatewayMetrics
 from embedq.gateway.plans import Plan
 from embedq.gateway.results import AsyncResults
-from embedq.producers.client import DEADLINE_GRACE, DEFAULT_RESULT_TIMEOUT, Client
+from embedq.producers.client import Client
+from embedq.producers.handle import DEADLINE_GRACE, DEFAULT_RESULT_TIMEOUT
 from embedq.protocol import MAX_DEADLINE_SECONDS
 from embedq.settings import Settings
 

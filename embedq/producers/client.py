@@ -10,27 +10,27 @@ any Celery client works too; this
 class adds validation at the edge and decoding of the compact result. It writes those messages into kombu's Redis
 lists itself (the message ``send_task`` would write, field for field), so a job costs the producer little CPU;
 where the app is configured in a way it does not reproduce, it sends through ``send_task``.
+
+Every kind goes through one call, :meth:`Client.submit_job` (the kinds table, ``embedq/kinds.py``); the named methods
+are that call with the kind's name. The client's parts: :mod:`~embedq.producers.handle` (a job's handle and its
+waits), :mod:`~embedq.producers.direct` (messages written straight into Redis), :mod:`~embedq.producers.collect`
+(many results per round trip); here: submitting, backpressure, cancelling, the broker's epoch.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import datetime as dt
 import logging
-import math
 import threading
 import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from celery import Celery, states
-from celery.exceptions import TimeoutError as CeleryTimeout
-from celery.result import AsyncResult
 from kombu.utils.url import maybe_sanitize_url
 
 from embedq import cancellation, errors, monitor
@@ -51,11 +51,13 @@ from embedq.kinds import (
     task_reprs,
 )
 from embedq.kinds import kind as kind_spec
+from embedq.producers.collect import Collecting
+from embedq.producers.direct import DirectWrites, Route
+from embedq.producers.handle import DEFAULT_RESULT_TIMEOUT, JobHandle, job_expiry
+
+__all__ = ["BROKER_ERRORS", "Client", "JobHandle", "worker_stats"]  # what producers import from here
 from embedq.protocol import (
-    MAX_DEADLINE_SECONDS,
-    RESENT_HEADER,
     SENT_HEADER,
-    Fingerprint,
     check_message_size,
 )
 from embedq.results import ResultStore
@@ -63,303 +65,11 @@ from embedq.settings import Settings
 
 log = logging.getLogger(__name__)
 
-#: Seconds a result may take before a producer's blocking call gives up (``Client.embed``).
-DEFAULT_RESULT_TIMEOUT = 600.0
-#: Seconds between checks, while a producer waits, that the broker is there and still holds its jobs.
-WAIT_SLICE = 2.0
-#: Seconds between reads of the stored result once notifications are lost.
-POLL_SLICE = 0.25
 #: Seconds a queue's depth read by the backpressure check is reused, while under this share of the limit.
 DEPTH_REUSE = 0.05
 DEPTH_REUSE_SHARE = 0.5
-#: Seconds a handle waits past its job's deadline for a result of a job that started just in time.
-DEADLINE_GRACE = 1.0
 #: Longest pause between two looks at a full bulk queue.
 BULK_WAIT_MAX_SLICE = 1.0
-#: Messages per LPUSH command of a batch, and the bytes after which a command is closed: one round trip sends
-#: many jobs, and no single command grows past what Redis reads comfortably at once.
-PUSH_MESSAGES = 1000
-PUSH_BYTES = 8 * 1024 * 1024
-#: Keys per MGET, DEL or SUBSCRIBE command of :meth:`Client.collect`.
-COLLECT_KEYS = 1000
-#: The third part of a Celery protocol-2 body (no callbacks, errbacks, chain or chord).
-_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
-
-
-class JobHandle:
-    """A submitted job: its id, its state, and its result once the worker stored it.
-
-    Once collected, the outcome (vectors or typed error) stays on the handle, so reading it again, or
-    asking its status after the stored copy was deleted from Redis, answers at once. While waiting, the
-    handle checks every few seconds that the broker answers (else ``unavailable`` after
-    ``broker_timeout``) and still has its data: if Redis came back empty, the job is sent again under
-    the same id (workers treat a repeated id as the same job).
-    """
-
-    def __init__(self, result: AsyncResult | None, client: Client | None = None, *, job_id: str | None = None,
-                 texts: list[Any] | None = None, options: dict[str, Any] | None = None, queue: str | None = None,
-                 epoch: str | None = None, traffic_class: str = ONLINE, deadline: dt.datetime | None = None,
-                 spec: TaskSpec = EMBED, return_text: bool = False) -> None:
-        """``result``: Celery's handle of the job, or None with ``job_id`` (it is then made on first use, so a
-        batch of handles costs no Celery object each)."""
-        if result is None and (job_id is None or client is None):
-            raise ValueError("a JobHandle needs a Celery AsyncResult, or a job id and a client")
-        self._async = result
-        self._id: str = result.id if result is not None else job_id  # type: ignore[assignment]
-        self._client = client
-        #: the kind of job (embed, rerank, predict, tokenize)
-        self.spec = spec
-        self._return_text = return_text
-        self._resend_args = (texts, options, queue)  # texts: the task's positional arguments
-        self._epoch = epoch
-        self.traffic_class = traffic_class
-        #: When the job expires (an aware UTC datetime; None: never). A worker that meets it later drops it.
-        self.deadline = deadline
-        self._payload: dict[str, Any] | None = None
-        self._error: errors.EmbedqError | None = None
-        self.fingerprint: Fingerprint | None = None
-        self.usage: dict[str, int] | None = None
-        self.resent = 0
-        self._forgotten = False  # its stored record was deleted (after it was collected)
-        self._pubsub_ok = True
-        self._sent_at = time.monotonic()
-
-    @property
-    def id(self) -> str:
-        return self._id
-
-    @property
-    def _result(self) -> AsyncResult:
-        """Celery's handle of the job (made on first use). Never marked ``ignored``: Celery's ``get`` of an ignored
-        result answers None at once, whereas this handle waits for the stored record."""
-        if self._async is None:
-            assert self._client is not None
-            self._async = self._client.app.AsyncResult(self._id)
-        return self._async
-
-    @property
-    def _collected(self) -> bool:
-        return self._payload is not None or self._error is not None
-
-    def status(self) -> str:
-        """Celery's state: PENDING (queued or buffered), SUCCESS or FAILURE."""
-        if self._collected:
-            return "FAILURE" if self._error is not None else "SUCCESS"
-        return self._result.state
-
-    def ready(self) -> bool:
-        return self._collected or self._result.ready()
-
-    def payload(self, timeout: float | None = DEFAULT_RESULT_TIMEOUT) -> dict[str, Any]:
-        """The raw result dict, or the job's typed :class:`~embedq.errors.EmbedqError`.
-
-        Raises :class:`~embedq.errors.JobTimeout` after ``timeout`` seconds (None: no limit), and
-        :class:`~embedq.errors.Unavailable` when the broker stays unreachable for ``broker_timeout``.
-        """
-        if self._error is not None:
-            raise self._error
-        if self._payload is None:
-            self._payload = self._wait(timeout)
-            if self._client is not None:
-                self._client.pending.discard(self)
-        return self._payload
-
-    def _wait(self, timeout: float | None) -> dict[str, Any]:
-        start = time.monotonic()
-        deadline = None if timeout is None else start + timeout
-        expiry = None
-        if self.deadline is not None:  # past it (and a grace for a job that started in time) nothing will come
-            expiry = start + (self.deadline.timestamp() - time.time()) + DEADLINE_GRACE
-            if deadline is None or expiry < deadline:
-                deadline = expiry
-        broker_timeout = self._client.settings.broker_timeout if self._client else 30.0
-        down_since: float | None = None
-        outage = False  # the broker did not answer: compare its epoch as soon as it answers again
-        while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                if deadline == expiry:
-                    stored = self._poll()
-                    if stored is not None:
-                        return stored
-                    raise self._expire()
-                raise errors.JobTimeout(f"job {self.id} has no result after {timeout}s")
-            step = WAIT_SLICE if left is None else max(min(WAIT_SLICE, left), 0.01)
-            try:
-                if outage and self._client is not None:
-                    # Before taking any result: a restart may have lost jobs of this client that a result
-                    # arriving now would hide until the next slice lapses (which may never happen).
-                    self._check_broker(refresh=True)
-                    outage = False
-                if self._pubsub_ok:
-                    try:
-                        return self._result.get(timeout=step, propagate=True, disable_sync_subtasks=False)
-                    except CeleryTimeout:
-                        pass
-                    except errors.EmbedqError as exc:  # the job's own outcome: kept on the handle
-                        self._error = exc
-                        raise
-                    except RuntimeError:  # Celery's result consumer gave up reconnecting: poll instead
-                        log.warning("result notifications are lost after a broker outage; polling for job %s",
-                                    self.id)
-                        self._pubsub_ok = False
-                else:
-                    time.sleep(min(step, POLL_SLICE))
-                stored = self._poll()
-                if stored is not None:
-                    return stored
-                if self._client is not None:
-                    self._check_broker()
-                    self._maybe_resend()
-                down_since = None
-            except BROKER_ERRORS as exc:
-                outage = True
-                down_since = _ride_out(down_since, broker_timeout, exc, f"job {self.id}")
-
-    def _poll(self) -> dict[str, Any] | None:
-        """Read the stored record directly (a notification can be lost while Redis restarts)."""
-        backend = self._result.backend
-        return self._settle(backend, backend.get_task_meta(self.id, cache=False))
-
-    def _settle(self, backend: Any, meta: dict[str, Any]) -> dict[str, Any] | None:
-        """A stored record's outcome: its payload, or the job's error raised (a typed one stays on the handle);
-        None while the record holds no outcome."""
-        if meta.get("status") == states.SUCCESS:
-            return meta["result"]
-        if meta.get("status") in states.PROPAGATE_STATES:
-            exc = backend.exception_to_python(meta["result"])
-            if isinstance(exc, errors.EmbedqError):
-                self._error = exc
-            raise exc
-        return None
-
-    def _expire(self) -> errors.Expired:
-        """The job's deadline (and its grace) passed with no result: it ends ``expired``."""
-        assert self.deadline is not None
-        self._error = errors.Expired(f"job {self.id} has no result {DEADLINE_GRACE:.0f}s after its deadline "
-                                     f"({self.deadline.isoformat()})")
-        return self._error
-
-    def _check_broker(self, *, refresh: bool = False) -> None:
-        """Between two waits: has Redis lost its data since this job was sent? Then the client sends
-        this job, and every other job of its own still waiting, again."""
-        assert self._client is not None
-        # At most 1 s old (one read per client per second, however many wait); fresh after an outage.
-        epoch = self._client.epoch(refresh=refresh)
-        if self._epoch is not None and epoch != self._epoch:
-            self._client.resend_lost(epoch)
-
-    def _maybe_resend(self) -> None:
-        """No result long after sending: send the job again under its id. This covers the one window in
-        which Redis can lose a message whatever its persistence: a worker killed between popping it and
-        recording it as unacknowledged (kombu's BRPOP and its unacked record are two steps). A copy of a
-        job that is held or already stored costs the worker one lookup."""
-        assert self._client is not None
-        if time.monotonic() - self._sent_at >= self._client.resend_after:
-            log.info("job %s has no result after %.0fs; sending it again", self.id, self._client.resend_after)
-            self._resend(self._client.epoch())
-
-    def _resend(self, epoch: str) -> None:
-        args, options, queue = self._resend_args
-        if args is None:
-            raise errors.JobLost(f"job {self.id} may be lost: the broker restarted and the job cannot be resent")
-        assert self._client is not None
-        self._client.app.send_task(self.spec.name, args=args, kwargs=options, queue=queue, task_id=self.id,
-                                   expires=self.deadline, ignore_result=not self._client.follow_results,
-                                   headers={RESENT_HEADER: self.resent + 1, SENT_HEADER: time.time()},
-                                   **task_reprs(self.spec, args, options))
-        self._epoch = epoch
-        self._sent_at = time.monotonic()
-        self.resent += 1
-
-    def result(self, timeout: float | None = DEFAULT_RESULT_TIMEOUT, *, forget: bool = True) -> Any:
-        """Block for the job's output, decoded for its kind:
-
-        * ``embed``: the vectors (float32 numpy array, one row per input, input order);
-        * ``embed_sparse``: one :class:`~embedq.protocol.SparseVector` per input, input order;
-        * ``embed_hybrid``: a :class:`~embedq.protocol.HybridEmbedding` (dense, lexical, ColBERT);
-        * ``embed_all``: per input, its tokens' hidden states (tokens × hidden float32 array);
-        * ``rerank``: ``[{"index", "score"(, "text")}]`` sorted by score, highest first;
-        * ``predict``: per input, ``[{"label", "score"}]`` sorted by score, highest first;
-        * ``tokenize``: per text, ``[{"id", "text", "special", "start", "stop"}]`` (offsets are
-          characters of the string the model saw: the prompt, if any, then the text);
-        * ``decode``: per id list, its text.
-
-        With ``forget`` (the default) the stored result is deleted from Redis once read.
-        """
-        try:
-            payload = self.payload(timeout)
-        finally:
-            if forget and self._collected:
-                self.forget()
-        return self._output(payload)
-
-    def _output(self, payload: dict[str, Any]) -> Any:
-        """``payload`` decoded for the job's kind (see :meth:`result`); sets ``usage`` and ``fingerprint``."""
-        self.usage = payload.get("usage")
-        self.fingerprint = Fingerprint.model_validate(payload["fingerprint"])
-        texts = self._resend_args[0][-1] if self._return_text and self._resend_args[0] else None
-        return self.spec.decode(payload, texts)
-
-    def forget(self) -> None:
-        """Delete the job's stored record from Redis (its outcome, once collected, stays on this handle)."""
-        self._result.forget()
-        self._forgotten = True
-
-    def cancel(self) -> bool:
-        """Cancel the job unless it already has an outcome.
-
-        Every worker drops a cancelled job that has not started: still queued, or buffered waiting for
-        its micro-batch; it never reaches the model. Returns True when the job had no outcome yet: this
-        handle then raises :class:`~embedq.errors.Cancelled` (a job that was already running finishes in
-        its worker, harmlessly; its result expires unread). False: the job had finished; read it as usual.
-        """
-        if self._collected:
-            return False
-        if self._client is None:
-            raise errors.Unavailable("this handle has no client to cancel through")
-        if not self._client.cancel(self.id):
-            return False
-        self._error = errors.Cancelled(f"job {self.id} was cancelled")
-        self._client.pending.discard(self)
-        return True
-
-
-def _expires(deadline: float | dt.datetime | None) -> dt.datetime | None:
-    """A job's deadline as an aware UTC datetime (Celery's ``expires``): seconds from now, or an aware datetime, at
-    most :data:`~embedq.protocol.MAX_DEADLINE_SECONDS` from now (else :class:`~embedq.errors.InvalidOption`), so no
-    value reaches a clock or a timestamp that overflows."""
-    if deadline is None:
-        return None
-    now = dt.datetime.now(dt.timezone.utc)
-    if isinstance(deadline, dt.datetime):
-        if deadline.utcoffset() is None:
-            raise errors.InvalidOption("deadline must be an aware datetime (with a timezone) or seconds from now")
-        # the difference of aware datetimes is a timedelta: no conversion that overflows at datetime.max or .min
-        left: float = (deadline - now).total_seconds()
-        shown = deadline.isoformat()
-    elif isinstance(deadline, (int, float)) and not isinstance(deadline, bool):
-        shown = _number(deadline) + " s"
-        if not deadline > 0:  # NaN too
-            raise errors.InvalidOption(f"deadline must be a positive number of seconds, got {shown}")
-        left = deadline  # an int of any size compares with the bound; inf is above it
-    else:
-        raise errors.InvalidOption(f"deadline must be seconds from now or a datetime, got {type(deadline).__name__}")
-    if left > MAX_DEADLINE_SECONDS:
-        raise errors.InvalidOption(f"deadline must be at most {MAX_DEADLINE_SECONDS} s (one week) from now, got "
-                                   f"{shown}")
-    if left <= 0:
-        raise errors.Expired("the deadline passed before the job was sent")
-    if isinstance(deadline, dt.datetime):
-        return deadline.astimezone(dt.timezone.utc)
-    return now + dt.timedelta(seconds=left)
-
-
-def _number(value: float) -> str:
-    """A number for a message: never a conversion that overflows (a huge int to float) or is refused (to str)."""
-    if isinstance(value, int) and abs(value) >= 10**18:
-        return f"an integer of {value.bit_length()} bits"
-    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 def worker_stats(app: Celery, timeout: float = 1.0) -> dict[str, dict[str, Any]]:
@@ -368,73 +78,7 @@ def worker_stats(app: Celery, timeout: float = 1.0) -> dict[str, dict[str, Any]]
     return {node: stats for reply in replies for node, stats in reply.items()}
 
 
-@dataclass(frozen=True)
-class _Route:
-    """Where and how ``app.send_task`` publishes a task to a queue on kombu's Redis transport."""
-
-    key: str  # the Redis list: the queue's list for priority 0
-    routing_key: str  # delivery_info's (the anonymous exchange routes by queue name)
-    delivery_mode: int
-    binding: tuple[str, str, str] | None  # kombu's binding set, its permanent copy, the member; None: no declare
-
-
-def _direct_route(app: Celery, name: str, queue: str, broker_url: str | None) -> _Route | None:
-    """The route of ``name`` to ``queue`` if this client can write the message ``app.send_task`` would send
-    straight into Redis; None where send_task would do something else (another transport, protocol, serializer
-    or compression, sent events, a key prefix, a route with options of its own, a queue bound otherwise than
-    kombu's direct default or that expires, a task registered here with options): then jobs go through
-    ``send_task``."""
-    from bisect import bisect
-
-    from kombu.entity import maybe_delivery_mode
-    from kombu.transport import redis as kombu_redis
-
-    conf = app.conf
-    url = conf.broker_write_url or conf.broker_url
-    if (conf.task_protocol != 2 or conf.task_send_sent_event or conf.task_compression
-            or conf.task_serializer not in ("json", "msgpack") or not isinstance(url, str) or url != broker_url
-            or not url.startswith(("redis://", "rediss://")) or name in getattr(app, "_tasks", {})):
-        return None
-    options = conf.broker_transport_options or {}
-    if options.get("global_keyprefix"):
-        return None
-    try:
-        routed = app.amqp.router.route({"queue": queue}, name, (), {}, None)
-    except Exception:  # whatever it is, send_task will say it
-        return None
-    target = routed.get("queue")
-    if set(routed) != {"queue"} or getattr(target, "name", None) != queue:
-        return None
-    exchange = target.exchange
-    if (getattr(exchange, "type", None) != "direct" or target.bindings or target.expires is not None
-            or "x-expires" in (target.queue_arguments or {})):
-        return None
-    sep = options.get("sep", kombu_redis.Channel.sep)
-    steps = options.get("priority_steps", kombu_redis.PRIORITY_STEPS)
-    priority = steps[bisect(steps, 0) - 1]  # kombu's list for a message of priority 0
-    binding = None
-    if not target.no_declare and exchange.name:
-        binding = (kombu_redis.Channel.keyprefix_queue % exchange.name,
-                   kombu_redis.Channel.keyprefix_binding_permanent % exchange.name,
-                   sep.join([target.routing_key or "", "", queue]))
-    return _Route(key=f"{queue}{sep}{priority}" if priority else queue, routing_key=queue,
-                  delivery_mode=maybe_delivery_mode(exchange.delivery_mode or conf.task_default_delivery_mode),
-                  binding=binding)
-
-
-def _ride_out(down_since: float | None, broker_timeout: float, exc: BaseException, waiting_for: str) -> float:
-    """A wait's read failed because the broker is away: raise :class:`~embedq.errors.BrokerUnavailable` once it has
-    been away ``broker_timeout`` seconds, else pause before the next try. Returns when the outage began."""
-    now = time.monotonic()
-    down_since = down_since or now
-    if now - down_since >= broker_timeout:
-        raise errors.BrokerUnavailable(f"the broker has not answered for {now - down_since:.0f}s while waiting for "
-                                       f"{waiting_for} ({type(exc).__name__})") from None
-    time.sleep(min(0.5, broker_timeout / 10))
-    return down_since
-
-
-class Client:
+class Client(DirectWrites, Collecting):
     """Send embedding jobs to embedq workers and collect their results."""
 
     def __init__(self, settings: Settings | None = None, *, broker_url: str | None = None,
@@ -466,7 +110,7 @@ class Client:
         #: stop waiting (the indexer stops on Ctrl-C that way).
         self.on_bulk_wait: Callable[[str, int, float], None] | None = None
         #: (task name, queue) -> where its messages go when written directly (None: through send_task)
-        self._routes: dict[tuple[str, str], _Route | None] = {}
+        self._routes: dict[tuple[str, str], Route | None] = {}
         #: (queue binding, broker epoch) pairs already declared by this client (kombu declares once per connection)
         self._declared: set[tuple[Any, str]] = set()
 
@@ -575,7 +219,7 @@ class Client:
         if traffic_class not in TRAFFIC_CLASSES:
             raise errors.InvalidOption(f"traffic_class must be one of {', '.join(TRAFFIC_CLASSES)}, "
                                        f"got {traffic_class!r}")
-        expires = _expires(deadline)
+        expires = job_expiry(deadline)
         limits = self.settings
         for i, args in enumerate(argses):  # validation at the edge, every job before any is sent
             try:
@@ -617,108 +261,6 @@ class Client:
                            **task_reprs(spec, args, wire))
         return job_id
 
-    # -- messages written straight into kombu's Redis lists ---------------------------------------------------
-    def _route(self, name: str, queue: str) -> _Route | None:
-        """Where ``app.send_task(name, queue=queue)`` would put a job, when this client can write that message
-        itself (else None: see :func:`_direct_route`); worked out once per task and queue."""
-        key = (name, queue)
-        if key not in self._routes:
-            self._routes[key] = _direct_route(self.app, name, queue, self.settings.broker_url)
-        return self._routes[key]
-
-    def _direct_now(self) -> bool:
-        """What ``send_task`` does per call that a direct write would miss: a parent task (called from inside a
-        Celery task, its ids go in the message) and publish signals someone listens to."""
-        from celery import signals
-
-        if self.app.current_worker_task is not None:
-            return False
-        return not any(getattr(getattr(signals, name, None), "receivers", None)
-                       for name in ("before_task_publish", "after_task_publish", "task_sent"))
-
-    def _body(self, args: list[Any], wire: dict[str, Any], index: int, count: int) -> tuple[str, str, bytes]:
-        """A job's message body as kombu's Redis transport stores it: (content type, content encoding, base64
-        of the serialized ``(args, kwargs, embed)``), checked against ``max_message_bytes``."""
-        from kombu.serialization import dumps
-
-        serializer = self.app.conf.task_serializer
-        content_type, encoding, body = dumps((args, wire, _EMBED), serializer=serializer)
-        limit = self.settings.max_message_bytes
-        if len(body) > limit:  # the error check_message_size raises, from the body it measures
-            try:
-                check_message_size(args, wire, serializer=serializer, limit=limit)
-                raise errors.MessageTooLarge(f"the job's message would have {len(body)} bytes; the limit is {limit}")
-            except errors.MessageTooLarge as exc:
-                if count > 1 and hasattr(exc, "add_note"):
-                    exc.add_note(f"job {index} of the {count} submitted together; none was sent")
-                raise
-        raw = body.encode("utf-8") if isinstance(body, str) else body
-        return content_type, encoding, base64.b64encode(raw)
-
-    def _push(self, route: _Route, spec: TaskSpec, argses: list[list[Any]], bodies: list[tuple[str, str, bytes]],
-              wire: dict[str, Any], expires: dt.datetime | None, epoch: str) -> list[str]:
-        """Write the jobs' messages into their queue's Redis list, in one pipeline: the messages
-        ``app.send_task`` would publish (Celery's protocol 2 on kombu's Redis transport: headers, properties,
-        base64 body; see ``celery.app.amqp.AMQP.as_task_v2`` and ``kombu.transport.redis.Channel._put``), and
-        the queue's binding as kombu declares it before its first publish (again after Redis lost its data).
-        Returns the job ids."""
-        from celery.utils.nodenames import anon_nodename
-        from kombu.utils.json import dumps
-
-        ids = [str(uuid.uuid4()) for _ in argses]  # random: job ids cannot be guessed
-        origin, reply_to = anon_nodename(), self.app.thread_oid
-        ignore_result = not self.follow_results
-        sent_at = time.time()
-        expires_at = expiration = None
-        if expires is not None:
-            expires_at = expires.isoformat()
-            left = max((expires - dt.datetime.now(dt.timezone.utc)).total_seconds(), 0)  # as send_task clamps it
-            expiration = str(int(left * 1000))
-        reprs: dict[int, dict[str, str]] = {}
-        messages = []
-        for job_id, args, (content_type, encoding, body) in zip(ids, argses, bodies):
-            items = len(args[-1])  # the reprs say how many texts: made once per count
-            if items not in reprs:
-                reprs[items] = task_reprs(spec, args, wire)
-            argsrepr, kwargsrepr = reprs[items]["argsrepr"], reprs[items]["kwargsrepr"]
-            headers = {"lang": "py", "task": spec.name, "id": job_id, "shadow": None, "eta": None,
-                       "expires": expires_at, "group": None, "group_index": None, "retries": 0,
-                       "timelimit": [None, None], "root_id": job_id, "parent_id": None, "argsrepr": argsrepr,
-                       "kwargsrepr": kwargsrepr, "origin": origin, "ignore_result": ignore_result,
-                       "replaced_task_nesting": 0, "stamped_headers": None, "stamps": {}, SENT_HEADER: sent_at}
-            properties: dict[str, Any] = {"correlation_id": job_id, "reply_to": reply_to, "argsrepr": argsrepr,
-                                          "kwargsrepr": kwargsrepr, "delivery_mode": route.delivery_mode}
-            if expiration is not None:
-                properties["expiration"] = expiration
-            properties["delivery_info"] = {"exchange": "", "routing_key": route.routing_key}
-            properties["priority"] = 0
-            properties["body_encoding"] = "base64"
-            properties["delivery_tag"] = str(uuid.uuid4())
-            # the body first, as kombu writes it: base64 needs no escaping, so it is not run through the encoder
-            rest = dumps({"content-encoding": encoding, "content-type": content_type, "headers": headers,
-                          "properties": properties})
-            messages.append(b'{"body": "' + body + b'", ' + rest[1:].encode("utf-8"))
-        commands: list[tuple[str, ...]] = []
-        declared = (route.binding, epoch)
-        if route.binding is not None and declared not in self._declared:
-            commands += [("SADD", key, route.binding[2]) for key in route.binding[:2]]
-        # LPUSH of several values is several LPUSHes in a row: the list ends in the same order
-        start, size = 0, 0
-        for i, message in enumerate(messages):
-            size += len(message)
-            if i + 1 - start >= PUSH_MESSAGES or size >= PUSH_BYTES or i + 1 == len(messages):
-                commands.append(("LPUSH", route.key, *messages[start:i + 1]))
-                start, size = i + 1, 0
-        if len(commands) == 1:
-            self.redis().execute_command(*commands[0])
-        else:
-            pipe = self.redis().pipeline(transaction=False)
-            for command in commands:
-                pipe.execute_command(*command)
-            pipe.execute()
-        self._declared.add(declared)
-        return ids
-
     def _admit(self, queue: str, traffic_class: str, count: int = 1) -> None:
         """Backpressure, once for ``count`` jobs sent together: refuse online jobs at once when their queue is
         full; wait for room for bulk ones."""
@@ -757,259 +299,6 @@ class Client:
         self._depths[queue] = (time.monotonic(), depth + count)
         self.bulk_waits += 1
         self.bulk_waited_seconds += time.monotonic() - started
-
-    # -- collecting many results ----------------------------------------------------------------------------
-    def collect(self, handles: Iterable[JobHandle], timeout: float | None = DEFAULT_RESULT_TIMEOUT, *,
-                return_exceptions: bool = False, forget: bool = True, decode: bool = True) -> list[Any]:
-        """The results of many jobs, in the order of ``handles``: each what ``handle.result()`` returns (with
-        ``decode=False``, what ``handle.payload()`` returns, for a caller that decodes payloads itself).
-
-        Stored records are read many per round trip (MGET); the jobs still running are awaited on their
-        result channels, all on one subscription, not polled. A failed job raises its typed error, as
-        ``handle.result()`` does, as soon as it is read (the first in ``handles``' order of those read);
-        the jobs still running go on and can be collected later. With ``return_exceptions=True`` (as in
-        ``asyncio.gather``) each job's error takes its place in the list instead, and the jobs with no result
-        after ``timeout`` seconds get :class:`~embedq.errors.JobTimeout` (else it is raised). As with
-        ``handle.result()``: a job past its deadline ends :class:`~embedq.errors.Expired`, a broker that stays
-        away ``broker_timeout`` raises :class:`~embedq.errors.BrokerUnavailable`, and jobs Redis lost, or
-        with no result long after sending, are sent again. Every handle keeps its outcome. With ``forget``
-        (the default) the records read are deleted from Redis, in one round trip.
-        """
-        handles = list(handles)
-        try:
-            unkept = self._gather(handles, timeout, fail_fast=not return_exceptions)
-        finally:
-            if forget:
-                self._forget([h for h in handles if h._collected])
-        if not return_exceptions:
-            for handle in handles:
-                error = handle._error if handle._error is not None else unkept.get(handle)
-                if error is not None:
-                    raise error
-        out: list[Any] = []
-        for handle in handles:
-            error = handle._error if handle._error is not None else unkept.get(handle)
-            if error is not None:
-                out.append(error)
-            else:
-                assert handle._payload is not None
-                out.append(handle._output(handle._payload) if decode else handle._payload)
-        return out
-
-    def _gather(self, handles: list[JobHandle], timeout: float | None, *,
-                fail_fast: bool) -> dict[JobHandle, BaseException]:
-        """Wait until every handle has its outcome (kept on the handle), ``timeout`` passes or, with
-        ``fail_fast``, a job failed. Returns the errors a handle does not keep (a timeout, an error that is not
-        embedq's): the same steps as :meth:`JobHandle._wait`, for many jobs at once."""
-        backend = self.app.backend
-        unkept: dict[JobHandle, BaseException] = {}
-        waiting: dict[bytes, list[JobHandle]] = {}  # record key -> its handles without an outcome
-        for handle in handles:
-            if not handle._collected and handle not in unkept:
-                waiting.setdefault(_key_bytes(backend.get_key_for_task(handle.id)), []).append(handle)
-        if not waiting:
-            return unkept
-        start, wall = time.monotonic(), time.time()
-        limit = math.inf if timeout is None else start + timeout
-        expiry = {}  # past a job's deadline (and a grace for a job that started in time) nothing will come
-        for key, some in waiting.items():
-            ends = [start + (h.deadline.timestamp() - wall) + DEADLINE_GRACE for h in some if h.deadline is not None]
-            if ends:
-                expiry[key] = min(ends)
-        failed = False
-
-        def done(handle: JobHandle) -> None:
-            if handle._client is not None:
-                handle._client.pending.discard(handle)
-
-        def take(key: bytes, raw: Any) -> None:
-            """A job's stored record (from MGET or its notification)."""
-            nonlocal failed
-            some = waiting.get(key)
-            if some is None or raw is None:
-                return
-            meta = backend.decode_result(raw)
-            left = []
-            for handle in some:
-                try:
-                    payload = handle._settle(backend, meta)
-                except Exception as exc:  # the job's own error: a typed one is kept on the handle
-                    if handle._error is None:
-                        unkept[handle] = exc
-                    failed = True
-                    done(handle)
-                    continue
-                if payload is None:
-                    left.append(handle)
-                else:
-                    handle._payload = payload
-                    done(handle)
-            if left:
-                waiting[key] = left
-            else:
-                del waiting[key]
-                expiry.pop(key, None)
-
-        def read(keys: list[bytes]) -> None:
-            if not keys:
-                return
-            pipe = backend.client.pipeline(transaction=False)
-            for i in range(0, len(keys), COLLECT_KEYS):
-                pipe.mget(keys[i:i + COLLECT_KEYS])
-            for key, raw in zip(keys, (raw for chunk in pipe.execute() for raw in chunk)):
-                take(key, raw)
-
-        def listen(pubsub: Any, until: float, pong: str | None = None) -> bool:
-            """Take the records published until ``until`` (or, with ``pong``, until that ping's answer)."""
-            while True:
-                left = until - time.monotonic()
-                message = pubsub.get_message(timeout=max(left, 0.0))
-                if message is None:
-                    if left <= 0:
-                        return False
-                    continue
-                if message["type"] == "message":
-                    take(_key_bytes(message["channel"]), message["data"])
-                    if pong is None and (not waiting or (fail_fast and failed)):
-                        return True
-                elif message["type"] == "pong" and pong is not None and _key_bytes(message["data"]) == pong.encode():
-                    return True
-
-        subscribed: list[bytes] = []
-
-        def subscribe() -> Any:
-            """This thread's result connection, subscribed to every waiting job's channel before this returns."""
-            pubsub = self._listener(backend)
-            keys = list(waiting)
-            try:
-                for i in range(0, len(keys), COLLECT_KEYS):
-                    pubsub.subscribe(*keys[i:i + COLLECT_KEYS])
-                token = uuid.uuid4().hex
-                pubsub.ping(token)  # answered after every subscription took hold
-                if not listen(pubsub, time.monotonic() + self.settings.broker_timeout, pong=token):
-                    raise OSError("the result channels were not subscribed in time")
-            except BaseException:
-                self._drop_listener()  # its subscriptions are unknown now
-                raise
-            subscribed.extend(keys)
-            return pubsub
-
-        def check_lost(refresh: bool) -> None:
-            """Has Redis lost jobs since they were sent (then every waiting job of this client is sent again),
-            or has a job had no result long after sending (then it is)?"""
-            if refresh:
-                self.epoch(refresh=True)
-            for some in list(waiting.values()):
-                for handle in some:
-                    if handle._client is not None:
-                        handle._check_broker()
-                        handle._maybe_resend()
-
-        broker_timeout = self.settings.broker_timeout
-        pubsub: Any = None
-        down_since: float | None = None
-        outage = False  # the broker did not answer: compare its epoch as soon as it answers again
-        checked = start
-        try:
-            while waiting and not (fail_fast and failed):
-                now = time.monotonic()
-                if now >= limit:
-                    for some in waiting.values():
-                        for handle in some:
-                            unkept[handle] = errors.JobTimeout(f"job {handle.id} has no result after {timeout}s")
-                    break
-                try:
-                    if outage:
-                        # Before taking any result: a restart may have lost jobs that a result arriving now
-                        # would hide until the next check.
-                        check_lost(refresh=True)
-                        outage = False
-                    overdue = [key for key, at in expiry.items() if at <= now]
-                    if overdue:
-                        read(overdue)
-                        for key in overdue:
-                            for handle in waiting.pop(key, ()):
-                                handle._expire()
-                                done(handle)
-                                failed = True
-                            expiry.pop(key, None)
-                        continue
-                    if pubsub is None:
-                        read(list(waiting))
-                        if not waiting or (fail_fast and failed):
-                            break
-                        pubsub = subscribe()
-                        read(list(waiting))  # stored before the subscriptions took hold
-                        checked = time.monotonic()
-                        continue
-                    listen(pubsub, min(checked + WAIT_SLICE, limit, min(expiry.values(), default=math.inf)))
-                    if waiting and time.monotonic() >= checked + WAIT_SLICE:
-                        read(list(waiting))  # a notification is lost while Redis restarts
-                        check_lost(refresh=False)
-                        checked = time.monotonic()
-                    down_since = None
-                except BROKER_ERRORS as exc:
-                    self._drop_listener()
-                    pubsub = None
-                    outage = True
-                    down_since = _ride_out(down_since, broker_timeout, exc,
-                                           f"{sum(map(len, waiting.values()))} jobs")
-        finally:
-            if pubsub is not None and subscribed:
-                try:  # not waited for: the answers are read (and ignored) by the next collect on this thread
-                    for i in range(0, len(subscribed), COLLECT_KEYS):
-                        pubsub.unsubscribe(*subscribed[i:i + COLLECT_KEYS])
-                except Exception:
-                    self._drop_listener()
-        return unkept
-
-    def _listener(self, backend: Any) -> Any:
-        """This thread's connection for result notifications (made once, like Celery's result consumer): a
-        collect subscribes its jobs' channels on it and unsubscribes them when it returns."""
-        pubsub = getattr(self._listeners, "pubsub", None)
-        if pubsub is None:
-            pubsub = backend.client.pubsub(ignore_subscribe_messages=True)
-            self._listeners.pubsub = pubsub
-            with self._resend_lock:
-                self._all_listeners.append(pubsub)
-        return pubsub
-
-    def _drop_listener(self) -> None:
-        """Close this thread's notification connection (after a broker error: the next collect makes another)."""
-        pubsub = getattr(self._listeners, "pubsub", None)
-        self._listeners.pubsub = None
-        if pubsub is not None:
-            with self._resend_lock:
-                if pubsub in self._all_listeners:
-                    self._all_listeners.remove(pubsub)
-            with contextlib.suppress(Exception):
-                pubsub.close()
-
-    def _forget(self, handles: list[JobHandle]) -> None:
-        """Delete the stored records of ``handles`` in one round trip (``result(forget=True)`` for many)."""
-        handles = [h for h in handles if not h._forgotten]
-        if not handles:
-            return
-        backend = self.app.backend
-        keys = [backend.get_key_for_task(h.id) for h in handles]
-        try:
-            pipe = backend.client.pipeline(transaction=False)
-            for i in range(0, len(keys), COLLECT_KEYS):
-                pipe.delete(*keys[i:i + COLLECT_KEYS])
-            pipe.execute()
-        except BROKER_ERRORS as exc:
-            log.warning("could not delete %d collected results (%s: %s); they expire after EMBEDQ_RESULT_TTL",
-                        len(keys), type(exc).__name__, exc)
-        else:
-            for handle in handles:
-                handle._forgotten = True
-        # a handle that waited through Celery (JobHandle.result) is subscribed there: unsubscribe it, as forget does
-        consumer = getattr(backend, "result_consumer", None)
-        subscribed = getattr(consumer, "subscribed_to", None)
-        if subscribed:
-            for handle, key in zip(handles, keys):
-                if key in subscribed:
-                    consumer.cancel_for(handle.id)
 
     def cancel(self, job_id: str) -> bool:
         """Cancel a job by id (see :meth:`JobHandle.cancel`): True if it had no outcome yet.
@@ -1147,8 +436,3 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _key_bytes(value: Any) -> bytes:
-    """A Redis key or channel name as bytes (redis-py answers bytes unless it decodes responses)."""
-    return value if isinstance(value, bytes) else str(value).encode()
