@@ -22,6 +22,8 @@ import pytest
 from embedq import errors
 from embedq.kinds import KINDS, task_reprs
 from embedq.producers import client as client_module
+from embedq.producers import direct as direct_module
+from embedq.producers import handle as handle_module
 from embedq.producers.client import Client
 from embedq.protocol import SENT_HEADER, Fingerprint, encode_result
 from embedq.results import ResultStore
@@ -283,7 +285,7 @@ def test_collect_errors_timeouts_and_deadlines(redis_server):
     t0 = time.monotonic()
     out = client.collect(late, timeout=30, return_exceptions=True)
     assert isinstance(out[0], errors.Expired) and float(out[1][0, 0]) == 9.0
-    assert time.monotonic() - t0 < client_module.DEADLINE_GRACE + 2
+    assert time.monotonic() - t0 < handle_module.DEADLINE_GRACE + 2
     client.close()
 
 
@@ -308,6 +310,6 @@ def test_a_batch_larger_than_one_push_keeps_its_order(redis_server):
     handles = client.submit_many(jobs)
     # more messages than one LPUSH carries (PUSH_MESSAGES): still in submission order, each job once
     sent = [json.loads(m)["headers"]["id"] for m in reversed(client.redis().lrange(client.settings.queue_name, 0, -1))]
-    assert len(jobs) > client_module.PUSH_MESSAGES and sent[100:] == [h.id for h in handles]
+    assert len(jobs) > direct_module.PUSH_MESSAGES and sent[100:] == [h.id for h in handles]
     client.redis().delete(client.settings.queue_name)
     client.close()
