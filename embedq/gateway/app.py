@@ -41,7 +41,7 @@ from pydantic import ValidationError as PydanticValidationError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from embedq import __version__, errors, monitor
+from embedq import errors, monitor
 from embedq.batching.traffic import BULK, ONLINE
 from embedq.broker import tls_options
 from embedq.gateway.results import AsyncResults
@@ -50,6 +50,7 @@ from embedq.keys import GATEWAY_JOB_KEY
 from embedq.producers.client import DEADLINE_GRACE, DEFAULT_RESULT_TIMEOUT, Client, decode_output
 from embedq.protocol import MAX_DEADLINE_SECONDS, decode_result, id_lists
 from embedq.settings import Settings
+from embedq.version import __version__
 
 log = logging.getLogger(__name__)
 
