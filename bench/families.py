@@ -36,7 +36,7 @@ from families import FAMILIES, save  # noqa: E402
 from bench.fidelity import embed_packed  # noqa: E402
 from embedq.backends import load_backend, postprocess  # noqa: E402
 from embedq.backends.cpu import cpu_summary  # noqa: E402
-from embedq.producers.verify import cosines  # noqa: E402
+from embedq.cli.verify import cosines  # noqa: E402
 from embedq.protocol import EmbedOptions  # noqa: E402
 
 CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"

@@ -53,7 +53,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 TIMEOUT = 1800.0
 WORKER_ENV = {"EMBEDQ_LINEAR_KERNEL": "torch", "EMBEDQ_TORCH_THREADS": "1"}  # a fixed runtime: no start-up timing
 TOKENIZE = dict(padding=False, truncation=True, max_length=MAX_SEQ, return_attention_mask=False,
-                return_token_type_ids=False)  # as the worker calls it (embedq/backends/encoder.py)
+                return_token_type_ids=False)  # as the worker calls it (embedq/backends/tokenizing.py)
 
 
 def load_texts(path: Path, n: int) -> list[str]:

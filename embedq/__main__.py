@@ -1,4 +1,4 @@
-from embedq.producers.cli import main
+from embedq.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -28,7 +28,7 @@ import threading
 import time
 
 from embedq.backends import model
-from embedq.producers.cli import main
+from embedq.cli import main
 from embedq.workers.service import EmbeddingService
 
 MARKER = "FAIL_IN_MODEL"

@@ -25,7 +25,7 @@ def test_index_on_embedded_default_parquet_and_npy(tmp_path, corpus):
     out = tmp_path / "out.parquet"
     npy = tmp_path / "out.npy"
     script = (
-        "import sys; from embedq.producers.cli import main; "
+        "import sys; from embedq.cli import main; "
         f"a = main(['index', {str(src)!r}, '-o', {str(out)!r}, '--chunk-size', '16', '-q']); "
         f"b = main(['index', {str(src)!r}, '-o', {str(npy)!r}, '--chunk-size', '40', '-q']); "
         "sys.exit(10 * a + b)"

@@ -33,7 +33,7 @@ from tiny_models import run_as_the_worker
 
 from embedq import errors
 from embedq.backends import load_backend, postprocess
-from embedq.producers.verify import cosines
+from embedq.cli.verify import cosines
 from embedq.protocol import EmbedOptions, decode_result
 
 MIN_COSINE = 0.99999
@@ -232,7 +232,7 @@ def test_remote_code_from_elsewhere_is_refused_even_with_the_opt_in(remote_code_
 
 
 def test_the_model_code_is_part_of_the_weights_hash(remote_code_folder, tmp_path):
-    from embedq.backends.encoder import weights_sha256
+    from embedq.backends.folder import weights_sha256
 
     copy = shutil.copytree(remote_code_folder, tmp_path / "edited")
     before = weights_sha256(copy)

@@ -32,12 +32,12 @@ def setup():
         settings = Settings(broker_url=server.url, queue=queue)
         app = make_app(settings)
         yield app, queue, redis.Redis.from_url(server.url)
-    transport.fetch_plan = transport.fetch_admits = None
+    transport.install()
 
 
-def _consume(app, queue, plan, admits=None):
+def _consume(app, queue, plan, admits=None, fetch_bytes=transport.FetchPolicy.fetch_bytes):
     """Deliveries of one event-loop turn of a consumer on ``queue`` with ``plan`` as the worker's fetch plan."""
-    transport.fetch_plan, transport.fetch_admits = plan, admits
+    transport.install(transport.FetchPolicy(plan=plan, admits=admits, fetch_bytes=fetch_bytes))
     got: list = []
     conn = app.connection_for_read()
     channel = conn.default_channel
@@ -117,16 +117,16 @@ def test_what_the_window_no_longer_admits_goes_back_unseen_and_in_order(setup):
         conn.release()
 
 
-def test_a_fetch_brings_a_bounded_number_of_bytes(setup, monkeypatch):
+def test_a_fetch_brings_a_bounded_number_of_bytes(setup):
     """A burst of large entries: one fetch takes no more bytes than ``fetch_bytes`` beyond its BRPOP's message (the
     worker's memory and Redis's time in the script are bounded by bytes, not only by a count); the entry that would
     pass the bound stays in its place, oldest next, and a later round trip takes it."""
     app, queue, r = setup
     ids = [app.send_task(TASK_NAME, args=[["x" * 30_000]], queue=queue).id for _ in range(6)]
     sizes = [len(raw) for raw in r.lrange(queue, 0, -1)]
-    monkeypatch.setattr(transport, "fetch_bytes", 2 * max(sizes) + 100)  # room for two beyond the BRPOP's
+    room = 2 * max(sizes) + 100  # room for two beyond the BRPOP's
     before = r.lrange(queue, 0, -1)
-    conn, channel, got = _consume(app, queue, lambda queues: [(queues, 100)])
+    conn, channel, got = _consume(app, queue, lambda queues: [(queues, 100)], fetch_bytes=room)
     try:
         assert [m.headers["id"] for m in got] == ids[:3]
         assert r.lrange(queue, 0, -1) == before[:3]  # untouched, in order
@@ -134,8 +134,8 @@ def test_a_fetch_brings_a_bounded_number_of_bytes(setup, monkeypatch):
         assert transport.ack_many(got) == []
     finally:
         conn.release()
-    monkeypatch.setattr(transport, "fetch_bytes", 100)  # smaller than any entry: one message per round trip
-    conn, channel, got = _consume(app, queue, lambda queues: [(queues, 100)])
+    # smaller than any entry: one message per round trip
+    conn, channel, got = _consume(app, queue, lambda queues: [(queues, 100)], fetch_bytes=100)
     try:
         assert [m.headers["id"] for m in got] == ids[3:4]
         assert r.lrange(queue, 0, -1) == before[:2]

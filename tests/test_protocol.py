@@ -114,7 +114,8 @@ def test_producer_imports_without_torch_transformers_tokenizers():
         sys.meta_path.insert(0, Block())
         import embedq
         from embedq import Client, JobHandle
-        from embedq.producers import cli, client, embedded, index
+        from embedq import cli
+        from embedq.producers import client, embedded, index
         from embedq import broker, cancellation, monitor
         from embedq import batching, protocol, errors, settings
         c = Client(broker_url='redis://127.0.0.1:1/0')

@@ -24,7 +24,7 @@ from tiny_models import run_as_the_worker
 
 from embedq import errors
 from embedq.backends import load_backend
-from embedq.backends.encoder import weights_sha256
+from embedq.backends.folder import weights_sha256
 from embedq.producers.index.runner import storage_options
 from embedq.producers.index.sinks import open_sink
 from embedq.protocol import EmbedOptions, Fingerprint, decode_result

@@ -15,8 +15,8 @@ pytest.importorskip("sentence_transformers")
 from conftest import CORPUS, GatewayHandle, WorkerHandle
 from families import FAMILIES, save
 
-from embedq.producers.cli import main
-from embedq.producers.verify import HALF_COSINE, STRICT, thresholds
+from embedq.cli import main
+from embedq.cli.verify import HALF_COSINE, STRICT, thresholds
 from embedq.settings import Settings
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,21 +60,23 @@ def load_backend(
     online_tokens: int = 256,
     pooling: str | None = None,
     trust_remote_code: bool = False,
+    on_runtime_chosen: Callable[[str], None] | None = None,
 ) -> Backend:
     """Load ``model`` (an id or a local folder) with the heads its folder calls for (embed, rerank/predict;
-    every model tokenizes; SPLADE: embed_sparse): see :mod:`embedq.backends.model`. ``linear_kernel="auto"`` on a
+    every model tokenizes; SPLADE: embed_sparse): see :mod:`embedq.backends.loader`. ``linear_kernel="auto"`` on a
     CPU times the runtimes on micro-batches of ``batch_tokens`` (and ``online_tokens``) and keeps the fastest
-    faithful one (:mod:`embedq.backends.runtime`)."""
+    faithful one (:mod:`embedq.backends.runtime`), then calls ``on_runtime_chosen`` with its name, before the
+    duels (:func:`embedq.backends.runtime.choose`)."""
     path = resolve_model_path(model)
     if device == "cpu":
         from embedq.backends.cpu import guard_amx
 
         guard_amx()  # before anything runs oneDNN in this process
-    from embedq.backends.model import load_model
+    from embedq.backends.loader import load_model
 
     backend = load_model(path, model_id=model, device=device, dtype=dtype, torch_threads=torch_threads,
                          linear_kernel=linear_kernel, batch_tokens=batch_tokens, online_tokens=online_tokens,
-                         pooling=pooling, trust_remote_code=trust_remote_code)
+                         pooling=pooling, trust_remote_code=trust_remote_code, on_runtime_chosen=on_runtime_chosen)
     backend.add_plugin_heads()
     return backend
 

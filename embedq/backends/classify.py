@@ -14,21 +14,23 @@ items that pack with every other job's items. Scores are ``CrossEncoder.predict`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from embedq import __version__, errors
+from embedq import errors
 from embedq.backends.base import Encoded, Head, ModelInfo, Prepared
-from embedq.backends.encoder import CLASSIFY, Encoder
+from embedq.backends.encoder import Encoder
+from embedq.backends.folder import CLASSIFY
 from embedq.backends.kernels import LinearKernel
 from embedq.backends.model import ModelBackend, base_info, check_modality
 from embedq.backends.modules import activation, read_json
 from embedq.backends.tokens import TOKENIZER_KINDS, read_prompts, tokenizer_heads
 from embedq.protocol import Fingerprint, encode_result
+from embedq.version import __version__
 
 
 def activation_name(folder: Path, config: Any, num_labels: int) -> str:
@@ -107,7 +109,8 @@ class ClassifierHead(Head):
 def load_classifier(folder: Path, transformer_dir: Path, st_config: dict[str, Any], modules: list[tuple[str, Path]],
                     *, model_id: str, device: str = "cpu", dtype: str = "float32", torch_threads: int | None = None,
                     linear_kernel: LinearKernel = "auto", batch_tokens: int = 2048,
-                    online_tokens: int = 256, trust_remote_code: bool = False) -> ModelBackend:
+                    online_tokens: int = 256, trust_remote_code: bool = False,
+                    on_runtime_chosen: Callable[[str], None] | None = None) -> ModelBackend:
     if len(modules) > 1:
         raise errors.UnsupportedModel(
             f"a sequence-classification Transformer followed by {[k for k, _ in modules[1:]]} is not supported")
@@ -118,7 +121,7 @@ def load_classifier(folder: Path, transformer_dir: Path, st_config: dict[str, An
     encoder = Encoder(transformer_dir, st_config, task=CLASSIFY, device=device, dtype=dtype,
                       torch_threads=torch_threads, linear_kernel=linear_kernel, allow_chat_template=bool(modules),
                       batch_tokens=batch_tokens, online_tokens=online_tokens,
-                      trust_remote_code=trust_remote_code)
+                      trust_remote_code=trust_remote_code, on_runtime_chosen=on_runtime_chosen)
     config = encoder.config
     num_labels = int(getattr(config, "num_labels", 0) or 0)
     if num_labels < 1:

@@ -10,16 +10,17 @@ itself is not imported. A trailing Normalize module is applied per job in ``fini
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from embedq import __version__, errors
+from embedq import errors
 from embedq.backends.base import Encoded, Head, ModelInfo, Prepared, Tokenized, postprocess
-from embedq.backends.encoder import FEATURES, Encoder
+from embedq.backends.encoder import Encoder
+from embedq.backends.folder import FEATURES
 from embedq.backends.hybrid import is_m3_folder, m3_heads
 from embedq.backends.kernels import LinearKernel
 from embedq.backends.model import ModelBackend, base_info, check_modality, model_task, read_modules
@@ -41,6 +42,7 @@ from embedq.backends.tokens import (
     tokenizer_heads,
 )
 from embedq.protocol import Fingerprint, encode_result
+from embedq.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +148,8 @@ class DenseBackend(ModelBackend):
     def __init__(self, path: str | Path, *, model_id: str | None = None, device: str = "cpu",
                  dtype: str = "float32", torch_threads: int | None = None,
                  linear_kernel: LinearKernel = "auto", batch_tokens: int = 2048, online_tokens: int = 256,
-                 pooling: str | None = None, trust_remote_code: bool = False) -> None:
+                 pooling: str | None = None, trust_remote_code: bool = False,
+                 on_runtime_chosen: Callable[[str], None] | None = None) -> None:
         if pooling is not None and pooling not in POOLING_MODES:
             raise errors.InvalidOption(f"pooling must be one of {POOLING_MODES}, not {pooling!r}")
         folder = Path(path).resolve()
@@ -159,7 +162,7 @@ class DenseBackend(ModelBackend):
         encoder = Encoder(transformer_dir, st_config, task=FEATURES, device=device, dtype=dtype,
                           torch_threads=torch_threads, linear_kernel=linear_kernel, allow_chat_template=has_modules,
                           batch_tokens=batch_tokens, online_tokens=online_tokens,
-                          trust_remote_code=trust_remote_code)
+                          trust_remote_code=trust_remote_code, on_runtime_chosen=on_runtime_chosen)
         config = encoder.config
         hidden = getattr(config, "hidden_size", None)
         if pooling_config is None:

@@ -1,6 +1,7 @@
-"""The encoder: the part of every backend that reads a model folder, tokenizes texts or text pairs, pads
-a micro-batch and runs the transformer. Heads (``dense.py``, ``classify.py``, ``tokens.py``) turn its
-output into one kind's rows.
+"""The encoder: the part of every backend that loads a model folder (:mod:`~embedq.backends.folder`: what the folder
+holds), tokenizes texts or text pairs (:mod:`~embedq.backends.tokenizing`), pads a micro-batch and runs the
+transformer on the runtime chosen for it (:mod:`~embedq.backends.runtime`). Heads (``dense.py``, ``classify.py``,
+``tokens.py``) turn its output into one kind's rows.
 
 Tokenization follows sentence-transformers 6.x exactly: ``max_seq_length`` → ``model_max_length``, else
 the tokenizer's limit capped at ``max_position_embeddings``; pairs are tokenized as one sequence
@@ -11,12 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +24,19 @@ import torch
 
 from embedq import errors
 from embedq.backends.base import Encoded
-from embedq.backends.cutting import Cutter, Window
+from embedq.backends.cutting import Cutter
+from embedq.backends.folder import (
+    CLASSIFY,
+    FEATURES,
+    FILL_MASK,
+    TASK_OUTPUTS,
+    check_remote_code,
+    clean_kwargs,
+    weights_sha256,
+)
 from embedq.backends.kernels import LinearKernel, pack_linears
-from embedq.backends.modules import read_json
+from embedq.backends.runtime import LAYERED, Candidate, check, choose
+from embedq.backends.tokenizing import Tokenization, lowercase
 
 log = logging.getLogger(__name__)
 
@@ -36,100 +45,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-
-# Files that define the embedding space (weights, configs, tokenizer vocabularies).
-# ``.py``: a model that ships its own code (``auto_map``, loaded only with EMBEDQ_TRUST_REMOTE_CODE) is that code too.
-_HASHED_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".txt", ".model", ".py")
-_CHUNK = 1 << 20
-SENTENCE_BERT_CONFIGS = (
-    "sentence_bert_config.json",
-    "sentence_roberta_config.json",
-    "sentence_distilbert_config.json",
-    "sentence_camembert_config.json",
-    "sentence_albert_config.json",
-    "sentence_xlm-roberta_config.json",
-    "sentence_xlnet_config.json",
-)
-_TRUST_KEYS = ("trust_remote_code",)
-
-#: What the encoder runs: the bare transformer (hidden states), a sequence classifier (logits per text) or a
-#: masked-language-model head (logits per token over the vocabulary: SPLADE).
-FEATURES = "feature-extraction"
-CLASSIFY = "sequence-classification"
-FILL_MASK = "fill-mask"
-#: The model output each task's heads read.
-TASK_OUTPUTS = {FEATURES: "last_hidden_state", CLASSIFY: "logits", FILL_MASK: "logits"}
-
-
-def weights_sha256(folder: Path) -> str:
-    """sha256 over (relative path, bytes) of every weight/config/vocabulary file, in sorted order."""
-    digest = hashlib.sha256()
-    files = sorted(
-        p.relative_to(folder).as_posix()
-        for p in folder.rglob("*")
-        if p.is_file()
-        and p.suffix in _HASHED_SUFFIXES
-        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
-    )
-    for rel in files:
-        digest.update(rel.encode("utf8") + b"\0")
-        with open(folder / rel, "rb") as fh:
-            while chunk := fh.read(_CHUNK):
-                digest.update(chunk)
-        digest.update(b"\0")
-    return digest.hexdigest()
-
-
-def clean_kwargs(kwargs: Any) -> dict[str, Any]:
-    if not isinstance(kwargs, dict):
-        return {}
-    return {k: v for k, v in kwargs.items() if k not in _TRUST_KEYS}
-
-
-def remote_code(folder: Path) -> list[str]:
-    """The ``auto_map`` references of the folder's ``config.json`` and ``tokenizer_config.json``: the model's own
-    code, which transformers runs only with ``trust_remote_code`` (``["modeling_x.XModel", ...]``)."""
-    refs: list[str] = []
-    for name in ("config.json", "tokenizer_config.json"):
-        auto_map = read_json(folder / name).get("auto_map")
-        if isinstance(auto_map, dict):
-            for value in auto_map.values():
-                refs += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, str)]
-    return sorted(set(refs))
-
-
-def check_remote_code(folder: Path, trust: bool) -> bool:
-    """Whether transformers must be told ``trust_remote_code=True`` for ``folder``; refuses what must not load.
-
-    A folder with ``auto_map`` (Jina, Nomic, GTE-new) is refused unless the operator opted in: without the
-    model's code, transformers either fails or, worse, loads the stock class of a ``model_type`` it knows (a
-    Jina BERT read as a plain BERT) and serves another vector space without a word. With the opt-in, only code
-    inside the folder may run: a reference to another repository (``org/repo--module.Class``) would be
-    downloaded and is refused."""
-    refs = remote_code(folder)
-    if not refs:
-        return False
-    if not trust:
-        raise errors.UnsupportedModel(
-            f"{folder} ships its own model code (auto_map: {', '.join(refs)}): without it transformers would fail "
-            "or load a stock architecture that computes other vectors. Read the code, then set "
-            "EMBEDQ_TRUST_REMOTE_CODE=true to run it (only code inside the model folder is ever run)")
-    for ref in refs:
-        module = ref.rsplit(".", 1)[0]
-        if "--" in ref or not (folder / (module.replace(".", "/") + ".py")).is_file():
-            raise errors.UnsupportedModel(
-                f"{folder}: auto_map names {ref!r}, code that is not inside the model folder (embedq never downloads "
-                "code or weights); copy the module into the folder and point auto_map at it")
-    return True
-
-
-def sentence_bert_config(folder: Path) -> dict[str, Any]:
-    for name in SENTENCE_BERT_CONFIGS:
-        config = read_json(folder / name)
-        if config:
-            return config
-    return {}
-
 
 def attention_kernels(device: torch.device) -> Any:
     """The attention kernels a forward pass may use: on CUDA, every kernel but cuDNN's fused attention.
@@ -150,36 +65,14 @@ def attention_kernels(device: torch.device) -> Any:
     return lambda: sdpa_kernel(kernels)
 
 
-@dataclass
-class Details:
-    """Everything about one tokenized input (``embedq.tokenize``): ids, token strings, special flags and
-    character offsets into the string the model saw (the prompt, if any, then the text)."""
-
-    ids: list[int]
-    tokens: list[str] = field(default_factory=list)
-    special: list[int] = field(default_factory=list)
-    offsets: list[tuple[int, int]] = field(default_factory=list)
-
-
-def _cut(row: list[Any], limit: int, keep_head: int) -> list[Any]:
-    """Left truncation that keeps a prompt: the first ``keep_head`` entries and the end of the row."""
-    return row if len(row) <= limit else row[:keep_head] + row[len(row) - (limit - keep_head):]
-
-
-def _cut_details(d: Details, limit: int, keep_head: int, with_strings: bool) -> Details:
-    d.ids = _cut(d.ids, limit, keep_head)
-    if with_strings:
-        d.tokens, d.special, d.offsets = (_cut(x, limit, keep_head) for x in (d.tokens, d.special, d.offsets))
-    return d
-
-
-class Encoder:
+class Encoder(Tokenization):
     """A transformer folder loaded for inference: tokenizer, model, padding and the forward pass."""
 
     def __init__(self, folder: Path, st_config: dict[str, Any], *, task: str = FEATURES, device: str = "cpu",
                  dtype: str = "float32", torch_threads: int | None = None,
                  linear_kernel: LinearKernel = "auto", allow_chat_template: bool = False,
-                 batch_tokens: int = 2048, online_tokens: int = 256, trust_remote_code: bool = False) -> None:
+                 batch_tokens: int = 2048, online_tokens: int = 256, trust_remote_code: bool = False,
+                 on_runtime_chosen: Callable[[str], None] | None = None) -> None:
         from transformers import (
             AutoConfig,
             AutoModel,
@@ -232,7 +125,7 @@ class Encoder:
                 "would render texts as chat messages, which embedq does not implement"
             )
         if st_config.get("do_lower_case", False):
-            _lowercase(tokenizer)
+            lowercase(tokenizer)
         self.config = config
         self.max_seq_length = int(tokenizer.model_max_length)
         self.tokenizer = tokenizer
@@ -271,10 +164,8 @@ class Encoder:
         self._override: Any = None  # the forward pass run() uses inside between_layers (not in its callback)
         self.runtime_choice: Any = None  # runtime.Choice when linear_kernel=auto chose by measurement
         if linear_kernel == "auto" and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
-            from embedq.backends.runtime import choose
-
             self.runtime_choice, candidate = choose(self, weights=weights_sha256(folder), tokens=batch_tokens,
-                                                    online_tokens=online_tokens)
+                                                    online_tokens=online_tokens, on_chosen=on_runtime_chosen)
             self._forward, self.linear_kernel = candidate.forward, self.runtime_choice.runtime
             self._preemptible_runtime()
         elif linear_kernel == "onnxruntime":
@@ -294,8 +185,6 @@ class Encoder:
         """Run preemptible bulk micro-batches (inside :meth:`between_layers`) on the layered runtime ``name``
         (``torch`` or ``onednn``) while the chosen runtime runs the graph whole; checked for fidelity first.
         Returns whether it is in place."""
-        from embedq.backends.runtime import LAYERED, Candidate, check
-
         if name not in LAYERED or self.linear_kernel in LAYERED:
             raise errors.InvalidOption(f"a layered runtime for bulk batches is {LAYERED}, beside onnxruntime")
         candidate = self.make_runtime(name)
@@ -316,7 +205,6 @@ class Encoder:
         """A :class:`~embedq.backends.runtime.Candidate` running this model with runtime ``name``; None where
         that runtime does not apply (raises with the reason where it should but cannot)."""
         from embedq.backends.kernels import onednn_swaps
-        from embedq.backends.runtime import Candidate
 
         if name == "torch":
             return Candidate("torch", self.model)
@@ -342,200 +230,6 @@ class Encoder:
         output = TASK_OUTPUTS[task]
         return load_onnx(self.model, weights=weights_sha256(folder), task=task, names=names, output=output,
                          pad_id=self._pad_id, threads=torch.get_num_threads())
-
-    # -- tokenization -------------------------------------------------------------------------------------
-    def _call(self, tokenizer: Any, first: list[str], second: list[str] | None, *, truncate: bool,
-              details: bool = False, add_special_tokens: bool = True) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {
-            "padding": False,
-            "return_attention_mask": False,
-            "return_token_type_ids": second is not None and self.takes_token_type_ids,
-            "add_special_tokens": add_special_tokens,
-        }
-        if details:
-            kwargs.update(return_offsets_mapping=True, return_special_tokens_mask=True)
-        if truncate:
-            kwargs.update(truncation="longest_first" if second is not None else True, max_length=self.max_seq_length)
-        else:
-            kwargs.update(truncation=False)
-        out = tokenizer(first, second, **kwargs) if second is not None else tokenizer(first, **kwargs)
-        if details:
-            return {"ids": out["input_ids"], "tokens": [enc.tokens for enc in out.encodings],
-                    "special": out["special_tokens_mask"], "offsets": out["offset_mapping"],
-                    "sequence": [enc.sequence_ids for enc in out.encodings]}
-        return {"ids": out["input_ids"], "type_ids": out.get("token_type_ids")}
-
-    def prompt_length(self, prompt: str) -> int:
-        """ST's ``_get_prompt_length``: tokens of the prompt alone, less a trailing special token."""
-        cached = self._prompt_lengths.get(prompt)
-        if cached is not None:
-            return cached
-        _, end = self.cutter.plan([prompt], keep_end=False)[0]
-        ids = list(self._call(self.tokenizer, [prompt[:end]], None, truncate=True)["ids"][0])
-        length = len(ids)
-        if ids and ids[-1] in self.tokenizer.all_special_ids:
-            length -= 1
-        self._prompt_lengths[prompt] = length
-        return length
-
-    def _check_side(self, truncation_side: str) -> None:
-        if truncation_side not in ("right", "left"):
-            raise errors.InvalidOption(f"truncation_side must be 'right' or 'left', not {truncation_side!r}")
-
-    def _too_long(self, rows: list[list[int]], what: str, cut: list[int | None]) -> None:
-        """Raises for the first row over the limit; ``cut[i]``: characters of item ``i`` tokenized when only a piece
-        was (the cutter found more tokens than the model reads in it), else None."""
-        for index, row in enumerate(rows):
-            if cut[index] is not None:
-                raise errors.TooLong(
-                    f"{what} {index} has more tokens than the model's max_seq_length of {self.max_seq_length} "
-                    f"(more than {self.max_seq_length} in its first {cut[index]} characters)")
-            if len(row) > self.max_seq_length:
-                raise errors.TooLong(
-                    f"{what} {index} has {len(row)} tokens, over the model's max_seq_length of {self.max_seq_length}"
-                )
-
-    def encode_texts(self, texts: Sequence[str], *, prompt: str | None = None, truncate: bool = True,
-                     truncation_side: str = "right") -> tuple[list[Encoded], int]:
-        """Texts exactly as sentence-transformers tokenizes them (prompt prepended): (items, prompt length).
-
-        Raises :class:`embedq.errors.TooLong` when ``truncate`` is False and a text is over the limit."""
-        details = self.details(texts, prompt=prompt, truncate=truncate, truncation_side=truncation_side,
-                               with_strings=False)
-        plen = self.prompt_length(prompt) if prompt else 0
-        return [Encoded(d.ids, None, plen) for d in details], plen
-
-    def details(self, texts: Sequence[str], *, prompt: str | None = None, truncate: bool = True,
-                truncation_side: str = "right", add_special_tokens: bool = True,
-                with_strings: bool = True) -> list[Details]:
-        """Texts tokenized as the model sees them; with ``with_strings`` also token strings, special
-        flags and character offsets into ``prompt + text``. A long text is tokenized as far as the model reads it
-        (:class:`~embedq.backends.cutting.Cutter`), with the ids the whole text would give."""
-        self._check_side(truncation_side)
-        full = [prompt + text for text in texts] if prompt else list(texts)
-        if truncate and truncation_side == "left" and prompt:
-            return self._details_head_tail(full, prompt, add_special_tokens, with_strings)
-        keep_end = truncate and truncation_side == "left"
-        with self._lock:
-            if prompt:
-                self.prompt_length(prompt)
-            windows = self.cutter.plan(full, keep_end)
-            pieces = [s[a:b] for s, (a, b) in zip(full, windows)]
-            tokenizer = self._tokenizer_left if keep_end else self.tokenizer
-            out = self._call(tokenizer, pieces, None, truncate=truncate, details=with_strings,
-                             add_special_tokens=add_special_tokens)
-        rows = [list(r) for r in out["ids"]]
-        if not truncate:
-            self._too_long(rows, "text", [None if (a, b) == (0, len(s)) else b - a
-                                          for s, (a, b) in zip(full, windows)])
-        result = [Details(r) for r in rows]
-        if with_strings:
-            for i, d in enumerate(result):
-                self._strings(d, out, i, windows[i][0])
-        return result
-
-    @staticmethod
-    def _strings(d: Details, out: dict[str, Any], i: int, start: int) -> None:
-        """Row ``i`` of ``out``'s token strings, special flags and offsets into ``d``; the offsets of the text's
-        tokens moved by ``start``, where the piece tokenized began in the text (special tokens keep (0, 0))."""
-        d.tokens, d.special = list(out["tokens"][i]), list(out["special"][i])
-        d.offsets = [(a + start, b + start) if start and seq is not None else (a, b)
-                     for (a, b), seq in zip(out["offsets"][i], out["sequence"][i])]
-
-    def _details_head_tail(self, full: list[str], prompt: str, add_special_tokens: bool,
-                           with_strings: bool) -> list[Details]:
-        """Left truncation that keeps the prompt: the first ``prompt_length`` tokens (the prompt, with a leading
-        special token) and the end of the text, as :func:`_cut` takes them from the untruncated row. A long text:
-        the head from a prefix, the end from a suffix, each with more than ``max_seq_length`` stable tokens (so the
-        whole row is over the limit, and both ends are its own)."""
-        limit = self.max_seq_length
-        with self._lock:
-            keep = min(self.prompt_length(prompt), limit)
-            heads = self.cutter.plan(full, keep_end=False)
-            tails = self.cutter.plan(full, keep_end=True)
-            # per text: its whole window, or a head and a tail
-            parts: list[list[Window]] = []
-            for s, head, tail in zip(full, heads, tails):
-                whole = (0, len(s))
-                parts.append([whole] if whole in (head, tail) or head[1] > tail[0] else [head, tail])
-            pieces = [s[a:b] for s, windows in zip(full, parts) for a, b in windows]
-            out = self._call(self.tokenizer, pieces, None, truncate=False, details=with_strings,
-                             add_special_tokens=add_special_tokens)
-        result: list[Details] = []
-        k = 0
-        for windows in parts:
-            if len(windows) == 1:
-                d = Details(list(out["ids"][k]))
-                if with_strings:
-                    self._strings(d, out, k, 0)
-                d = _cut_details(d, limit, keep, with_strings)
-            else:
-                head, tail = Details(list(out["ids"][k])), Details(list(out["ids"][k + 1]))
-                if with_strings:
-                    self._strings(head, out, k, 0)
-                    self._strings(tail, out, k + 1, windows[1][0])
-                d = Details(head.ids[:keep] + tail.ids[len(tail.ids) - (limit - keep):])
-                if with_strings:
-                    d.tokens, d.special, d.offsets = (
-                        x[:keep] + y[len(y) - (limit - keep):]
-                        for x, y in ((head.tokens, tail.tokens), (head.special, tail.special),
-                                     (head.offsets, tail.offsets)))
-            result.append(d)
-            k += len(windows)
-        return result
-
-    def encode_pairs(self, pairs: Sequence[tuple[str, str]], *, truncate: bool = True,
-                     truncation_side: str = "right") -> list[Encoded]:
-        """Text pairs as one sequence each (``[CLS] a [SEP] b [SEP]``), ``longest_first`` truncation, with
-        segment ids when the model takes them (as ``CrossEncoder.predict`` tokenizes them). Long sides are
-        tokenized as far as the model reads them (:meth:`Cutter.plan_pairs`), with the whole pair's ids."""
-        self._check_side(truncation_side)
-        keep_end = truncate and truncation_side == "left"
-        tokenizer = self._tokenizer_left if keep_end else self.tokenizer
-        odd = None
-        if truncate:
-            budget = self.max_seq_length - tokenizer.num_special_tokens_to_add(pair=True)
-            odd = budget if budget % 2 else None
-        with self._lock:
-            windows, splits = self.cutter.plan_pairs(pairs, keep_end, odd)
-            first = [a[w[0]:w[1]] for (a, _), (w, _) in zip(pairs, windows)]
-            second = [b[w[0]:w[1]] for (_, b), (_, w) in zip(pairs, windows)]
-            plain = [i for i in range(len(pairs)) if i not in splits]
-            out = self._call(tokenizer, [first[i] for i in plain], [second[i] for i in plain],
-                             truncate=truncate) if plain else {"ids": [], "type_ids": None}
-            split = self._split_pairs(tokenizer, [(first[i], second[i], splits[i]) for i in splits], keep_end)
-        rows: list[list[int]] = [[] for _ in pairs]
-        types: list[list[int] | None] = [None for _ in pairs]
-        for k, i in enumerate(plain):
-            rows[i] = list(out["ids"][k])
-            types[i] = list(out["type_ids"][k]) if out["type_ids"] is not None else None
-        for i, (ids, type_ids) in zip(splits, split):
-            rows[i], types[i] = ids, type_ids
-        if not truncate:
-            cut = [None if (wa, wb) == ((0, len(a)), (0, len(b))) else (wa[1] - wa[0]) + (wb[1] - wb[0])
-                   for (a, b), (wa, wb) in zip(pairs, windows)]
-            self._too_long(rows, "pair", cut)
-        return [Encoded(r, types[i], 0) for i, r in enumerate(rows)]
-
-    def _split_pairs(self, tokenizer: Any, pieces: list[tuple[str, str, tuple[int, int]]],
-                     keep_end: bool) -> list[tuple[list[int], list[int] | None]]:
-        """Pairs whose kept counts the cutter computed from their whole sides' counts (two long sides, an odd
-        budget: :meth:`Cutter.plan_pairs`): each piece encoded alone, truncated to its count, then put together by
-        the tokenizer's own post-processor (special tokens, segment ids), as its pair truncation does."""
-        if not pieces:
-            return []
-        out = tokenizer([p for a, b, _ in pieces for p in (a, b)], add_special_tokens=False, truncation=False,
-                        padding=False, return_attention_mask=False, return_token_type_ids=False)
-        backend = tokenizer.backend_tokenizer  # that call left it without truncation or padding
-        direction = "left" if keep_end else "right"
-        rows = []
-        for k, (_, _, (n1, n2)) in enumerate(pieces):
-            first, second = out.encodings[2 * k], out.encodings[2 * k + 1]
-            first.truncate(n1, direction=direction)
-            second.truncate(n2, direction=direction)
-            pair = backend.post_process(first, second, add_special_tokens=True)
-            rows.append((list(pair.ids), list(pair.type_ids) if self.takes_token_type_ids else None))
-        return rows
 
     # -- inference ------------------------------------------------------------------------------------------
     def layers(self) -> Any:
@@ -641,19 +335,3 @@ class Encoder:
             return (forward or self._override or self._forward)(**inputs, return_dict=True), attention_mask
 
 
-def _lowercase(tokenizer: Any) -> None:
-    """ST's ``do_lower_case``: a Lowercase normalizer in front, unless the tokenizer already has one."""
-    from tokenizers.normalizers import Lowercase
-    from tokenizers.normalizers import Sequence as NormalizerSequence
-
-    normalizer = tokenizer.backend_tokenizer.normalizer
-    has_lower = isinstance(normalizer, Lowercase) or (
-        isinstance(normalizer, NormalizerSequence) and any(isinstance(n, Lowercase) for n in normalizer)
-    )
-    if not has_lower:
-        parts: list[Any] = [Lowercase()]
-        if isinstance(normalizer, NormalizerSequence):
-            parts += list(normalizer)
-        elif normalizer is not None:
-            parts.append(normalizer)
-        tokenizer.backend_tokenizer.normalizer = NormalizerSequence(parts)

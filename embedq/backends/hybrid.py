@@ -25,11 +25,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from embedq import __version__, errors
+from embedq import errors
 from embedq.backends.base import Encoded, Head, ModelInfo, Prepared
 from embedq.backends.encoder import Encoder
 from embedq.backends.tokens import prepare_texts
 from embedq.protocol import HYBRID_OUTPUTS, Fingerprint, encode_result
+from embedq.version import __version__
 
 SPARSE_FILE = "sparse_linear.pt"
 COLBERT_FILE = "colbert_linear.pt"

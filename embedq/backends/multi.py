@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from embedq import __version__
 from embedq.backends.base import Encoded, Head, ModelInfo, Prepared
 from embedq.backends.encoder import Encoder
 from embedq.backends.tokens import prepare_texts
 from embedq.protocol import Fingerprint, encode_result
+from embedq.version import __version__
 
 
 class TokenEmbeddingsHead(Head):

@@ -30,12 +30,12 @@ The choice and every candidate's timing are logged; an operator who sets ``linea
 **Preemption (issue 18).** ONNX Runtime runs the graph whole, so a bulk micro-batch on it cannot stop between two
 layers for an online one. When it is the choice, each faithful runtime that runs PyTorch's layers (``torch``,
 ``onednn``) is timed again head to head against it on the token-budget batches, once the worker's memory policy has
-settled for ONNX Runtime (:data:`on_chosen`): the first measurement ran under the policy PyTorch gets when it is
-the choice, and PyTorch's bulk batches will run under ONNX Runtime's (on a 2-core AVX2 machine the same batches
-took PyTorch 1.81 s under the first and 1.36 s under the second, ONNX Runtime 1.36 and 1.29 s). If one keeps at
-least :data:`PREEMPT_KEEP` of ONNX
-Runtime's speed there (:func:`preemptible_alternative`), the encoder runs bulk micro-batches on it (they can be
-preempted) and everything else, online micro-batches included, on ONNX Runtime, where small batches are fastest.
+settled for ONNX Runtime (:func:`choose`'s ``on_chosen``): the first measurement ran under the policy PyTorch
+gets when it is the choice, and PyTorch's bulk batches will run under ONNX Runtime's (on a 2-core AVX2 machine the
+same batches took PyTorch 1.81 s under the first and 1.36 s under the second, ONNX Runtime 1.36 and 1.29 s). If one
+keeps at least :data:`PREEMPT_KEEP` of ONNX Runtime's speed there (:func:`preemptible_alternative`), the encoder
+runs bulk micro-batches on it (they can be preempted) and everything else, online micro-batches included, on ONNX
+Runtime, where small batches are fastest.
 Both are checked for fidelity against the same PyTorch model, so a text's vector is within the fidelity bar
 whichever ran it. The duels are cached with the choice.
 """
@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -59,23 +59,33 @@ import torch
 from embedq import errors
 from embedq.backends.base import Encoded
 from embedq.backends.cpu import cpu_description, cpu_summary
-from embedq.backends.encoder import TASK_OUTPUTS
+from embedq.backends.folder import TASK_OUTPUTS
 from embedq.settings import cache_dir
 
-if TYPE_CHECKING:  # pragma: no cover
-    from embedq.backends.encoder import Encoder
-
 log = logging.getLogger(__name__)
+
+
+class Encoder(Protocol):
+    """What the choice reads of an encoder and runs it with (:class:`embedq.backends.encoder.Encoder` is one, and
+    calls :func:`choose` while it loads: this module does not import it)."""
+
+    task: str
+    dtype: torch.dtype
+    dtype_name: str
+    config: Any
+    tokenizer: Any
+    model: Any
+    max_seq_length: int
+    left_padding: bool
+
+    def run(self, batch: Sequence[Encoded], forward: Any = None) -> tuple[Any, torch.Tensor]: ...
+
+    def make_runtime(self, name: str) -> Candidate | None: ...
 
 #: The fidelity bar a candidate must meet against the untouched PyTorch model, relative to max(1, |output|):
 #: DESIGN.md's 1e-5 in float32; in bfloat16, two bf16 ulps (8 mantissa bits).
 FIDELITY = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 RUNTIMES = ("torch", "onednn", "onnxruntime")
-#: Called with the chosen runtime as soon as it is known, before the duels. The worker settles its memory policy
-#: there (workers/memory.settle: ONNX Runtime's heap settings), so the layered runtimes duel under the allocator
-#: settings their bulk batches will run under: PyTorch's many temporaries cost a third more under the mmap settings
-#: (measured on 2 cores, AVX2: 1.81 s against 1.36 s for the same batches).
-on_chosen: Callable[[str], None] | None = None
 #: Runtimes that run PyTorch's layer modules (a forward pass on them can stop between two layers).
 LAYERED = ("torch", "onednn")
 #: The least share of the chosen runtime's speed on token-budget batches a layered runtime must keep to run bulk
@@ -403,8 +413,14 @@ def _trial(data: dict[str, Any]) -> Trial:
 
 
 def choose(encoder: Encoder, *, weights: str, tokens: int = 2048, online_tokens: int = 256,
-           extra: Sequence[Candidate] = (), use_cache: bool = True) -> tuple[Choice, Candidate]:
+           extra: Sequence[Candidate] = (), use_cache: bool = True,
+           on_chosen: Callable[[str], None] | None = None) -> tuple[Choice, Candidate]:
     """Pick the runtime for ``encoder`` (see the module's docstring): (the choice, its candidate, entered).
+
+    ``on_chosen`` is called with the chosen runtime as soon as it is measured, before the duels. The worker settles
+    its memory policy there (workers/memory.settle: ONNX Runtime's heap settings), so the layered runtimes duel under
+    the allocator settings their bulk batches will run under: PyTorch's many temporaries cost a third more under the
+    mmap settings (measured on 2 cores, AVX2: 1.81 s against 1.36 s for the same batches).
 
     ``extra`` candidates (tests, experiments) compete with the built-in ones and are never cached."""
     path = cache_root() / f"{cache_key(encoder, weights, tokens)}.json"

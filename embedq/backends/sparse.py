@@ -18,21 +18,23 @@ weights as (vocabulary ids, values), ids ascending; ``top_k`` and token strings 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from embedq import __version__, errors
+from embedq import errors
 from embedq.backends.base import Encoded, Head, ModelInfo, Prepared
-from embedq.backends.encoder import DTYPES, FILL_MASK, Encoder
+from embedq.backends.encoder import DTYPES, Encoder
+from embedq.backends.folder import FILL_MASK
 from embedq.backends.kernels import LinearKernel
 from embedq.backends.model import ModelBackend, base_info, check_modality
 from embedq.backends.modules import read_json
 from embedq.backends.tokens import TOKENIZER_KINDS, prepare_texts, read_prompts, tokenizer_heads
 from embedq.protocol import Fingerprint, encode_result
+from embedq.version import __version__
 
 #: Most bytes a micro-batch's vocabulary logits may take; the token budget is lowered to stay under it
 #: (a 30,522-token vocabulary in fp32 stays under it up to 8,796 tokens; XLM-R's 250,002 to 1,073).
@@ -148,7 +150,8 @@ def splade_config(modules: list[tuple[str, Path]]) -> tuple[str, str]:
 def load_sparse(folder: Path, transformer_dir: Path, st_config: dict[str, Any], modules: list[tuple[str, Path]],
                 *, model_id: str, device: str = "cpu", dtype: str = "float32", torch_threads: int | None = None,
                 linear_kernel: LinearKernel = "auto", batch_tokens: int = 2048,
-                online_tokens: int = 256, trust_remote_code: bool = False) -> ModelBackend:
+                online_tokens: int = 256, trust_remote_code: bool = False,
+                on_runtime_chosen: Callable[[str], None] | None = None) -> ModelBackend:
     strategy, activation = splade_config(modules)
     check_modality(st_config, "logits")
     if st_config.get("module_output_name", "token_embeddings") != "token_embeddings":
@@ -163,7 +166,7 @@ def load_sparse(folder: Path, transformer_dir: Path, st_config: dict[str, Any], 
     encoder = Encoder(transformer_dir, st_config, task=FILL_MASK, device=device, dtype=dtype,
                       torch_threads=torch_threads, linear_kernel=linear_kernel,
                       allow_chat_template=bool(modules), batch_tokens=budget, online_tokens=online,
-                      trust_remote_code=trust_remote_code)
+                      trust_remote_code=trust_remote_code, on_runtime_chosen=on_runtime_chosen)
     head = SpladeHead(encoder, strategy, activation)
     prompts, default_prompt_name = read_prompts(folder)
     info = base_info(folder, encoder, model_id=model_id, dimension=vocab, pooling=head.pooling, normalizes=False,

@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from embedq import __version__, errors
+from embedq import errors
 from embedq.backends.base import Head, ModelInfo, Prepared
 from embedq.backends.encoder import Encoder
 from embedq.backends.modules import read_json
 from embedq.protocol import Fingerprint, encode_result
+from embedq.version import __version__
 
 
 def read_prompts(folder: Path) -> tuple[dict[str, str], str | None]:

@@ -3,7 +3,8 @@
 Imports no Celery, Redis or torch, so it is table- and property-tested on its own.
 """
 
-from embedq.batching.packer import Item, batch_cost, plan
+from embedq.batching.items import Item, batch_cost
+from embedq.batching.packer import plan
 from embedq.batching.scheduler import Scheduler
 from embedq.batching.window import PrefetchWindow
 

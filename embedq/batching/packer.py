@@ -1,30 +1,15 @@
-"""Token-budget packing: items, what a micro-batch costs, and offline packing of a known set.
+"""Token-budget packing of a known set (items and what a micro-batch costs: :mod:`embedq.batching.items`).
 
-A padded backend pays ``longest × count`` tokens for a batch; an unpadded one pays the sum of the
-lengths. The live policy is :class:`~embedq.batching.Scheduler`'s; :func:`plan` packs a fixed set of
+The live policy is :class:`~embedq.batching.Scheduler`'s; :func:`plan` packs a fixed set of
 items with exactly that policy, as if they had all been buffered at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterable
 
-
-@dataclass(frozen=True, slots=True)
-class Item:
-    """One text waiting to be embedded: ``key`` names it, ``seq`` is its arrival order."""
-
-    key: Hashable
-    length: int
-    seq: int
-
-
-def batch_cost(lengths: Sequence[int], *, padded: bool = True) -> int:
-    """Tokens a batch of these lengths costs the backend."""
-    if not lengths:
-        return 0
-    return max(lengths) * len(lengths) if padded else sum(lengths)
+from embedq.batching.items import Item
+from embedq.batching.scheduler import Scheduler
 
 
 def plan(items: Iterable[Item], *, max_tokens: int, max_items: int, padded: bool = True) -> list[list[Item]]:
@@ -34,8 +19,6 @@ def plan(items: Iterable[Item], *, max_tokens: int, max_items: int, padded: bool
     Every item appears in exactly one batch; an item that alone exceeds the budget gets a batch of its
     own (never clamped).
     """
-    from embedq.batching.scheduler import Scheduler
-
     sched = Scheduler(max_tokens=max_tokens, max_items=max_items, padded=padded)
     by_key: dict[Hashable, Item] = {}
     for item in sorted(items, key=lambda it: it.seq):

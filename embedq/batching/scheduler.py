@@ -6,7 +6,7 @@ from bisect import bisect_right, insort
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 
-from embedq.batching.packer import Item
+from embedq.batching.items import Item
 
 
 class Scheduler:

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Literal
 
-from embedq.batching.packer import Item
+from embedq.batching.items import Item
 from embedq.batching.scheduler import Scheduler
 
 TrafficClass = Literal["online", "bulk"]

@@ -28,13 +28,13 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from embedq import __version__
 from embedq.gateway import errors as gateway_errors
 from embedq.gateway import jobs, routes_openai, routes_tei
 from embedq.gateway.middleware import PUBLIC, BearerAuth, HeadAsGet, MetricsMiddleware, PayloadLimit
 from embedq.gateway.state import Gateway, served_models
 from embedq.gateway.webhooks import Webhooks
 from embedq.settings import Settings
+from embedq.version import __version__
 
 __all__ = ["PUBLIC", "Gateway", "create_app", "served_models"]
 

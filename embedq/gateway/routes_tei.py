@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from embedq import __version__, errors
+from embedq import errors
 from embedq.gateway.errors import tei_error
 from embedq.gateway.plans import ROUTE_PLANS, parse
 from embedq.gateway.schemas import (
@@ -31,6 +31,7 @@ from embedq.gateway.schemas import (
     responses,
 )
 from embedq.gateway.state import gateway_of
+from embedq.version import __version__
 
 router = APIRouter()
 

@@ -43,8 +43,9 @@ from urllib.parse import quote, urlsplit
 
 import orjson
 
-from embedq import __version__, errors
+from embedq import errors
 from embedq.keys import WEBHOOK_LEASE_KEY, WEBHOOKS_KEY
+from embedq.version import __version__
 
 log = logging.getLogger(__name__)
 

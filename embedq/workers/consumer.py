@@ -156,10 +156,9 @@ class Worker:
         with a clear error and a non-zero exit instead of a consumer that dies inside Celery.
         """
         if self.service is None:
-            from embedq.backends import load_backend, runtime  # the worker process only: imports torch
+            from embedq.backends import load_backend  # the worker process only: imports torch
 
             settings = self.settings
-            runtime.on_chosen = partial(memory.settle, settings.memory_policy)
             metrics = self.metrics = WorkerMetrics()
             t0 = time.perf_counter()
             backend = load_backend(
@@ -167,6 +166,7 @@ class Worker:
                 linear_kernel=settings.linear_kernel, batch_tokens=settings.batch_tokens,
                 online_tokens=settings.online_tokens, pooling=settings.pooling,
                 trust_remote_code=settings.trust_remote_code,
+                on_runtime_chosen=partial(memory.settle, settings.memory_policy),
             )
             metrics.model_load_seconds = time.perf_counter() - t0
             log.info("loaded %s on %s (%s, runtime %s) in %.1fs", backend.info.model_id, backend.info.device,
@@ -720,14 +720,13 @@ def task_class(spec: TaskSpec) -> type[JobTask]:
 
 
 def register(app: Celery, worker: Worker) -> list[Task]:
-    """Give the app its worker and register every job kind's task (the worker refuses, per job, the kinds
-    its model does not serve)."""
+    """Give the app its worker, make ``redis://`` URLs use the worker's transport with the worker's fetch policy,
+    and register every job kind's task (the worker refuses, per job, the kinds its model does not serve)."""
     app.embedq_worker = worker
-    transport.fetch_order = worker.fetch_order
-    transport.fetch_plan = worker.fetch_plan
-    transport.fetch_admits = worker.fetch_admits
-    transport.after_fetch = worker.flush_intake
-    transport.max_body_bytes = transport.fetch_bytes = worker.settings.max_message_bytes
+    limit = worker.settings.max_message_bytes
+    transport.install(transport.FetchPolicy(order=worker.fetch_order, plan=worker.fetch_plan,
+                                            admits=worker.fetch_admits, after_fetch=worker.flush_intake,
+                                            max_body_bytes=limit, fetch_bytes=limit))
     app.steps["consumer"].add(GracefulStop)
     app.steps["consumer"].add(WorkerInfo)
     return [app.register_task(task_class(spec)()) for spec in TASKS.values()]

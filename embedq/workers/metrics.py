@@ -26,7 +26,8 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
-from embedq import __version__, monitor
+from embedq import monitor
+from embedq.version import __version__
 from embedq.workers.stats import COUNTERS, LABELLED
 
 log = logging.getLogger(__name__)

@@ -9,22 +9,37 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from celery import bootsteps
 from celery.worker.control import inspect_command
 from celery.worker.request import Request
 
-from embedq import __version__
 from embedq.kinds import TASKS
 from embedq.protocol import short_options
 from embedq.settings import Settings
+from embedq.version import __version__
 from embedq.workers.stats import COUNTERS, TIMERS
 
 if TYPE_CHECKING:
-    from embedq.workers.consumer import Worker
+    from embedq.batching import PrefetchWindow
+    from embedq.workers.metrics import WorkerMetrics
+    from embedq.workers.service import EmbeddingService
 
 log = logging.getLogger(__name__)
+
+
+class Worker(Protocol):
+    """What this module reads of a worker (:class:`embedq.workers.consumer.Worker` is one): named here, so that
+    what shows a worker does not import what runs it (the consumer imports this module)."""
+
+    settings: Settings
+    service: EmbeddingService | None
+    metrics: WorkerMetrics | None
+    window: PrefetchWindow | None
+    hostname: str
+    started_at: float
+    stopped: bool
 
 
 def serve_metrics(worker: Worker) -> None:

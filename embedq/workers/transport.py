@@ -10,23 +10,26 @@ is no one to answer; well-formed messages with bad contents are answered with ty
 Everything an entry carries is read within bounds before kombu sees it (:class:`Message`): the envelope
 must have kombu's shape (a non-empty string delivery tag, mappings where kombu expects them), nesting deeper
 than Python's recursion limit is an unreadable entry like any other, and a compressed body is inflated here,
-in steps, never past :data:`max_body_bytes`: kombu itself inflates the whole body before anyone can look at
-its size, so a 400-byte bz2 entry could take gigabytes. A body that would inflate further, or a compression
+in steps, never past :attr:`FetchPolicy.max_body_bytes`: kombu itself inflates the whole body before anyone can
+look at its size, so a 400-byte bz2 entry could take gigabytes. A body that would inflate further, or a compression
 this module cannot bound, reaches the consumer as :attr:`Message.refusal` (a typed error for the job's id).
 
-It also decides which of its queues a BRPOP asks, and in which order: :data:`fetch_order` (set by the
-worker) names the queues the prefetch window admits now, online before bulk. kombu's own order is a
+It also decides which of its queues a BRPOP asks, and in which order: :attr:`FetchPolicy.order` (the worker's)
+names the queues the prefetch window admits now, online before bulk. kombu's own order is a
 round robin, under which a worker saturated with bulk jobs would take an online job only every other
 fetch, and only once a bulk job freed room.
 
 **Many messages per round trip.** kombu takes one message per BRPOP and records it in the ``unacked`` hash with
 a second round trip; at a few hundred microseconds of client CPU each, that alone bounded a worker to a few
 thousand one-text jobs a second. Once a BRPOP has brought a message, :meth:`Channel._fetch_more` takes up to
-:data:`fetch_plan` more (the worker sizes it from its prefetch window, online queues first) with one Lua script
+:attr:`FetchPolicy.plan` more (the worker sizes it from its prefetch window, online queues first) with one Lua script
 that pops each and records it in ``unacked`` and its index *in the same atomic step*, exactly as kombu's
 ``QoS.append`` would (so kombu's visibility timeout, ``restore_visible`` and ``restore_by_tag`` see them like any
 other delivered message, and a SIGKILL between the pop and the record cannot lose one). Acknowledgements go in
 batches too (:func:`ack_many`: one pipeline for many tags).
+
+What the worker decides reaches the channel as one :class:`FetchPolicy`, given to :func:`install` (which makes
+``redis://`` URLs use a transport that carries it): no module state is set from outside.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import lzma
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from queue import Empty
 from typing import Any
 
@@ -51,9 +55,6 @@ log = logging.getLogger(__name__)
 
 # JSON, UTF-8 and envelope errors; RecursionError: nesting deeper than the interpreter's limit.
 _UNREADABLE = (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError)
-
-#: Set by the worker: the most bytes a message body may have once inflated (``EMBEDQ_MAX_MESSAGE_BYTES``).
-max_body_bytes: int = 16 * 1024 * 1024
 
 #: Compressions a message may use (kombu's names and aliases), each with an incremental decompressor.
 _DECOMPRESSORS: dict[str, Callable[[], Any]] = {
@@ -108,8 +109,8 @@ def _finished(decompressor: Any) -> bool:
 
 class Message(virtual.Message):
     """kombu's message, built only from an envelope of kombu's shape, with a compressed body inflated within
-    :data:`max_body_bytes`. ``refusal``: the typed error of a body that could not be read that way (the consumer
-    answers the job with it and acknowledges the message)."""
+    its transport's :attr:`FetchPolicy.max_body_bytes`. ``refusal``: the typed error of a body that could not be
+    read that way (the consumer answers the job with it and acknowledges the message)."""
 
     refusal: errors.EmbedqError | None = None
 
@@ -151,7 +152,7 @@ class Message(virtual.Message):
                     raise errors.InvalidMessage("the compression header is not a string")
                 raw = channel.decode_body(body, properties.get("body_encoding")) if body else b""
                 plain = inflate(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogateescape"),
-                                compression, max_body_bytes)
+                                compression, _policy(channel).max_body_bytes)
             except errors.EmbedqError as exc:
                 refusal, plain = exc, b""
             except Exception as exc:  # a bad base64 body, say: the job gets a typed error
@@ -165,12 +166,36 @@ class Message(virtual.Message):
         self.refusal = refusal
 
 
-#: Set by the worker: given a channel's queues, those to fetch from now, in the order to ask them.
-fetch_order: Callable[[list[str]], list[str]] | None = None
+@dataclass(frozen=True)
+class FetchPolicy:
+    """What the worker tells its transport (:func:`install`). The defaults are kombu's own behaviour: its queue
+    order, one message per round trip."""
+
+    #: Given a channel's queues, those to fetch from now, in the order to ask them (None: all, kombu's order).
+    order: Callable[[list[str]], list[str]] | None = None
+    #: Given a channel's queues, how many more messages to take right after a BRPOP brought one: (queues, most)
+    #: groups in the order to take them (each group's queues share its count). None or empty: one message per
+    #: round trip.
+    plan: Callable[[list[str]], list[tuple[list[str], int]]] | None = None
+    #: May one more message from this queue be taken now (the prefetch window's admits)? Asked before each message
+    #: of a fetch of many is delivered; the rest of the fetch goes back when it says no.
+    admits: Callable[[str], bool] | None = None
+    #: Called once the messages of a fetch have all been delivered (the worker tokenizes them together then).
+    after_fetch: Callable[[], None] | None = None
+    #: The most bytes a message body may have once inflated (``EMBEDQ_MAX_MESSAGE_BYTES``).
+    max_body_bytes: int = 16 * 1024 * 1024
+    #: The most bytes of queue entries one fetch of many may bring (``EMBEDQ_MAX_MESSAGE_BYTES``, so a fetch holds
+    #: at most about one largest message beyond the BRPOP's), whatever its count allows.
+    fetch_bytes: int = 16 * 1024 * 1024
+
+
+def _policy(channel: Any) -> FetchPolicy:
+    """The policy of the transport ``channel`` belongs to (kombu's default one where it is not ours)."""
+    return getattr(getattr(channel, "connection", None), "policy", None) or FetchPolicy()
 
 
 class _FetchOrder:
-    """Stands in for kombu's queue cycle: ``consume`` returns what :data:`fetch_order` admits now."""
+    """Stands in for kombu's queue cycle: ``consume`` returns what the policy's ``order`` admits now."""
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
@@ -200,23 +225,6 @@ class QoS(kombu_redis.QoS):
         channel = self.channel
         return not channel.active_queues or bool(channel.fetchable())
 
-
-#: Set by the worker: given a channel's queues, how many more messages to take right after a BRPOP brought one:
-#: (queues, most) groups in the order to take them (each group's queues share its count). None or empty: one
-#: message per round trip.
-fetch_plan: Callable[[list[str]], list[tuple[list[str], int]]] | None = None
-
-#: Set by the worker: may one more message from this queue be taken now (the prefetch window's admits)? Asked
-#: before each message of a fetch of many is delivered; the rest of the fetch goes back when it says no.
-fetch_admits: Callable[[str], bool] | None = None
-
-#: Set by the worker: called once the messages of a fetch have all been delivered (the worker tokenizes them
-#: together then).
-after_fetch: Callable[[], None] | None = None
-
-#: Set by the worker: the most bytes of queue entries one fetch of many may bring (``EMBEDQ_MAX_MESSAGE_BYTES``, so a
-#: fetch holds at most about one largest message beyond the BRPOP's), whatever its count allows.
-fetch_bytes: int = 16 * 1024 * 1024
 
 #: Pop entries from the lists KEYS[3..], in order, and record each in kombu's unacked hash (KEYS[1]) and index
 #: (KEYS[2]) at time ARGV[1], as kombu's QoS.append does. ARGV[2] = the most bytes of entries to take (an entry that
@@ -273,10 +281,11 @@ class Channel(kombu_redis.Channel):
         self._queue_cycle = _FetchOrder(self)
         self._recorded: set[str] = set()  # tags _FETCH_MORE already put in the unacked hash (see QoS.append)
         self._fetch_script: Any = None
+        self.policy = _policy(self)
 
     def fetchable(self) -> list[str]:
-        queues = self.active_queues
-        return queues if fetch_order is None or not queues else fetch_order(queues)
+        queues, order = self.active_queues, self.policy.order
+        return queues if order is None or not queues else order(queues)
 
     def _brpop_read(self, **options: Any) -> Any:
         try:
@@ -284,10 +293,11 @@ class Channel(kombu_redis.Channel):
         except _UNREADABLE as exc:
             log.warning("dropped a queue entry that is not a task message (%s)", type(exc).__name__)
             raise Empty() from None
-        if delivered and fetch_plan is not None and self.active_queues:
-            self._fetch_more(fetch_plan(list(self.active_queues)))
-        if delivered and after_fetch is not None:
-            after_fetch()
+        policy = self.policy
+        if delivered and policy.plan is not None and self.active_queues:
+            self._fetch_more(policy.plan(list(self.active_queues)))
+        if delivered and policy.after_fetch is not None:
+            policy.after_fetch()
         return delivered
 
     def _fetch_more(self, plan: list[tuple[list[str], int]]) -> int:
@@ -309,7 +319,7 @@ class Channel(kombu_redis.Channel):
                 if self._fetch_script is None:
                     self._fetch_script = client.register_script(_FETCH_MORE)
                 reply = self._fetch_script(keys=[self.unacked_key, self.unacked_index_key, *keys],
-                                           args=[time.time(), fetch_bytes, *most], client=client)
+                                           args=[time.time(), self.policy.fetch_bytes, *most], client=client)
         except (*self.connection_errors, kombu_redis.redis.exceptions.ResponseError) as exc:
             # Either nothing was taken (the script is atomic), or the reply was lost with the connection: what it
             # took is in the unacked hash and comes back after visibility_timeout. kombu reconnects at the next
@@ -318,9 +328,10 @@ class Channel(kombu_redis.Channel):
             return 0
         delivered = 0
         entries = [tuple(_text(x) for x in reply[i:i + 3]) for i in range(0, len(reply), 3)]
+        admits = self.policy.admits
         for n, (key, item, tag) in enumerate(entries):
             dest = key.rsplit(self.sep, 1)[0] if self.sep in key else key
-            if fetch_admits is not None and not fetch_admits(dest):
+            if admits is not None and not admits(dest):
                 # The window is full (the burst held more than its estimate): the rest goes back, unseen.
                 self._put_back(entries[n:])
                 break
@@ -390,12 +401,16 @@ def ack_many(messages: list[Any]) -> list[Any]:
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+    policy = FetchPolicy()
 
 
-def install() -> None:
-    """Make ``redis://`` and ``rediss://`` URLs use this transport in this process (workers only)."""
+def install(policy: FetchPolicy | None = None) -> type[Transport]:
+    """Make ``redis://`` and ``rediss://`` URLs use this transport in this process (workers only), its channels
+    following ``policy`` (None: kombu's own order, one message per round trip). Returns the transport class."""
     from kombu import transport as kombu_transport
 
+    transport = type("Transport", (Transport,), {"policy": policy or FetchPolicy(), "__module__": __name__})
     for scheme in ("redis", "rediss"):
-        TRANSPORT_ALIASES[scheme] = f"{__name__}:Transport"
+        TRANSPORT_ALIASES[scheme] = lambda: transport  # kombu calls a callable alias for the class
         kombu_transport._transport_cache.pop(scheme, None)  # kombu caches what a name resolved to
+    return transport

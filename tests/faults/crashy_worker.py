@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from embedq.producers.cli import main
+from embedq.cli import main
 from embedq.workers import service
 
 MARKER = "POISON"

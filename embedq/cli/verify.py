@@ -373,7 +373,7 @@ def compare(reference: Reference, served: Served, ids: list[str], texts: list[st
         return report
     cos = cosines(served.vectors, expected)
     delta = np.abs(served.vectors - expected).max(axis=1) if expected.size else np.zeros(len(texts))
-    from embedq.backends.encoder import weights_sha256
+    from embedq.backends.folder import weights_sha256
 
     notes: list[str] = []
     if served.weights_sha256 and served.weights_sha256 != weights_sha256(reference.folder):

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from embedq import __version__, errors
+from embedq import errors
 from embedq.settings import Settings
+from embedq.version import __version__
 
 
 def _embedding_options(ns: argparse.Namespace) -> dict[str, Any]:
@@ -135,7 +136,7 @@ def cmd_embed(ns: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_verify(ns: argparse.Namespace, settings: Settings) -> int:
     from embedq.backends import resolve_model_path
-    from embedq.producers import verify
+    from embedq.cli import verify
 
     if ns.model:
         settings = settings.model_copy(update={"model": ns.model})
