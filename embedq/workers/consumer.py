@@ -43,9 +43,10 @@ from embedq.results import ResultStore
 from embedq.settings import Settings
 from embedq.workers import memory, transport
 from embedq.workers.delivery import Ledger, Verdict, renew_leases
+from embedq.workers.jobs import Job
 from embedq.workers.metrics import Reporter, WorkerMetrics
 from embedq.workers.observe import WorkerInfo, event_kwargs, short_args, window_stats, worker_record
-from embedq.workers.service import EmbeddingService, Job
+from embedq.workers.service import EmbeddingService
 
 log = logging.getLogger(__name__)
 
