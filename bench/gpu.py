@@ -129,7 +129,8 @@ def backend_row(folder: Path, texts: list[str], device: str, dtype: str, job_siz
     from embedq.backends import load_backend
     from embedq.batching.traffic import BULK
     from embedq.settings import Settings
-    from embedq.workers.service import EmbeddingService, Job
+    from embedq.workers.jobs import Job
+    from embedq.workers.service import EmbeddingService
 
     settings = Settings(model=str(folder), device=device, dtype=dtype)
     backend = load_backend(str(folder), device=device, dtype=dtype, torch_threads=settings.torch_threads,

@@ -15,7 +15,8 @@ from embedq.backends import load_backend
 from embedq.batching.traffic import BULK
 from embedq.protocol import decode_result
 from embedq.settings import Settings
-from embedq.workers.service import EmbeddingService, Job
+from embedq.workers.jobs import Job
+from embedq.workers.service import EmbeddingService
 
 pytestmark = pytest.mark.integration
 

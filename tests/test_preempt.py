@@ -161,7 +161,8 @@ def test_c_a_service_that_cannot_preempt_says_so_once_and_falls_back_to_the_cap(
     import threading
 
     from embedq.batching.traffic import BULK
-    from embedq.workers.service import EmbeddingService, Job
+    from embedq.workers.jobs import Job
+    from embedq.workers.service import EmbeddingService
 
     folder = families["minilm"][0]
     backend = load_backend(folder, linear_kernel="onnxruntime" if how == "onnxruntime" else "torch")

@@ -13,13 +13,17 @@ their lease, redelivered ones are checked against what is stored, suspects of a 
 are dead-lettered after ``max_attempts`` worker deaths, and a message that cannot be read is refused
 with a typed error, never logged with its body and never run. On SIGTERM :class:`GracefulStop`
 finishes the micro-batch in progress, stores and acknowledges what is done, and hands the rest back.
+
+This module holds the :class:`Worker` (its state, routing, loading the model, delivering jobs, cancellations) and
+what Celery calls (the tasks, their strategy, :class:`GracefulStop`, :class:`EmbedqConsumer`, :func:`register`).
+The worker's other parts are mixed in from beside it: reading and refusing messages in ``workers/messages.py``,
+storing outcomes and acknowledging messages in ``workers/acks.py``, liveness, fail-stop and the warm shutdown in
+``workers/stopping.py`` (with ``EXIT_FAILED``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import queue
 import time
 from dataclasses import dataclass, field
@@ -29,7 +33,6 @@ from typing import Any
 from celery import Celery, Task, bootsteps
 from celery.worker import state as worker_state
 from celery.worker.consumer import Consumer
-from kombu.exceptions import ContentDisallowed
 from kombu.utils.imports import symbol_by_name
 
 from embedq import errors
@@ -38,31 +41,25 @@ from embedq.batching.traffic import BULK, ONLINE, TrafficClass
 from embedq.broker import BROKER_ERRORS, lease_interval, redis_client
 from embedq.cancellation import CancelFeed
 from embedq.kinds import TASKS, TaskSpec
-from embedq.protocol import MAX_DEADLINE_SECONDS, RESENT_HEADER, SENT_HEADER, TASK_NAME
-from embedq.results import ResultStore
+from embedq.protocol import RESENT_HEADER, SENT_HEADER, TASK_NAME
 from embedq.settings import Settings
 from embedq.workers import memory, transport
-from embedq.workers.delivery import Ledger, Verdict, renew_leases
+from embedq.workers.acks import ALREADY_STORED, Acks, routing_key_of
+from embedq.workers.delivery import Ledger, Verdict
+from embedq.workers.jobs import Job
+from embedq.workers.messages import Messages, deadline_of, expires_iso
 from embedq.workers.metrics import Reporter, WorkerMetrics
 from embedq.workers.observe import WorkerInfo, event_kwargs, short_args, window_stats, worker_record
-from embedq.workers.service import EmbeddingService, Job
+from embedq.workers.service import EmbeddingService
+from embedq.workers.stopping import LIVENESS_INTERVAL, Stopping
 
 log = logging.getLogger(__name__)
 
-MAX_JOB_ID = 256  # characters: a longer "id" header names no job embedq would have sent (its ids are UUIDs)
 ACK_INTERVAL = 0.02  # seconds between drains of finished jobs on the consumer thread
 INTAKE_MAX = 256  # jobs delivered before the intake is handed to the service even in the middle of a fetch
 CANCEL_INTERVAL = 0.05  # seconds between reads of the cancellation stream
 CANCEL_STALE = 0.1  # a delivery checks the stream itself when the last read is older than this
 CANCEL_BACKOFF = 2.0  # seconds without reading the stream after a failed read (the broker is away)
-LIVENESS_INTERVAL = 1.0  # seconds between two looks at the service's threads (see Worker.check_liveness)
-DRAIN_ON_FAILURE = 5.0  # seconds a failing worker lets its results thread write what it holds
-#: Exit status of a worker that stopped because it could no longer do its work (EX_SOFTWARE): restart it.
-EXIT_FAILED = 70
-
-
-#: A job whose terminal record was already stored before this delivery (see delivery.Ledger.check).
-ALREADY_STORED = "already-stored"
 
 
 @dataclass
@@ -77,7 +74,7 @@ class Delivery:
         return self.reqs[0][0]
 
 
-class Worker:
+class Worker(Messages, Acks, Stopping):
     """One worker process: its settings, the service, the messages it holds, finished jobs to acknowledge,
     and what it does with them on Celery's consumer thread.
 
@@ -205,134 +202,7 @@ class Worker:
             except BROKER_ERRORS:
                 log.warning("could not count the run of suspect job %s (broker unreachable)", job.id)
 
-    def store_outcome(self, job: Job, outcome: dict[str, Any] | errors.EmbedqError) -> None:
-        """Results thread: write the terminal record (riding out a broker restart), then queue the ack."""
-        self.store_outcomes([(job, outcome)])
-
-    def store_outcomes(self, done: list[tuple[Job, dict[str, Any] | errors.EmbedqError]]) -> None:
-        """Results thread: write the terminal records of finished jobs in one round trip (riding out a broker
-        restart), then queue their acks.
-
-        If the service stops before the records are stored, the jobs are left unacknowledged: their messages
-        are handed back (or redelivered) and the jobs run again. Storing again after a failed attempt is safe: a
-        record is written only where there is none."""
-        if not done:
-            return
-        for job, outcome in done:
-            if not isinstance(outcome, errors.EmbedqError):
-                outcome["worker"] = job.context.primary.hostname  # the indexer's summary counts texts per worker
-        app = done[0][0].context.primary.task.app
-        delay = 0.2
-        while True:
-            try:
-                written = ResultStore(app).store_many([(job.id, outcome) for job, outcome in done])
-                break
-            except BROKER_ERRORS as exc:
-                if self.service is not None and self.service.stopping:
-                    log.warning("could not store %d job(s) before stopping (%s); they will run again", len(done),
-                                type(exc).__name__)
-                    return
-                log.warning("storing %d job(s) failed (%s); retrying in %.1fs", len(done), type(exc).__name__,
-                            delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
-        now = time.monotonic()
-        for (job, outcome), wrote in zip(done, written):
-            if not wrote:  # another outcome came first (the job was cancelled while it ran): that one stands
-                log.info("job %s already has an outcome; its %s is not stored", job.id,
-                         "error" if isinstance(outcome, errors.EmbedqError) else "result")
-            self.finished.put((job, outcome, now))
-
     # -- the consumer thread -----------------------------------------------------------------------
-
-    def apply_window(self) -> None:
-        """Consumer thread: set the channel's prefetch count to what the text window allows now."""
-        qos = getattr(self.consumer, "qos", None)
-        if qos is None or self.window is None:
-            return
-        delta = self.window.limit() - qos.value
-        if delta > 0:
-            qos.increment_eventually(delta)
-        elif delta < 0:
-            qos.decrement_eventually(-delta)
-        if qos.prev != qos.value:
-            qos.update()  # at once, so the transport stops (or resumes) fetching before the next message
-
-    def current_channel(self) -> Any:
-        task_consumer = getattr(self.consumer, "task_consumer", None)
-        return getattr(task_consumer, "channel", None)
-
-    def ack(self, req: Any) -> None:
-        """Acknowledge one message. After a reconnect its channel is gone; the unacked entry in Redis is
-        the same, so it is removed through the current channel."""
-        if req.acknowledged:
-            return
-        message = req.message
-        try:
-            message.ack()
-        except Exception:
-            channel = self.current_channel()
-            if channel is None:
-                raise
-            channel.qos.ack(message.delivery_tag)
-        req.acknowledged = True
-
-    def drain_finished(self) -> None:
-        """Consumer thread: acknowledge what has been stored and emit the task events."""
-        self.flush_intake()
-        while True:
-            try:
-                job = self.started.get_nowait()
-            except queue.Empty:
-                break
-            job.context.primary.send_event("task-started")
-        finished = []
-        while True:
-            try:
-                finished.append(self.finished.get_nowait())
-            except queue.Empty:
-                break
-        if not finished:
-            return
-        # Every stored job's messages acknowledged in one round trip (a message whose channel is gone after a
-        # reconnect goes through the current channel, one by one).
-        pending = [(job, req) for job, _, _ in finished for req, _ in job.context.reqs if not req.acknowledged]
-        failed = {id(message) for message in transport.ack_many([req.message for _, req in pending])}
-        for job, req in pending:
-            if id(req.message) in failed:
-                try:
-                    self.ack(req)
-                except Exception:  # the broker is away: the message is redelivered and found already stored
-                    log.warning("could not acknowledge job %s; it will be redelivered and recognised", job.id)
-        released = False
-        for job, outcome, done_at in finished:
-            runtime = done_at - (job.started if job.started is not None else job.received)
-            if self.metrics is not None and outcome != ALREADY_STORED:
-                self.metrics.observe("job_seconds", max(done_at - job.received, 0.0), job.traffic_class)
-            if self.held.get(job.id) is job:
-                del self.held[job.id]
-            failed = isinstance(outcome, errors.EmbedqError)
-            for req, size in job.context.reqs:
-                if not req.acknowledged and req.message.acknowledged:
-                    req.acknowledged = True
-                worker_state.task_ready(req, successful=not failed)
-                if self.window is not None:
-                    self.window.released(size, bulk=self.traffic_class(_routing_key(req)) == BULK)
-                    released = True
-            _send_outcome_event(job.context.primary, outcome, runtime)
-        if released:
-            self.apply_window()
-
-    def renew_leases(self) -> None:
-        """Consumer thread: keep every held message from being redelivered while this worker lives."""
-        channel = self.current_channel()
-        if channel is None or not self.held:
-            return
-        tags = [req.message.delivery_tag for job in self.held.values() for req, _ in job.context.reqs]
-        try:
-            renew_leases(channel, tags)
-        except Exception as exc:
-            log.warning("could not renew the leases of %d held messages: %s", len(tags), type(exc).__name__)
 
     def strategy(self, task: Task, app: Celery, consumer: Any):
         """Celery calls this (through :func:`coalescing_strategy`) once per consumer start and task; it
@@ -384,40 +254,6 @@ class Worker:
 
         return handler
 
-    def receive(self, task: Task, app: Celery, message: Any, body: Any, ack: Any, reject: Any, Req: Any,
-                hostname: str, eventer: Any, connection_errors: Any) -> None:
-        """Consumer thread: one message of an embedq task: refuse what cannot be read, else deliver it."""
-        from celery.worker.strategy import hybrid_to_proto2, proto1_to_proto2
-
-        settings = self.settings
-        too_large = getattr(message, "refusal", None) or _too_large(message, settings.max_message_bytes)
-        if too_large is not None:
-            self.refuse(task, message, too_large)
-            return
-        try:
-            if body is None and "args" not in message.payload:
-                body, headers, decoded, utc = message.body, message.headers, False, app.uses_utc_timezone()
-            elif "args" in message.payload:
-                body, headers, decoded, utc = hybrid_to_proto2(message, message.payload)
-            else:
-                body, headers, decoded, utc = proto1_to_proto2(message, body)
-            req = Req(message, on_ack=ack, on_reject=reject, app=app, hostname=hostname, eventer=eventer,
-                      task=task, connection_errors=connection_errors, body=body, headers=headers,
-                      decoded=decoded, utc=utc)
-            args, kwargs = req.args, req.kwargs
-        except ContentDisallowed:
-            self.refuse(task, message, errors.InvalidMessage(
-                f"content type {message.content_type!r} refused: only json and msgpack are accepted"))
-            return
-        except Exception as exc:
-            self.refuse(task, message, errors.InvalidMessage(f"malformed task message ({type(exc).__name__})"))
-            return
-        if not _job_id_ok(req.id):
-            self.refuse(task, message, errors.InvalidMessage(
-                f"the message has no job id (a string of 1 to {MAX_JOB_ID} characters, UTF-8)"))
-            return
-        self.deliver(req, args, kwargs, message, TASKS[task.name])
-
     def deliver(self, req: Any, args: Any, kwargs: Any, message: Any, spec: TaskSpec) -> None:
         """Consumer thread: a readable job message of ``spec``'s kind (the task the message names: a ``shadow``
         header changes no kind). Hold it, then run it, cancel it, recognise it as already stored or dead-letter
@@ -425,11 +261,11 @@ class Worker:
         service, settings = self.service, self.settings
         assert service is not None and self.window is not None and self.ledger is not None
         size = spec.size(args)
-        routing_key = _routing_key(req) or settings.queue_name
+        routing_key = routing_key_of(req) or settings.queue_name
         klass = self.traffic_class(routing_key)
         # What the task events show, worked out before the message is counted anywhere: nothing below may fail
         # between counting it (reserved, the prefetch window) and holding it.
-        event = {"name": spec.name, "args": short_args(req), "expires": _iso(req.expires),
+        event = {"name": spec.name, "args": short_args(req), "expires": expires_iso(req.expires),
                  "kwargs": event_kwargs(kwargs, service, routing_key, klass, spec.kind)}
         worker_state.task_reserved(req)
         self.window.received(size, bulk=klass == BULK)
@@ -441,7 +277,7 @@ class Worker:
             return
         req.send_event("task-received", **event)
         job = Job(id=req.id, texts=args, options=kwargs, context=Delivery([(req, size)]), size=size, spec=spec,
-                  traffic_class=klass, deadline=_deadline(req.expires))
+                  traffic_class=klass, deadline=deadline_of(req.expires))
         self.held[job.id] = job
         verdict = Verdict()
         headers = req._request_dict or {}
@@ -478,7 +314,7 @@ class Worker:
             jobs, self.intake = self.intake, []
             self.service.submit_many(jobs)
 
-    # -- cancellation, dead letters, refusals --------------------------------------------------------
+    # -- cancellation, dead letters ------------------------------------------------------------------
 
     def is_cancelled(self, job_id: str) -> bool:
         """Consumer thread, on delivery: cancelled through embedq (the stream, read now unless read within
@@ -525,145 +361,6 @@ class Worker:
             f"the worker died while running this job {crashes} times (max_attempts={service.settings.max_attempts}); "
             "it is not delivered again"))
 
-    def refuse(self, task: Task, message: Any, error: errors.EmbedqError) -> None:
-        """A message that is never run: record its typed error when it names a job, acknowledge it, and log
-        its id and the reason only (never its body: it may hold users' texts)."""
-        headers = getattr(message, "headers", None)
-        task_id = headers.get("id") if isinstance(headers, dict) else None
-        log.warning("refused message %s: %s", task_id if _job_id_ok(task_id) else "(no id)", error.message)
-        if _job_id_ok(task_id):
-            try:
-                ResultStore(task.app).store(task_id, error)
-            except Exception as exc:  # the broker is away (or the record cannot be written): the log says so
-                log.warning("could not store the refusal of %s (%s)", task_id, type(exc).__name__)
-        if self.service is not None:  # texts unknown: the message could not be read as a job
-            self.service.count_received(0)
-            self.service.count_failure(error.code, 0)
-        message.ack()
-
-    # -- liveness ------------------------------------------------------------------------------------
-
-    def check_liveness(self) -> None:
-        """Consumer thread, every LIVENESS_INTERVAL: a worker whose inference or results thread died, or whose
-        inference thread stopped making progress while work waits, must not go on taking jobs and calling itself
-        alive (its heartbeat and registry record come from other threads): it stops (:meth:`fail_stop`)."""
-        service = self.service
-        if service is None or self.stopped:
-            return
-        reason = service.health(self.settings.stall_timeout)
-        if reason is not None:
-            self.fail_stop(reason)
-
-    def fail_stop(self, reason: str) -> None:
-        """Consumer thread: stop serving and exit with :data:`EXIT_FAILED`, for a supervisor to restart the worker.
-
-        What was stored is acknowledged; every other held message goes back to its queue. The jobs of the
-        micro-batch in the model are not marked as handed back, so their next delivery counts as one that ended
-        with the worker dead (they run alone, and are dead-lettered after ``max_attempts``: a poison input cannot
-        take down worker after worker); the rest are marked handed back and run as usual."""
-        service = self.service
-        assert service is not None
-        log.critical("stopping: %s", reason)
-        self.stopped = True
-        running = {job.id for job in service.running}
-        self.settle_fetch()
-        service.abandon()
-        service.drain(DRAIN_ON_FAILURE)
-        self.drain_finished()
-        returned, blamed = self.hand_back(blamed=running)
-        with contextlib.suppress(Exception):  # else Flower sees the heartbeats stop
-            self.consumer.event_dispatcher.send("worker-offline")
-        log.critical("handed %d messages back (%d job(s) of the micro-batch in the model count a delivery that "
-                     "ended with the worker dead); exiting with status %d", returned, blamed, EXIT_FAILED)
-        logging.shutdown()
-        os._exit(EXIT_FAILED)  # the inference thread may be stuck in native code: nothing would join it
-
-    def settle_fetch(self) -> None:
-        """Consumer thread: read the reply of the fetch (BRPOP) in flight, if any, before handing messages back:
-        one handed back now would go to that fetch, and this process would never read it (kombu's channel does
-        the same when it closes). A message it brings is handed back by the handler (the worker is stopped)."""
-        channel = self.current_channel()
-        if channel is None or not getattr(channel, "_in_poll", None):
-            return
-        try:
-            channel._brpop_read()
-        except queue.Empty:
-            pass
-        except Exception as exc:  # the broker is away: what it held comes back after visibility_timeout
-            log.warning("could not read the fetch in flight: %s", type(exc).__name__)
-
-    def hand_back(self, blamed: frozenset[str] | set[str] = frozenset()) -> tuple[int, int]:
-        """Consumer thread, stopping: put every held message back on its queue and withdraw the registry record.
-        Jobs are marked handed back (their next delivery is a plain one) except those in ``blamed`` (the micro-batch
-        in the model when the worker failed: their next delivery counts as one that ended with the worker dead).
-        Returns (messages handed back, held jobs blamed)."""
-        self.intake.clear()  # held too: handed back below
-        leftover = list(self.held.values())
-        innocent = [job.id for job in leftover if job.id not in blamed]
-        if innocent and self.ledger is not None:
-            try:
-                self.ledger.returned(innocent)
-            except Exception:  # they come back as redelivered: run alone once, which is safe
-                log.warning("could not mark %d returned jobs", len(innocent))
-        returned = 0
-        for job in leftover:
-            for req, _ in job.context.reqs:
-                try:
-                    req.message.channel.qos.restore_by_tag(req.message.delivery_tag)
-                    returned += 1
-                except Exception as exc:  # it stays in the unacked hash: redelivered after its lease lapses
-                    log.warning("could not hand job %s back: %s", job.id, type(exc).__name__)
-        self.held.clear()
-        if self.reporter is not None:
-            self.reporter.withdraw()
-        return returned, len(leftover) - len(innocent)
-
-    # -- the warm shutdown ---------------------------------------------------------------------------
-
-    def shutdown(self) -> None:
-        """See :class:`GracefulStop`."""
-        if self.stopped or self.service is None:
-            return
-        self.stopped = True
-        t0 = time.monotonic()
-        self.service.stop(timeout=self.settings.shutdown_timeout)
-        self.drain_finished()
-        returned, _ = self.hand_back()
-        log.info("stopped in %.1fs: handed %d buffered messages back to the queue", time.monotonic() - t0,
-                 returned)
-
-
-def _routing_key(req: Any) -> str | None:
-    info = getattr(req, "delivery_info", None)
-    key = info.get("routing_key") if isinstance(info, dict) else None
-    return key if isinstance(key, str) else None
-
-
-def _job_id_ok(job_id: Any) -> bool:
-    """A job id embedq can key records by: a string of 1 to MAX_JOB_ID characters that UTF-8 can encode (a lone
-    surrogate cannot be written to Redis: its job would never get a record nor its message an ack)."""
-    if not isinstance(job_id, str) or not 0 < len(job_id) <= MAX_JOB_ID:
-        return False
-    try:
-        job_id.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _send_outcome_event(req: Any, outcome: Any, runtime: float) -> None:
-    """The task event Flower shows for a job's outcome."""
-    if isinstance(outcome, errors.Cancelled):
-        req.send_event("task-revoked", terminated=False, signum=None, expired=False)
-    elif isinstance(outcome, errors.Expired):
-        req.send_event("task-revoked", terminated=False, signum=None, expired=True)
-    elif isinstance(outcome, errors.EmbedqError):
-        req.send_event("task-failed", exception=repr(outcome), traceback="")
-    elif outcome == ALREADY_STORED:
-        req.send_event("task-succeeded", result="already stored", runtime=runtime)
-    else:
-        req.send_event("task-succeeded", result=f"{outcome['usage']['texts']} vectors", runtime=runtime)
-
 
 def worker_of(app: Celery) -> Worker:
     """The :class:`Worker` that :func:`register` gave this Celery app."""
@@ -676,31 +373,6 @@ def worker_of(app: Celery) -> Worker:
 def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
     """The strategy of every job kind's task (Celery's hook, named in :class:`JobTask`)."""
     return worker_of(app).strategy(task, app, consumer)
-
-
-def _deadline(expires: Any) -> float | None:
-    """A Celery ``expires`` (an aware datetime) as a monotonic time, at most ``MAX_DEADLINE_SECONDS`` from now
-    (producers refuse longer deadlines; one sent by other means is clamped, so no wait can overflow)."""
-    if expires is None:
-        return None
-    try:
-        left = float(expires.timestamp() - time.time())
-    except (AttributeError, TypeError, ValueError, OverflowError):
-        return None
-    if left != left:  # NaN
-        return None
-    return time.monotonic() + min(left, float(MAX_DEADLINE_SECONDS))
-
-
-def _iso(expires: Any) -> str | None:
-    return expires.isoformat() if hasattr(expires, "isoformat") else None
-
-
-def _too_large(message: Any, limit: int) -> errors.EmbedqError | None:
-    body = getattr(message, "body", None)
-    if isinstance(body, (bytes, bytearray, str)) and len(body) > limit:
-        return errors.MessageTooLarge(f"the message body has {len(body)} bytes; the limit is {limit}")
-    return None
 
 
 class JobTask(Task):

@@ -3,7 +3,7 @@
 Every name starts with ``embedq_`` and is declared once, in :data:`CATALOG`; ops/ (alert rules, the
 Grafana dashboard) uses only these names, and a test checks it.
 
-Counters are read at scrape time from the service's :class:`~embedq.workers.service.Stats`, the one
+Counters are read at scrape time from the service's :class:`~embedq.workers.stats.Stats`, the one
 place the worker counts, so the metrics, ``celery inspect embedq_stats`` and ``embedq status`` never
 disagree. Distributions (micro-batch sizes, durations, waits) are histograms observed where they
 happen. Queue depths are read from Redis at scrape time (cached for :data:`QUEUE_CACHE_SECONDS` here and

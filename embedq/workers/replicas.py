@@ -40,7 +40,7 @@ RESTART_BACKOFF_MAX = 30.0
 HEALTHY_RUN = 60.0
 #: Replica i serves metrics on metrics_port + i × this (GPU workers on one machine use neighbouring ports).
 METRICS_PORT_STEP = 100
-#: A replica's exit status when its watchdog stopped it (workers.consumer.EXIT_FAILED): always restarted.
+#: A replica's exit status when its watchdog stopped it (workers.stopping.EXIT_FAILED): always restarted.
 EXIT_FAILED = 70
 #: The environment variables that tell a process it is replica i of a supervisor, and its node name (not for users).
 REPLICA_ENV = "EMBEDQ_REPLICA_INDEX"

@@ -10,6 +10,12 @@ So neither tokenizing new jobs nor writing results stands between two forward pa
 thread stays free to send heartbeats during long batches. A job with no items to run (``tokenize``) goes
 straight to the results thread.
 
+This module holds the service itself: intake (``submit_many``, ``cancel``), the inference thread's loop (which
+micro-batch next, suspects alone, deadlines, preemption) and liveness (``health``). Its parts live beside it:
+the job record and its callbacks in ``workers/jobs.py``; launching a micro-batch, landing it and storing its rows
+(two in flight on an async device) in ``workers/inflight.py`` (:class:`~embedq.workers.inflight.MicroBatches`,
+which the service mixes in); the results thread in ``workers/outbox.py``.
+
 **Preemption (issue 18).** A bulk micro-batch runs with a hook before each of the model's layers
 (``backend.between_layers``). When online items wait there, the inference thread runs micro-batches of them to
 completion (their own forward passes, their own results) and then lets the bulk batch go on with its hidden
@@ -22,23 +28,21 @@ online cap bounds the wait instead (``TrafficScheduler``), and the worker says s
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from embedq import errors
-from embedq.backends.base import Backend, Prepared, row_is_finite
-from embedq.batching import Scheduler, batch_cost
-from embedq.batching.traffic import BULK, ONLINE, Deadlines, TrafficClass, TrafficScheduler
-from embedq.kinds import EMBED, TaskSpec
-from embedq.protocol import result_size
+from embedq.backends.base import Backend
+from embedq.batching import Scheduler
+from embedq.batching.traffic import BULK, ONLINE, Deadlines, TrafficScheduler
 from embedq.settings import Settings
 from embedq.workers import memory
+from embedq.workers.inflight import Flight, MicroBatches
+from embedq.workers.jobs import DoneCallback, DoneManyCallback, Job, expired
+from embedq.workers.outbox import Outbox
 from embedq.workers.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -46,56 +50,14 @@ log = logging.getLogger(__name__)
 #: The longest the idle inference thread sleeps at once (it wakes sooner for a deadline or new work).
 IDLE_WAIT = 60.0
 
-#: on_done(job, outcome): outcome is the result payload (dict) or an EmbedqError.
-DoneCallback = Callable[["Job", "dict[str, Any] | errors.EmbedqError"], None]
-#: on_done_many([(job, outcome), ...]): the same for many jobs at once (one round trip to store them).
-DoneManyCallback = Callable[[list[tuple["Job", "dict[str, Any] | errors.EmbedqError"]]], None]
-#: Most finished jobs the results thread stores at once.
-WRITE_BATCH = 256
 
-
-@dataclass(eq=False)
-class Job:
-    """One job as the worker tracks it, whatever its kind."""
-
-    id: str
-    texts: Any  # the message's arguments as received; after prepare, the job's items (texts or pairs)
-    options: Any = None  # raw kwargs, then the kind's options model
-    context: Any = None  # whatever the transport needs to finish the job (a Celery request)
-    received: float = field(default_factory=time.monotonic)
-    size: int = 1  # items as received, for the prefetch window
-    spec: TaskSpec = EMBED
-    prepared: Prepared | None = None
-    rows: list[Any] | None = None  # one model output row per item, filled by micro-batches
-    remaining: int = 0
-    done: bool = False
-    suspect: bool = False  # redelivered after its worker died: runs alone (see workers/delivery.py)
-    started: float | None = None  # monotonic time its first micro-batch started (set under the service lock)
-    traffic_class: TrafficClass = ONLINE  # from the queue it came from
-    deadline: float | None = None  # monotonic time after which it is dropped unless it has started
-
-    @property
-    def kind(self) -> str:
-        return self.spec.kind
-
-    @property
-    def n_items(self) -> int:
-        return len(self.prepared.items) if self.prepared is not None else 0
-
-    def cost(self, i: int) -> int:
-        assert self.prepared is not None
-        return len(self.prepared.items[i].ids)
-
-
-class EmbeddingService:
+class EmbeddingService(MicroBatches):
     def __init__(self, backend: Backend, settings: Settings, on_done: DoneCallback,
                  on_isolated_run: Callable[[Job, bool], None] | None = None,
                  on_started: Callable[[Job], None] | None = None, metrics: Any = None,
                  memory_policy: str | None = None, on_done_many: DoneManyCallback | None = None) -> None:
         self.backend = backend
         self.settings = settings
-        self.on_done = on_done
-        self.on_done_many = on_done_many
         self.on_isolated_run = on_isolated_run
         self.on_started = on_started  # inference thread: a job's first micro-batch starts
         self.metrics = metrics  # a workers.metrics.WorkerMetrics, or None
@@ -136,13 +98,12 @@ class EmbeddingService:
         self._thread = threading.Thread(target=self._loop, name="embedq-inference", daemon=True)
         self.memory_policy = memory_policy or settings.memory_policy  # in force (auto settles on one)
         self._trimmer = memory.trimmer(self.memory_policy, settings.malloc_trim_interval)
-        # (job, None) to finish a job, (job, error) to fail it; None stops the results thread.
-        self._outbox: queue.SimpleQueue[tuple[Job, errors.EmbedqError | None] | None] = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write_loop, name="embedq-results", daemon=True)
+        # Finished and failed jobs go to the results thread (workers/outbox.py), which stores their outcomes.
+        self._outbox = Outbox(backend, settings, self.stats, on_done, on_done_many)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> EmbeddingService:
-        self._writer.start()
+        self._outbox.start()
         self._thread.start()
         return self
 
@@ -168,9 +129,9 @@ class EmbeddingService:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        if self._writer.is_alive():
-            self._outbox.put(None)
-            self._writer.join(timeout)
+        if self._outbox.thread.is_alive():
+            self._outbox.close()
+            self._outbox.thread.join(timeout)
 
     # -- intake (consumer thread) ------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -189,7 +150,7 @@ class EmbeddingService:
                 continue
             self.count_received(job.size, job.traffic_class, job.kind)
             if job.deadline is not None and job.deadline <= now:
-                self.fail(job, _expired(job))
+                self.fail(job, expired(job))
                 continue
             try:
                 self._check(job)
@@ -259,7 +220,7 @@ class EmbeddingService:
             if job in self._suspects:
                 self._suspects.remove(job)
         self.stats.add(jobs_cancelled=1, items_cancelled=job.size)
-        self._outbox.put((job, error or errors.Cancelled(f"job {job.id} was cancelled before it ran")))
+        self._outbox.put(job, error or errors.Cancelled(f"job {job.id} was cancelled before it ran"))
         return True
 
     def count_failure(self, code: str, items: int) -> None:
@@ -283,7 +244,7 @@ class EmbeddingService:
         # On a device that runs behind the CPU (backend.launches_async), the micro-batch launched last is landed
         # (waited for, its rows stored) only after the next one is launched, so the device always has work queued
         # while this thread stores rows, picks and assembles the next batch. Elsewhere each lands as it is launched.
-        pending: _Flight | None = None
+        pending: Flight | None = None
         while True:
             suspect = batch = None
             with self._cond:
@@ -344,11 +305,6 @@ class EmbeddingService:
             self.stats.time("online_wait_seconds", waited)
         return starting
 
-    @property
-    def running(self) -> tuple[Job, ...]:
-        """The jobs of the micro-batches in the model now (read by the watchdog from other threads)."""
-        return tuple(itertools.chain.from_iterable(self._in_model))
-
     def _started(self, starting: list[Job]) -> None:
         if self.on_started is not None:
             for job in starting:
@@ -396,7 +352,7 @@ class EmbeddingService:
         """Under the lock: fail every buffered job whose deadline has passed and that has not started."""
         for job in self.deadlines.due(now):
             if not job.done and job.started is None:
-                self.fail(job, _expired(job))
+                self.fail(job, expired(job))
         if len(self.deadlines) > 2 * len(self.scheduler) + 1024:
             self.deadlines.prune(lambda job: job.done)
 
@@ -418,94 +374,6 @@ class EmbeddingService:
         if self.on_isolated_run is not None:
             self.on_isolated_run(job, False)
 
-    def _run(self, keys: list[tuple[Job, int]], preemptible: bool = False) -> None:
-        """One micro-batch through the model, to its stored rows. ``preemptible``: a bulk batch online batches may
-        pause between two layers (its model time leaves out the pauses)."""
-        flight = self._launch(keys, preemptible)
-        if flight is not None:
-            self._land(flight)
-
-    def _launch(self, keys: list[tuple[Job, int]], preemptible: bool = False) -> _Flight | None:
-        """Start a micro-batch in the model (``backend.launch``); :meth:`_land` waits for it and stores its rows."""
-        keys = [(job, i) for job, i in keys if not job.done]
-        if not keys:
-            return None
-        batch = [job.prepared.items[i] for job, i in keys]
-        lengths = [len(item.ids) for item in batch]
-        if preemptible:  # (not in a preempting batch: that one runs inside the bulk batch's pause)
-            self._paused, self._layer = 0.0, 0
-        jobs = tuple(dict.fromkeys(job for job, _ in keys))
-        self._in_model.append(jobs)  # a preempting batch runs inside a bulk one: both are in the model
-        t0 = time.perf_counter()
-        try:
-            if preemptible:
-                with self.backend.between_layers(self._between_layers):
-                    rows = self.backend.launch(batch)
-            else:
-                rows = self.backend.launch(batch)
-        except Exception as exc:
-            rows = _raising(exc)
-        return _Flight(keys, jobs, rows, lengths, t0, preemptible, self._paused if preemptible else 0.0)
-
-    def _land(self, flight: _Flight) -> None:
-        """Wait for a launched micro-batch's rows and store them; a batch that failed is split (:meth:`_isolate`)."""
-        keys = flight.keys
-        try:
-            rows = flight.rows()
-            bad = [not row_is_finite(row) for row in rows]
-        except Exception as exc:
-            rows, bad = None, None
-            failure: Exception = exc
-        # Not in a finally: if something the thread cannot survive escapes the model, these jobs stay "running",
-        # and the worker's watchdog counts the delivery against them (see health()).
-        self._in_model = [jobs for jobs in self._in_model if jobs is not flight.jobs]
-        self.beat = time.monotonic()
-        # From launch to rows: with two micro-batches in flight (launches_async) their times overlap.
-        elapsed = time.perf_counter() - flight.t0 - flight.paused
-        lengths = flight.lengths
-        cost = batch_cost(lengths, padded=self.backend.is_padded)
-        real = sum(lengths)
-        by_class: dict[str, int] = {}
-        by_kind: dict[str, int] = {}
-        for job, _ in keys:
-            by_class[job.traffic_class] = by_class.get(job.traffic_class, 0) + 1
-            by_kind[job.kind] = by_kind.get(job.kind, 0) + 1
-        self.stats.batch(items=len(keys), real=real, padded=cost, seconds=elapsed, by_class=by_class, by_kind=by_kind)
-        log.info("micro-batch: %d items, %d real / %d padded tokens, %.1f ms (%s)%s", len(keys), real, cost,
-                 elapsed * 1e3, ", ".join(f"{n} {k}" for k, n in by_kind.items()),
-                 f", paused {flight.paused * 1e3:.1f} ms" if flight.paused else "")
-        if self.metrics is not None:
-            self.metrics.observe_batch(len(keys), real, cost, elapsed)
-        if rows is None:
-            self._isolate(keys, failure, flight.preemptible)
-            return
-        good = [(key, row) for key, row, b in zip(keys, rows, bad) if not b]
-        self._store_rows([k for k, _ in good], [r for _, r in good])
-        for (job, i), b in zip(keys, bad):
-            if b:
-                self.fail(job, errors.BackendError(f"inputs[{i}] produced a non-finite output"))
-
-    def _isolate(self, keys: list[tuple[Job, int]], exc: Exception, preemptible: bool = False) -> None:
-        """A failing micro-batch: split it and retry the halves so only the culprit fails (a bulk batch's halves
-        stay preemptible)."""
-        if len(keys) == 1:
-            job, i = keys[0]
-            log.warning("inputs[%d] of job %s failed in the model: %s", i, job.id, type(exc).__name__)
-            self.fail(job, errors.BackendError(f"inputs[{i}] failed in the model: {type(exc).__name__}"))
-            return
-        mid = len(keys) // 2
-        self._run(keys[:mid], preemptible)
-        self._run(keys[mid:], preemptible)
-
-    def _store_rows(self, keys: list[tuple[Job, int]], rows: list[Any]) -> None:
-        for (job, i), row in zip(keys, rows):
-            if job.done or job.rows is None:
-                continue
-            job.rows[i] = row
-            job.remaining -= 1
-            if job.remaining == 0:
-                self._finish(job)
-
     # -- liveness ------------------------------------------------------------------------------
     def health(self, stall_timeout: float) -> str | None:
         """Why this service can no longer do its work, or None while it can: its inference or results thread has
@@ -513,7 +381,7 @@ class EmbeddingService:
         point, an idle wake) for ``stall_timeout`` seconds. The worker's watchdog stops the worker on it."""
         if self._stopping:
             return None
-        for thread in (self._thread, self._writer):
+        for thread in (self._thread, self._outbox.thread):
             if thread.ident is not None and not thread.is_alive():
                 return f"the {thread.name} thread has died"
         idle = time.monotonic() - self.beat
@@ -528,18 +396,18 @@ class EmbeddingService:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._outbox.put(None)
+        self._outbox.close()
 
     def drain(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the results thread to write what it has (it stops after that)."""
-        if self._writer.is_alive():
-            self._writer.join(timeout)
+        if self._outbox.thread.is_alive():
+            self._outbox.thread.join(timeout)
 
     # -- completion --------------------------------------------------------------------------
     def _finish(self, job: Job) -> None:
         """Every item of ``job`` has its row; the results thread does the rest."""
         job.done = True
-        self._outbox.put((job, None))
+        self._outbox.put(job)
 
     def fail(self, job: Job, exc: errors.EmbedqError) -> None:
         if job.done:
@@ -548,93 +416,7 @@ class EmbeddingService:
         with self._cond:
             self.scheduler.discard((job, i) for i in range(job.n_items))
         self.count_failure(exc.code, job.size)
-        self._outbox.put((job, exc))
-
-    # -- results thread ------------------------------------------------------------------------
-    def _write_loop(self) -> None:
-        """Results thread: finish jobs as they come, taking every job waiting at once (up to WRITE_BATCH) so their
-        outcomes are stored in one round trip (``on_done_many``)."""
-        stop = False
-        while not stop:
-            entry = self._outbox.get()
-            if entry is None:
-                break
-            entries = [entry]
-            while len(entries) < WRITE_BATCH:
-                try:
-                    entry = self._outbox.get_nowait()
-                except queue.Empty:
-                    break
-                if entry is None:
-                    stop = True
-                    break
-                entries.append(entry)
-            t0 = time.perf_counter()
-            done = [(job, self._outcome(job, outcome)) for job, outcome in entries]
-            try:
-                if self.on_done_many is not None:
-                    self.on_done_many(done)
-                else:
-                    for job, outcome in done:
-                        self.on_done(job, outcome)
-            except Exception:
-                log.exception("storing the outcomes of %d job(s) failed", len(done))
-            self.stats.time("results_seconds", time.perf_counter() - t0)
-
-    def _outcome(self, job: Job, outcome: errors.EmbedqError | None) -> dict[str, Any] | errors.EmbedqError:
-        """Results thread: a finished job's result payload (or the typed error of a job that failed)."""
-        if outcome is not None:
-            return outcome
-        try:
-            payload: dict[str, Any] | errors.EmbedqError = self._payload(job)
-        except errors.EmbedqError as exc:
-            payload = exc
-        except Exception as exc:  # never let the results thread die
-            log.exception("encoding the result of job %s failed", job.id)
-            payload = errors.BackendError(f"could not encode the result: {type(exc).__name__}")
-        if isinstance(payload, errors.EmbedqError):
-            self.count_failure(payload.code, job.size)
-        else:
-            self.stats.add(jobs_succeeded=1, items_succeeded=job.size)
-        return payload
-
-    def _payload(self, job: Job) -> dict[str, Any]:
-        """Results thread: the backend's head post-processes, checks and encodes; the size is capped."""
-        rows, prepared = job.rows or [], job.prepared
-        job.rows, job.prepared = None, None  # the job's memory goes with its result
-        assert prepared is not None
-        payload = self.backend.finish(job.kind, rows, prepared, job.options)
-        size = result_size(payload)
-        if size > self.settings.max_result_bytes:
-            raise errors.ResultTooLarge(
-                f"the result would take about {size} bytes; the limit is {self.settings.max_result_bytes} "
-                "(EMBEDQ_MAX_RESULT_BYTES): send fewer inputs per job or a compact encoding")
-        return payload
-
-
-@dataclass
-class _Flight:
-    """A launched micro-batch: ``rows()`` waits for its rows."""
-
-    keys: list[tuple[Job, int]]
-    jobs: tuple[Job, ...]
-    rows: Callable[[], list[Any]]
-    lengths: list[int]
-    t0: float
-    preemptible: bool
-    paused: float  # seconds its launch spent paused for online batches
-
-
-def _raising(exc: Exception) -> Callable[[], list[Any]]:
-    def rows() -> list[Any]:
-        raise exc
-
-    return rows
-
-
-def _expired(job: Job) -> errors.Expired:
-    return errors.Expired(f"job {job.id} passed its deadline before it ran; it was not computed")
-
+        self._outbox.put(job, exc)
 
 def _model_aliases(*names: str) -> set[str]:
     out: set[str] = set()

@@ -26,7 +26,7 @@ from embedq import errors
 from embedq.batching.traffic import Deadlines
 from embedq.protocol import MAX_DEADLINE_SECONDS, TASK_NAME
 from embedq.settings import Settings
-from embedq.workers.consumer import _deadline
+from embedq.workers.messages import deadline_of
 
 pytestmark = pytest.mark.timeout(300)
 RUNTIME = "torch"  # a named runtime: no measurement at start
@@ -81,7 +81,7 @@ def test_a_far_expires_is_clamped_to_the_longest_deadline():
     now = time.monotonic()
     for expires in (dt.datetime(9999, 12, 31, tzinfo=dt.timezone.utc),
                     dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=1e10)):
-        deadline = _deadline(expires)
+        deadline = deadline_of(expires)
         assert deadline is not None and deadline <= time.monotonic() + MAX_DEADLINE_SECONDS
         assert deadline >= now + MAX_DEADLINE_SECONDS - 60
 

@@ -5,7 +5,7 @@ whose inference thread is gone would take jobs forever and answer none, while ``
 faults are injected by tests/controlled_worker.py (``EMBEDQ_TEST_FAULT``): a text holding ``FAULT_IN_MODEL``
 kills (or hangs) the inference thread in the model. What the worker promises, checked here on states:
 
-- it exits with status 70 (``consumer.EXIT_FAILED``), for a supervisor to restart it;
+- it exits with status 70 (``stopping.EXIT_FAILED``), for a supervisor to restart it;
 - its registry record is gone when it has exited (``/health`` reads the registry);
 - the messages it held go back to the queue; those of the micro-batch in the model count as one delivery that
   ended with the worker dead (they run alone next time, and a job that kills every worker it meets is
@@ -25,7 +25,7 @@ from embedq import errors, monitor
 from embedq.keys import ATTEMPTS_KEY, RETURNED_KEY
 from embedq.protocol import TASK_NAME
 from embedq.settings import Settings
-from embedq.workers.consumer import EXIT_FAILED
+from embedq.workers.stopping import EXIT_FAILED
 
 pytestmark = pytest.mark.timeout(600)
 

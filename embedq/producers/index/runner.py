@@ -17,6 +17,8 @@ Failure handling, per job:
   every other job in flight that has no result yet;
 - an error that concerns the options and would fail every job (``unknown_model``,
   ``invalid_dimensions``, ...) stops the run.
+
+What the run reports, :class:`~embedq.producers.index.summary.Summary`, is in ``summary.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import json
 import logging
 import sys
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ from embedq.producers.index.idset import IdSet, digest
 from embedq.producers.index.kinds import INDEX_KINDS, IndexKind, index_kind
 from embedq.producers.index.sinks import OutputLock, Sink, VectorDtype, open_sink
 from embedq.producers.index.sources import Source
+from embedq.producers.index.summary import Summary
 from embedq.protocol import Fingerprint, decode_result, validate_texts
 
 log = logging.getLogger(__name__)
@@ -65,65 +68,6 @@ class IndexConfig:
     broker_timeout: float = 300.0
     overwrite: bool = False
     progress: bool = True
-
-
-@dataclass
-class Summary:
-    input: str = ""
-    output: str = ""
-    texts: int = 0  # embedded by this run
-    tokens: int = 0
-    failed: int = 0
-    skipped: int = 0  # already in the output before this run
-    rows: int = 0  # committed rows in the output at the end
-    seconds: float = 0.0
-    resubmitted: int = 0
-    bulk_waits: int = 0  # sends that waited for room in a full bulk queue (backpressure), and for how long
-    bulk_waited_seconds: float = 0.0
-    interrupted: bool = False
-    workers: Counter[str] = field(default_factory=Counter)
-    failures_by_code: Counter[str] = field(default_factory=Counter)
-    fingerprint: Fingerprint | None = None
-    errors_file: str | None = None
-
-    @property
-    def texts_per_second(self) -> float:
-        return self.texts / self.seconds if self.seconds else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k != "fingerprint"}
-        out["workers"] = dict(self.workers)
-        out["failures_by_code"] = dict(self.failures_by_code)
-        out["fingerprint"] = self.fingerprint.model_dump() if self.fingerprint else None
-        out["texts_per_second"] = round(self.texts_per_second, 2)
-        out["tokens_per_second"] = round(self.tokens_per_second, 1)
-        return out
-
-    def render(self) -> str:
-        state = "interrupted" if self.interrupted else "done"
-        codes = ", ".join(f"{code}: {n:,}" for code, n in self.failures_by_code.most_common())
-        lines = [
-            f"embedq index: {state} in {self.seconds:.1f}s: {self.input} -> {self.output}",
-            f"  embedded   {self.texts:,} texts, {self.tokens:,} tokens ({self.texts_per_second:,.1f} texts/s, "
-            f"{self.tokens_per_second:,.0f} tokens/s)",
-            f"  skipped    {self.skipped:,} already in the output",
-            f"  failed     {self.failed:,}" + (f" -> {self.errors_file} ({codes})" if self.failed else ""),
-            f"  output     {self.rows:,} rows" + (f"; {self.fingerprint.describe()}" if self.fingerprint else ""),
-        ]
-        if self.resubmitted:
-            lines.append(f"  resubmitted {self.resubmitted} jobs (timeouts or retryable errors)")
-        if self.bulk_waits:
-            lines.append(f"  waited     {self.bulk_waits} times, {self.bulk_waited_seconds:.1f}s in all, for room "
-                         "in the bulk queue (EMBEDQ_BULK_QUEUE_LIMIT)")
-        for i, (worker, n) in enumerate(self.workers.most_common()):
-            lines.append(f"  {'workers' if i == 0 else '':10} {worker}: {n:,} texts")
-        if self.interrupted:
-            lines.append("  run the same command again to continue where this run stopped")
-        return "\n".join(lines)
 
 
 @dataclass(eq=False)

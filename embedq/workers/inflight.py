@@ -1,0 +1,159 @@
+"""Micro-batches in the model: launching one, landing it, and storing its rows into their jobs.
+
+:class:`MicroBatches` is the part of :class:`~embedq.workers.service.EmbeddingService` that runs on the inference
+thread between "this batch was chosen" and "its rows are in their jobs". ``_launch`` starts a micro-batch in the
+model (``backend.launch``; a bulk one with the preemption hook between its layers) and returns a :class:`Flight`;
+``_land`` waits for the flight's rows, counts the batch, and stores each row into its job (a job whose items all have
+their rows goes to the results thread). On a device that runs behind the CPU (``backend.launches_async``) the service
+lands a flight only after it has launched the next one, so two micro-batches are in flight; elsewhere each lands as
+it is launched (``_run``). A micro-batch that fails is split in halves and retried (``_isolate``), so only the
+culprit's job fails; a non-finite row fails its job.
+
+It holds no state of its own but the micro-batches in the model (``running``, read by the watchdog); what else it
+uses is the service's (the attributes annotated on the class).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from embedq import errors
+from embedq.backends.base import Backend, row_is_finite
+from embedq.batching import batch_cost
+from embedq.workers.jobs import Job
+from embedq.workers.stats import Stats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Flight:
+    """A launched micro-batch: ``rows()`` waits for its rows."""
+
+    keys: list[tuple[Job, int]]
+    jobs: tuple[Job, ...]
+    rows: Callable[[], list[Any]]
+    lengths: list[int]
+    t0: float
+    preemptible: bool
+    paused: float  # seconds its launch spent paused for online batches
+
+
+class MicroBatches:
+    """Launch, land and store micro-batches (inference thread); mixed into the service, whose state it uses."""
+
+    backend: Backend
+    stats: Stats
+    metrics: Any
+    beat: float  # when the inference thread last showed progress (the watchdog reads it)
+    _paused: float  # the running bulk micro-batch: seconds paused so far
+    _layer: int  # ... and preemption points met
+    _in_model: list[tuple[Job, ...]]  # the jobs of each micro-batch in the model now
+    _between_layers: Callable[[], None]  # the preemption point of a bulk micro-batch
+    _finish: Callable[[Job], None]  # every item of the job has its row: to the results thread
+    fail: Callable[[Job, errors.EmbedqError], None]  # the job fails with this error
+
+    @property
+    def running(self) -> tuple[Job, ...]:
+        """The jobs of the micro-batches in the model now (read by the watchdog from other threads)."""
+        return tuple(itertools.chain.from_iterable(self._in_model))
+
+    def _run(self, keys: list[tuple[Job, int]], preemptible: bool = False) -> None:
+        """One micro-batch through the model, to its stored rows. ``preemptible``: a bulk batch online batches may
+        pause between two layers (its model time leaves out the pauses)."""
+        flight = self._launch(keys, preemptible)
+        if flight is not None:
+            self._land(flight)
+
+    def _launch(self, keys: list[tuple[Job, int]], preemptible: bool = False) -> Flight | None:
+        """Start a micro-batch in the model (``backend.launch``); :meth:`_land` waits for it and stores its rows."""
+        keys = [(job, i) for job, i in keys if not job.done]
+        if not keys:
+            return None
+        batch = [job.prepared.items[i] for job, i in keys]
+        lengths = [len(item.ids) for item in batch]
+        if preemptible:  # (not in a preempting batch: that one runs inside the bulk batch's pause)
+            self._paused, self._layer = 0.0, 0
+        jobs = tuple(dict.fromkeys(job for job, _ in keys))
+        self._in_model.append(jobs)  # a preempting batch runs inside a bulk one: both are in the model
+        t0 = time.perf_counter()
+        try:
+            if preemptible:
+                with self.backend.between_layers(self._between_layers):
+                    rows = self.backend.launch(batch)
+            else:
+                rows = self.backend.launch(batch)
+        except Exception as exc:
+            rows = _raising(exc)
+        return Flight(keys, jobs, rows, lengths, t0, preemptible, self._paused if preemptible else 0.0)
+
+    def _land(self, flight: Flight) -> None:
+        """Wait for a launched micro-batch's rows and store them; a batch that failed is split (:meth:`_isolate`)."""
+        keys = flight.keys
+        try:
+            rows = flight.rows()
+            bad = [not row_is_finite(row) for row in rows]
+        except Exception as exc:
+            rows, bad = None, None
+            failure: Exception = exc
+        # Not in a finally: if something the thread cannot survive escapes the model, these jobs stay "running",
+        # and the worker's watchdog counts the delivery against them (see the service's health()).
+        self._in_model = [jobs for jobs in self._in_model if jobs is not flight.jobs]
+        self.beat = time.monotonic()
+        # From launch to rows: with two micro-batches in flight (launches_async) their times overlap.
+        elapsed = time.perf_counter() - flight.t0 - flight.paused
+        lengths = flight.lengths
+        cost = batch_cost(lengths, padded=self.backend.is_padded)
+        real = sum(lengths)
+        by_class: dict[str, int] = {}
+        by_kind: dict[str, int] = {}
+        for job, _ in keys:
+            by_class[job.traffic_class] = by_class.get(job.traffic_class, 0) + 1
+            by_kind[job.kind] = by_kind.get(job.kind, 0) + 1
+        self.stats.batch(items=len(keys), real=real, padded=cost, seconds=elapsed, by_class=by_class, by_kind=by_kind)
+        log.info("micro-batch: %d items, %d real / %d padded tokens, %.1f ms (%s)%s", len(keys), real, cost,
+                 elapsed * 1e3, ", ".join(f"{n} {k}" for k, n in by_kind.items()),
+                 f", paused {flight.paused * 1e3:.1f} ms" if flight.paused else "")
+        if self.metrics is not None:
+            self.metrics.observe_batch(len(keys), real, cost, elapsed)
+        if rows is None:
+            self._isolate(keys, failure, flight.preemptible)
+            return
+        good = [(key, row) for key, row, b in zip(keys, rows, bad) if not b]
+        self._store_rows([k for k, _ in good], [r for _, r in good])
+        for (job, i), b in zip(keys, bad):
+            if b:
+                self.fail(job, errors.BackendError(f"inputs[{i}] produced a non-finite output"))
+
+    def _isolate(self, keys: list[tuple[Job, int]], exc: Exception, preemptible: bool = False) -> None:
+        """A failing micro-batch: split it and retry the halves so only the culprit fails (a bulk batch's halves
+        stay preemptible)."""
+        if len(keys) == 1:
+            job, i = keys[0]
+            log.warning("inputs[%d] of job %s failed in the model: %s", i, job.id, type(exc).__name__)
+            self.fail(job, errors.BackendError(f"inputs[{i}] failed in the model: {type(exc).__name__}"))
+            return
+        mid = len(keys) // 2
+        self._run(keys[:mid], preemptible)
+        self._run(keys[mid:], preemptible)
+
+    def _store_rows(self, keys: list[tuple[Job, int]], rows: list[Any]) -> None:
+        for (job, i), row in zip(keys, rows):
+            if job.done or job.rows is None:
+                continue
+            job.rows[i] = row
+            job.remaining -= 1
+            if job.remaining == 0:
+                self._finish(job)
+
+
+def _raising(exc: Exception) -> Callable[[], list[Any]]:
+    def rows() -> list[Any]:
+        raise exc
+
+    return rows
