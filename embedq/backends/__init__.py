@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from embedq import errors
 from embedq.backends.base import Backend, Encoded, ModelInfo, Prepared, Tokenized, postprocess
@@ -61,12 +61,14 @@ def load_backend(
     pooling: str | None = None,
     trust_remote_code: bool = False,
     on_runtime_chosen: Callable[[str], None] | None = None,
+    plugin_kinds: Sequence[Any] = (),
 ) -> Backend:
     """Load ``model`` (an id or a local folder) with the heads its folder calls for (embed, rerank/predict;
     every model tokenizes; SPLADE: embed_sparse): see :mod:`embedq.backends.loader`. ``linear_kernel="auto"`` on a
     CPU times the runtimes on micro-batches of ``batch_tokens`` (and ``online_tokens``) and keeps the fastest
     faithful one (:mod:`embedq.backends.runtime`), then calls ``on_runtime_chosen`` with its name, before the
-    duels (:func:`embedq.backends.runtime.choose`)."""
+    duels (:func:`embedq.backends.runtime.choose`). ``plugin_kinds``: kinds from plugins
+    (:func:`embedq.kinds.load_plugins`) whose heads this backend also serves (``TaskSpec.head``)."""
     path = resolve_model_path(model)
     if device == "cpu":
         from embedq.backends.cpu import guard_amx
@@ -77,7 +79,7 @@ def load_backend(
     backend = load_model(path, model_id=model, device=device, dtype=dtype, torch_threads=torch_threads,
                          linear_kernel=linear_kernel, batch_tokens=batch_tokens, online_tokens=online_tokens,
                          pooling=pooling, trust_remote_code=trust_remote_code, on_runtime_chosen=on_runtime_chosen)
-    backend.add_plugin_heads()
+    backend.add_plugin_heads(plugin_kinds)
     return backend
 
 

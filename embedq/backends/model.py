@@ -37,12 +37,12 @@ class ModelBackend(Backend):
         self.info = info
         self.max_seq_length = encoder.max_seq_length
 
-    def add_plugin_heads(self) -> None:
-        """Serve every plugin kind of the kinds table that names a head (``TaskSpec.head``): its factory is called
-        with this backend and returns the :class:`Head` that serves the kind here."""
-        from embedq.kinds import TASKS, resolve_head
+    def add_plugin_heads(self, specs: Sequence[Any]) -> None:
+        """Serve the plugin kinds ``specs`` (:class:`~embedq.kinds.TaskSpec`) that name a head (``TaskSpec.head``):
+        its factory is called with this backend and returns the :class:`Head` that serves the kind here."""
+        from embedq.kinds import resolve_head
 
-        for spec in TASKS.values():
+        for spec in specs:
             if spec.head is None or spec.kind in self.heads:
                 continue
             head = resolve_head(spec)(self)

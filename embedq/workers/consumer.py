@@ -40,7 +40,7 @@ from embedq.batching import PrefetchWindow
 from embedq.batching.traffic import BULK, ONLINE, TrafficClass
 from embedq.broker import BROKER_ERRORS, lease_interval, redis_client
 from embedq.cancellation import CancelFeed
-from embedq.kinds import TASKS, TaskSpec
+from embedq.kinds import TASKS, TaskSpec, load_plugins
 from embedq.protocol import RESENT_HEADER, SENT_HEADER, TASK_NAME
 from embedq.settings import Settings
 from embedq.workers import memory, transport
@@ -164,6 +164,7 @@ class Worker(Messages, Acks, Stopping):
                 online_tokens=settings.online_tokens, pooling=settings.pooling,
                 trust_remote_code=settings.trust_remote_code,
                 on_runtime_chosen=partial(memory.settle, settings.memory_policy),
+                plugin_kinds=load_plugins(settings.kind_plugins),  # the kinds this worker's settings name
             )
             metrics.model_load_seconds = time.perf_counter() - t0
             log.info("loaded %s on %s (%s, runtime %s) in %.1fs", backend.info.model_id, backend.info.device,

@@ -7,7 +7,6 @@ import os
 import socket
 
 from embedq.broker import make_app
-from embedq.kinds import load_plugins
 from embedq.settings import Settings
 from embedq.workers import consumer, memory, observe
 from embedq.workers.replicas import REPLICA_NAME_ENV
@@ -41,7 +40,6 @@ def run_worker(settings: Settings, *, hostname: str | None = None, loglevel: str
     logging.basicConfig(level=getattr(logging, loglevel.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     memory.configure(settings.memory_policy)  # before torch is imported
-    load_plugins(settings.kind_plugins)  # before the model loads: a plugin kind's head is added to its backend
     worker = consumer.Worker(settings)
     worker.load_service()  # fail fast (non-zero exit) on a model that cannot load
     observe.serve_metrics(worker)  # and on a metrics port that is taken
