@@ -96,8 +96,13 @@ def test_a_openai_errors_are_the_sdk_s_exceptions(gateway):
     client = _openai(gateway)
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model="m", input=[])
-    with pytest.raises(openai.UnprocessableEntityError, match="token-id"):  # never read ids as text
+    # never read ids as text; the refusal names the client switch that sends texts (LangChain's OpenAIEmbeddings
+    # sends tiktoken's ids by default: its defaults need tiktoken's files from the internet, so raw ids here)
+    with pytest.raises(openai.UnprocessableEntityError, match="check_embedding_ctx_length=False"):
         client.embeddings.create(model="m", input=[[101, 7592, 102]])
+    for route, body in (("/v1/embeddings", {"input": [1, 2, 3], "model": "m"}), ("/embed", {"inputs": [[1, 2, 3]]})):
+        r = httpx.post(gateway.url + route, json=body)
+        assert r.status_code == 422 and "check_embedding_ctx_length=False" in r.text, (route, r.text)
     r = httpx.post(gateway.url + "/v1/embeddings", json={"input": [], "model": "m"})
     assert r.status_code == 400
     body = r.json()

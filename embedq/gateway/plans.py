@@ -52,12 +52,22 @@ class Plan:
     job: Callable[[list[Any]], Any] = _as_job
 
 
+#: Why token ids are refused, and the client switch that avoids them: LangChain's ``OpenAIEmbeddings`` (and other
+#: OpenAI clients that count context with tiktoken) send tiktoken's ids, which are not this model's ids; read as
+#: them they would embed other tokens silently.
+TOKEN_IDS_REFUSED = (
+    "token-id inputs are not supported by this gateway: they are another tokenizer's ids (tiktoken's, from an "
+    "OpenAI client that splits texts by tokens), not this model's, so read as them they would embed other tokens; "
+    "send the texts. LangChain: OpenAIEmbeddings(..., check_embedding_ctx_length=False)"
+)
+
+
 def _texts(inputs: Any) -> list[str]:
     """Strings as a list; token-id arrays are refused (never read as text)."""
     if isinstance(inputs, str):
         return [inputs]
     if any(not isinstance(x, str) for x in inputs):
-        raise errors.InvalidType("token-id inputs are not supported by this gateway; send the texts")
+        raise errors.InvalidType(TOKEN_IDS_REFUSED)
     return list(inputs)
 
 
