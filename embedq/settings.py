@@ -34,6 +34,9 @@ def model_slug(model: str) -> str:
     return re.sub(r"[^a-z0-9_.-]+", "-", base.lower()).strip("-") or "model"
 
 
+#: The URL schemes of a broker or result store (redis-py's).
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
 Pooling = Literal["splade", "cls", "mean", "max", "lasttoken", "weightedmean", "mean_sqrt_len_tokens"]
 
 
@@ -271,8 +274,15 @@ class Settings(BaseSettings):
 
     @field_validator("broker_url", "result_backend")
     @classmethod
-    def _blank_is_none(cls, value: str | None) -> str | None:
-        return value or None
+    def _redis_url(cls, value: str | None) -> str | None:
+        """Blank is None; anything else must be a Redis URL (embedq's broker and result store are Redis)."""
+        if not value:
+            return None
+        if not value.startswith(REDIS_SCHEMES):
+            scheme = value.split("://", 1)[0] + "://" if "://" in value else "no scheme"
+            raise ValueError(f"must be a Redis URL starting with {', '.join(REDIS_SCHEMES)}; got {scheme} "
+                             "(e.g. redis://localhost:6379/0)")
+        return value
 
     @property
     def batch_tokens(self) -> int:

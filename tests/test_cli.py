@@ -85,3 +85,18 @@ def test_index_reports_a_worker_that_cannot_start(tmp_path):
     assert "[unavailable] the embedq worker exited" in proc.stderr
     assert "[unknown_model]" in proc.stderr  # the worker's own reason, from its log
     assert not (tmp_path / "out.npy").exists()
+
+
+@pytest.mark.parametrize("url, shown", [("http://localhost:6379/0", "got http://"),
+                                        ("localhost:6379", "got no scheme")])
+def test_a_broker_url_that_is_not_redis_is_named_without_a_traceback_or_files(tmp_path, url, shown):
+    """Issue 39: a wrong scheme gave a raw Python traceback and left the output's files behind."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "text": "hello"}) + "\n")
+    for command in (["index", str(src), "-o", str(tmp_path / "out.parquet"), "-q"], ["status"]):
+        proc = subprocess.run([sys.executable, "-m", "embedq", *command], env=_env(EMBEDQ_BROKER_URL=url),
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "EMBEDQ_BROKER_URL: must be a Redis URL starting with redis://" in proc.stderr and shown in proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from embedq import errors
 from embedq.settings import Settings
 from embedq.version import __version__
@@ -370,9 +372,16 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(ns, "passthrough", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        settings = Settings()
+    except ValidationError as exc:  # a setting from the environment that cannot be right: name it, no traceback
+        for problem in exc.errors():
+            name = "EMBEDQ_" + "_".join(str(p) for p in problem["loc"]).upper()
+            print(f"embedq: {name}: {problem['msg'].removeprefix('Value error, ')}", file=sys.stderr)
+        return 2
+    try:
         if getattr(ns, "passthrough", False):
-            return ns.func(ns, Settings(), extra)
-        return ns.func(ns, Settings())
+            return ns.func(ns, settings, extra)
+        return ns.func(ns, settings)
     except errors.EmbedqError as exc:
         print(f"embedq: {exc.message}", file=sys.stderr)
         return 2
