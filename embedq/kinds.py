@@ -5,12 +5,11 @@ A spec owns what every part of embedq needs to know of a kind that is not model 
 * its Celery task name (what producers send and the worker registers) and its options model;
 * how a message's arguments become *items* (what the scheduler packs: a text, a text pair, token ids), and how many
   items a message holds before it is read (the prefetch window counts them);
-* how one job's arguments are built from what a producer passes (:meth:`TaskSpec.job_args`), how its result is
-  decoded (:meth:`TaskSpec.decode`) and how its arguments are summed up on one line for Celery, Flower and logs
+* how one job's arguments are built from what a producer passes (:attr:`TaskSpec.job_args`), how its result is
+  decoded (:attr:`TaskSpec.decode`) and how its arguments are summed up on one line for Celery, Flower and logs
   (:meth:`TaskSpec.summary`: counts, never texts);
 * the shape of its outputs for the indexer (:class:`Column`: dense, sparse, ragged or scalar, read from named arrays of
   the result), under the kind's own name (``embedq index --kind <kind>``);
-* the gateway routes that serve it besides ``/jobs`` (which takes every kind by name);
 * for a kind from a plugin, the import path of the factory that builds its head from the worker's backend.
 
 The built-in kinds are ``embed``, ``embed_sparse``, ``embed_all``, ``embed_hybrid``, ``rerank``, ``predict``,
@@ -22,6 +21,7 @@ the worker, a producer, the gateway, the indexer — loads the same plugins (eac
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -186,7 +186,7 @@ def decoded_arrays(payload: dict[str, Any], texts: Sequence[Any] | None = None) 
             for k, v in payload.items() if k not in ("v", "kind", "fingerprint", "usage")}
 
 
-def _rerank_output(payload: dict[str, Any], texts: Sequence[Any] | None) -> list[dict[str, Any]]:
+def _rerank_output(payload: dict[str, Any], texts: Sequence[Any] | None = None) -> list[dict[str, Any]]:
     scores = decode_array(payload["scores"])
     order = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))
     out = [{"index": i, "score": float(scores[i])} for i in order]
@@ -196,13 +196,13 @@ def _rerank_output(payload: dict[str, Any], texts: Sequence[Any] | None) -> list
     return out
 
 
-def _predict_output(payload: dict[str, Any], texts: Sequence[Any] | None) -> list[list[dict[str, Any]]]:
+def _predict_output(payload: dict[str, Any], texts: Sequence[Any] | None = None) -> list[list[dict[str, Any]]]:
     scores, labels = decode_array(payload["scores"]), payload["labels"]
     return [sorted(({"label": labels[j], "score": float(row[j])} for j in range(len(labels))),
                    key=lambda e: -e["score"]) for row in scores]
 
 
-def _tokenize_output(payload: dict[str, Any], texts: Sequence[Any] | None) -> list[list[dict[str, Any]]]:
+def _tokenize_output(payload: dict[str, Any], texts: Sequence[Any] | None = None) -> list[list[dict[str, Any]]]:
     ids, offsets = decode_array(payload["ids"]), decode_array(payload["offsets"])
     spans, special, tokens = decode_array(payload["spans"]), decode_array(payload["special"]), payload["tokens"]
     return [[{"id": int(ids[t]), "text": tokens[t], "special": bool(special[t]), "start": int(spans[t][0]),
@@ -225,10 +225,12 @@ class TaskSpec:
     arrays: tuple[str, ...] = ()
     #: what the worker's task takes, for error messages
     signature: str = "(texts)"
-    #: the task arguments of one job from what the kind's submit takes (texts; a (query, texts) pair; ...)
-    job: Callable[[Any], list[Any]] = texts_job
-    #: (payload, the job's texts when the caller asked them back) -> what ``JobHandle.result`` returns
-    output: Callable[[dict[str, Any], Sequence[Any] | None], Any] = decoded_arrays
+    #: ``job_args(job)``: the task arguments of one job from what the kind's submit takes (texts; a (query, texts)
+    #: pair; ...)
+    job_args: Callable[[Any], list[Any]] = texts_job
+    #: ``decode(payload, texts=None)``: a stored result decoded for a Python caller (what ``JobHandle.result``
+    #: returns); ``texts``: the job's texts when the caller asked them back
+    decode: Callable[..., Any] = decoded_arrays
     #: how its items are counted on one line: "{} texts", "query, {} texts", ...; ``counted``: which argument
     what: str = "{} texts"
     counted: int = -1
@@ -238,8 +240,6 @@ class TaskSpec:
     index_options: dict[str, Any] = field(default_factory=dict)
     #: False: the indexer does not ask results in the output's vector dtype (sparse weights stay float32)
     index_dtype: bool = True
-    #: the gateway routes that serve it besides ``/jobs``
-    routes: tuple[str, ...] = ()
     #: other names users know it by (``embedq index --kind multi``, ``bge-m3``, ``sparse``)
     aliases: tuple[str, ...] = ()
     #: a plugin kind's head: "module:factory", ``factory(backend)`` -> the Head that serves it in the worker
@@ -247,14 +247,6 @@ class TaskSpec:
 
     def parse_options(self, kwargs: Any) -> JobOptions:
         return self.options.parse(kwargs)
-
-    def job_args(self, job: Any) -> list[Any]:
-        """One job's task arguments from what the kind's submit takes."""
-        return self.job(job)
-
-    def decode(self, payload: dict[str, Any], texts: Sequence[Any] | None = None) -> Any:
-        """A stored result of this kind, decoded for a Python caller."""
-        return self.output(payload, texts)
 
     def summary(self, args: Any) -> str:
         """The job's arguments on one line (Celery's ``argsrepr``, Flower, logs): counts, never texts."""
@@ -269,38 +261,36 @@ def task_reprs(spec: TaskSpec, args: Sequence[Any], options: dict[str, Any]) -> 
     return {"argsrepr": spec.summary(args), "kwargsrepr": short_options(options)}
 
 
-def _vectors(payload: dict[str, Any], texts: Sequence[Any] | None) -> Any:
+def _vectors(payload: dict[str, Any], texts: Sequence[Any] | None = None) -> Any:
     return decode_vectors(payload["vectors"])
 
 
-EMBED = TaskSpec("embed", TASK_NAME, EmbedOptions, arrays=("vectors",), output=_vectors,
-                 columns=(Column("vector", "dense", ("vectors",)),),
-                 routes=("/embed", "/v1/embeddings", "/embeddings", "/similarity"))
+EMBED = TaskSpec("embed", TASK_NAME, EmbedOptions, arrays=("vectors",), decode=_vectors,
+                 columns=(Column("vector", "dense", ("vectors",)),))
 EMBED_SPARSE = TaskSpec("embed_sparse", "embedq.embed_sparse", SparseOptions, arrays=("offsets", "indices", "values"),
-                        output=lambda payload, texts: decode_sparse(payload),
+                        decode=lambda payload, texts=None: decode_sparse(payload),
                         columns=(Column("", "sparse", ("offsets", "indices", "values")),), index_dtype=False,
-                        routes=("/embed_sparse",), aliases=("sparse",))
+                        aliases=("sparse",))
 EMBED_ALL = TaskSpec("embed_all", "embedq.embed_all", EmbedAllOptions, arrays=("offsets", "tokens"),
-                     output=lambda payload, texts: decode_ragged(payload),
-                     columns=(Column("vectors", "ragged", ("offsets", "tokens")),), routes=("/embed_all",),
+                     decode=lambda payload, texts=None: decode_ragged(payload),
+                     columns=(Column("vectors", "ragged", ("offsets", "tokens")),),
                      aliases=("multi", "all"))
 EMBED_HYBRID = TaskSpec(
     "embed_hybrid", "embedq.embed_hybrid", HybridOptions,
     arrays=("dense", "lexical_offsets", "lexical_indices", "lexical_values", "colbert_offsets", "colbert"),
-    output=lambda payload, texts: decode_hybrid(payload),
+    decode=lambda payload, texts=None: decode_hybrid(payload),
     columns=(Column("dense", "dense", ("dense",)),
              Column("lexical_", "sparse", ("lexical_offsets", "lexical_indices", "lexical_values")),
              Column("colbert", "ragged", ("colbert_offsets", "colbert"))),
     index_options={"outputs": ["dense", "lexical", "colbert"]}, aliases=("bge-m3", "hybrid"))
 RERANK = TaskSpec("rerank", "embedq.rerank", RerankOptions, _rerank_items, first_len(1), ("scores",),
-                  "(query, texts)", _rerank_job, _rerank_output, "query, {} texts", routes=("/rerank",))
+                  "(query, texts)", _rerank_job, _rerank_output, "query, {} texts")
 PREDICT = TaskSpec("predict", "embedq.predict", PredictOptions, _predict_items, arrays=("scores",),
-                   signature="(inputs)", job=_predict_job, output=_predict_output, what="{} inputs",
-                   routes=("/predict",))
+                   signature="(inputs)", job_args=_predict_job, decode=_predict_output, what="{} inputs")
 TOKENIZE = TaskSpec("tokenize", "embedq.tokenize", TokenizeOptions, arrays=("ids", "offsets", "spans", "special"),
-                    output=_tokenize_output, routes=("/tokenize",))
-DECODE = TaskSpec("decode", "embedq.decode", DecodeOptions, _id_items, signature="(ids)", job=_decode_job,
-                  output=lambda payload, texts: list(payload["texts"]), what="{} id lists", routes=("/decode",))
+                    decode=_tokenize_output)
+DECODE = TaskSpec("decode", "embedq.decode", DecodeOptions, _id_items, signature="(ids)", job_args=_decode_job,
+                  decode=lambda payload, texts=None: list(payload["texts"]), what="{} id lists")
 
 #: Every kind of job by Celery task name (the worker registers one task per entry).
 TASKS: dict[str, TaskSpec] = {}
@@ -373,10 +363,19 @@ def load_plugins(paths: Iterable[str] = (), *, entry_point_group: str | None = E
             raise errors.InvalidOption(f"kind plugin {path!r}: module {module_name} has no {attr}")
         loaded += _specs(getattr(module, attr), repr(path))
     if entry_point_group:
-        for point in entry_points(group=entry_point_group):
-            loaded += _specs(point.load(), f"entry point {point.name!r}")
+        loaded += _entry_point_specs(entry_point_group)
     for spec in loaded:
         register(spec)
+    return loaded
+
+
+@functools.cache
+def _entry_point_specs(group: str) -> list[TaskSpec]:
+    """The kinds installed packages declare under ``group``, read once per process (scanning every installed
+    distribution's metadata costs milliseconds, and every ``make_app`` loads the plugins)."""
+    loaded: list[TaskSpec] = []
+    for point in entry_points(group=group):
+        loaded += _specs(point.load(), f"entry point {point.name!r}")
     return loaded
 
 

@@ -36,7 +36,7 @@ def counts(payload, texts=None):
     return decode_array(payload["counts"]).tolist()
 
 
-TOKEN_COUNT = TaskSpec("token_count", "tokcount.token_count", CountOptions, arrays=("counts",), output=counts,
+TOKEN_COUNT = TaskSpec("token_count", "tokcount.token_count", CountOptions, arrays=("counts",), decode=counts,
                        what="{} texts to count", columns=(Column("tokens", "scalar", ("counts",)),),
                        head="tokcount_kind:make_head")
 KINDS = [TOKEN_COUNT]

@@ -7,7 +7,6 @@ included, for ``/jobs``: its body is ``{"inputs": ..., <the kind's options>}`` a
 from __future__ import annotations
 
 import base64
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,7 @@ from embedq.gateway.schemas import (
     TextsRequest,
     TokenizeRequest,
 )
-from embedq.kinds import KINDS, id_lists
+from embedq.kinds import KINDS, TaskSpec, id_lists, kind_names
 from embedq.protocol import decode_result
 from embedq.settings import Settings
 
@@ -208,33 +207,19 @@ ROUTE_PLANS: dict[str, tuple[type[BaseModel], Callable[[Any, Settings], Plan]]] 
 }
 
 
-def jsonable(value: Any) -> Any:
-    """A decoded result as JSON takes it: arrays as (nested) lists, dataclasses as objects."""
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    return value
-
-
-def plan_any(kind: str) -> Callable[[Any, Settings], Plan]:
+def plan_any(spec: TaskSpec) -> Callable[[Any, Settings], Plan]:
     """The planner of a kind no TEI route serves: ``inputs`` split into jobs, the body's other fields as the kind's
-    options (its options model checks them at the edge), the answer each job's decoded result made JSON — one list
-    in input order when every job's result is a list of one entry per input."""
-    spec = KINDS[kind]
+    options (its options model checks them at the edge), the answer each job's decoded result (numpy arrays and
+    dataclasses as :class:`~embedq.gateway.schemas.JSONResponse` writes them) — one list in input order when every
+    job's result is a list or an array of one entry per input."""
 
     def plan(body: JobInputs, settings: Settings) -> Plan:
         inputs = body.inputs if isinstance(body.inputs, list) else [body.inputs]
 
         def answer(payloads: list[dict[str, Any]]) -> Any:
-            out = [jsonable(spec.decode(p)) for p in payloads]
-            return [entry for part in out for entry in part] if all(isinstance(p, list) for p in out) else out
+            out = [spec.decode(p) for p in payloads]
+            sequences = all(isinstance(p, (list, np.ndarray)) for p in out)
+            return [entry for part in out for entry in part] if sequences else out
 
         return Plan(spec.kind, inputs, dict(body.model_extra or {}), answer)
 
@@ -247,8 +232,8 @@ def planner(kind: str) -> tuple[type[BaseModel], Callable[[Any, Settings], Plan]
     if kind in ROUTE_PLANS:
         return ROUTE_PLANS[kind]
     if kind in KINDS:
-        return JobInputs, plan_any(KINDS[kind].kind)
-    known = list(ROUTE_PLANS) + [k for k in dict.fromkeys(spec.kind for spec in KINDS.values()) if k not in ROUTE_PLANS]
+        return JobInputs, plan_any(KINDS[kind])
+    known = list(ROUTE_PLANS) + [k for k in kind_names() if k not in ROUTE_PLANS]
     raise errors.InvalidOption(f"unknown job kind {kind!r} (known: {', '.join(known)})")
 
 

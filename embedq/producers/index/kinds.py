@@ -23,8 +23,7 @@ from typing import Any
 import numpy as np
 
 from embedq import errors
-from embedq.kinds import EMBED, Column, TaskSpec, kind_names
-from embedq.kinds import kind as kind_spec
+from embedq.kinds import EMBED, KINDS, Column, TaskSpec, kind_names
 from embedq.protocol import Fingerprint, JobOptions, decode_array
 
 #: The names the manifests of outputs made before the kinds table record for these kinds (kept: they resume).
@@ -95,12 +94,9 @@ INDEX_KINDS: dict[str, IndexKind] = {"embed": IndexKind.of(EMBED)}
 
 def index_kind(name: str, output_format: str) -> IndexKind:
     """The index outputs of the kind ``name`` (its own name, an alias, or the name an older manifest records)."""
-    indexable = [k for k in kind_names() if kind_spec(k).columns]
-    try:
-        spec = kind_spec({v: k for k, v in MANIFEST_NAMES.items()}.get(name, name))
-    except errors.InvalidOption:
-        spec = None
+    spec = KINDS.get(name)  # the names older manifests record are the built-ins' aliases
     if spec is None or not spec.columns:
+        indexable = [k for k in kind_names() if KINDS[k].columns]
         raise errors.InvalidOption(f"unknown index kind {name!r}; use one of {', '.join(indexable)} "
                                    f"(or an alias: {', '.join(MANIFEST_NAMES.values())})")
     kind = IndexKind.of(spec)
