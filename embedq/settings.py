@@ -166,8 +166,8 @@ class Settings(BaseSettings):
         default=None, description="user:password[,user:password] for `embedq flower` (HTTP basic auth).",
     )
     api_key: SecretStr | None = Field(
-        default=None, description="`embedq serve`: every route but /health, /ping, /metrics and /docs then needs "
-        "`Authorization: Bearer <key>` (exact match).",
+        default=None, description="`embedq serve`: every route but /health, /ping, /metrics, /docs and /redoc then "
+        "needs `Authorization: Bearer <key>` (exact match).",
     )
     max_client_batch_size: int = Field(
         default=2048, ge=1, description="`embedq serve`: inputs one HTTP request may carry (TEI's is 32; framework "

@@ -8,16 +8,17 @@ gateway keeps no state of its own, so any number of replicas can serve the same 
 Routes of this version: ``POST /v1/embeddings`` and ``/embeddings`` (OpenAI); TEI's ``POST /embed``,
 ``/embed_sparse``, ``/embed_all``, ``/rerank``, ``/predict``, ``/similarity``, ``/tokenize``, ``/decode`` and
 ``/`` (and ``/invocations``: the served model's own route, as TEI routes it), ``GET /info``, ``GET /health``,
-``GET /metrics``; async jobs: ``POST /jobs``, ``GET /jobs/{id}``, ``DELETE /jobs/{id}``. Error bodies are TEI's
-(``{"error", "error_type"}``, its status codes); the OpenAI routes answer TEI's OpenAI shape plus OpenAI's
-nested ``error`` object, which the openai SDK reads.
+``GET /metrics``; async jobs: ``POST /jobs``, ``GET /jobs/{id}``, ``DELETE /jobs/{id}``; the API's pages, ``GET /docs``
+and ``/redoc`` (their files served from the package, no CDN). Error bodies are TEI's (``{"error", "error_type"}``,
+its status codes); the OpenAI routes answer TEI's OpenAI shape plus OpenAI's nested ``error`` object, which the
+openai SDK reads.
 Headers: ``X-Embedq-Class: bulk`` sends a request's jobs to the bulk queue (default: online);
 ``X-Embedq-Deadline: <seconds>`` drops its jobs if they have not started by then.
 
 This module wires the app (:func:`create_app`); the rest is in its neighbours: ``schemas`` (request and error
 bodies, the declared headers), ``errors`` (error rendering from :mod:`embedq.errors`' table), ``middleware`` (auth,
 payload limit, HEAD as GET, metrics), ``state`` (:class:`~embedq.gateway.state.Gateway`: what requests share, how a
-plan is sent and awaited), ``plans`` (each kind's planner), ``routes_tei``, ``routes_openai`` and ``jobs``.
+plan is sent and awaited), ``plans`` (each kind's planner), ``routes_tei``, ``routes_openai``, ``jobs`` and ``docs``.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
+from embedq.gateway import docs, jobs, routes_openai, routes_tei
 from embedq.gateway import errors as gateway_errors
-from embedq.gateway import jobs, routes_openai, routes_tei
 from embedq.gateway.middleware import PUBLIC, BearerAuth, HeadAsGet, MetricsMiddleware, PayloadLimit
 from embedq.gateway.state import Gateway, served_models
 from embedq.gateway.webhooks import Webhooks
@@ -69,7 +70,8 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
     """The ASGI app. ``api_key``: when set, every route but :data:`PUBLIC` needs ``Authorization: Bearer <key>``."""
     settings = settings or Settings()
     app = FastAPI(title="embedq gateway", version=__version__, lifespan=lifespan,
-                  description="TEI's and OpenAI's embedding APIs over embedq's queue.")
+                  description="TEI's and OpenAI's embedding APIs over embedq's queue.",
+                  docs_url=None, redoc_url=None)  # docs.router's instead: the pages' files from the package
     app.state.gateway = gateway = Gateway(settings)
     app.state.webhooks = None  # the lifespan's
 
@@ -85,7 +87,7 @@ def create_app(settings: Settings | None = None, *, api_key: str | None = None) 
                            allow_headers=["content-type", "authorization"])
     gateway_errors.install(app)
 
-    routers = (routes_openai.router, routes_tei.router, jobs.router)
+    routers = (routes_openai.router, routes_tei.router, jobs.router, docs.router)
     for router in routers:
         app.include_router(router)
     # outermost: every request is counted, refused ones included (by route: the routers' own, since FastAPI

@@ -9,10 +9,12 @@ from typing import Any
 
 from fastapi.responses import Response
 
+from embedq.gateway import docs
 from embedq.gateway.errors import tei_error
 
-#: Routes anyone may call when an API key is set (TEI's public routes).
-PUBLIC = frozenset({"/health", "/ping", "/metrics", "/docs", "/openapi.json", "/docs/oauth2-redirect"})
+#: Routes anyone may call when an API key is set (TEI's public routes; the API pages, /docs and /redoc, and the
+#: files they load).
+PUBLIC = frozenset({"/health", "/ping", "/metrics", "/openapi.json", *docs.PATHS})
 
 
 class GatewayMetrics:
