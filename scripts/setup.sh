@@ -5,12 +5,15 @@
 #   EMBEDQ_TORCH_SPEC   what to install for torch first (default: torch==2.13.0, the CPU build on
 #                       our CI machines; on a GPU machine use e.g. "torch" from the CUDA index)
 #
-# The tests' browser: as root on Debian/Ubuntu, Debian's chromium when missing (tests/test_gateway_docs.py renders
-# /docs and /redoc in it). Without it that test is skipped, saying why.
+# The tests' other clients: as root on Debian/Ubuntu, Debian's chromium (tests/test_gateway_docs.py renders /docs
+# and /redoc in it) and Node.js with npm when missing; then `npm ci` in tests/js (the Node openai SDK,
+# tests/test_gateway_clients.py). Without them those tests are skipped, saying why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 missing=()
 command -v chromium >/dev/null || command -v chromium-browser >/dev/null || missing+=(chromium)
+command -v node >/dev/null || missing+=(nodejs)
+command -v npm >/dev/null || missing+=(npm)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"; } \
@@ -18,6 +21,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   else
     echo "setup: ${missing[*]} not found (installed only as root with apt-get); their tests will be skipped" >&2
   fi
+fi
+if command -v npm >/dev/null; then
+  (cd tests/js && npm ci --no-audit --no-fund --loglevel=error)
 fi
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then

@@ -72,7 +72,7 @@ def rendered_text(browser: str, url: str, profile) -> str:
 
 
 @pytest.mark.parametrize("page", ["/docs", "/redoc"])
-def test_the_api_pages_render_without_internet(gateway, browser, page, tmp_path):
+def test_the_api_pages_render_without_internet(browser, gateway, page, tmp_path):
     text = rendered_text(browser, gateway.url + page, tmp_path / "profile")
     words = set(text.split())
     missing = [op for op in OPERATIONS if op not in words]
