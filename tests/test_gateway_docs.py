@@ -61,7 +61,7 @@ def rendered_text(browser: str, url: str, profile) -> str:
     command = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
                "--disable-extensions", f"--user-data-dir={profile}",
-               # everything goes to a closed port, but the loopback (Chromium bypasses it for the proxy by default)
+               # every request through a closed port (so no DNS either), but those to 127.0.0.1, the gateway's
                "--proxy-server=127.0.0.1:9", "--proxy-bypass-list=<-loopback>;127.0.0.1",
                "--virtual-time-budget=15000", "--dump-dom", url]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
