@@ -32,8 +32,9 @@ RUN groupadd --system --gid 10001 embedq \
 USER embedq
 WORKDIR /var/cache/embedq
 
-# Prometheus endpoint of the worker (EMBEDQ_METRICS_PORT) and Flower's port.
-EXPOSE 9808 5555 8080
+# Prometheus endpoints of the worker and its replicas (the first free ports from 9808; docker-compose.yml sets
+# EMBEDQ_METRICS_ADDR=0.0.0.0 for Prometheus), Flower's port and the gateway's.
+EXPOSE 9808-9811 5555 8080
 
 # SIGTERM (docker stop) makes the worker finish its micro-batch, store what is done and hand the rest of
 # its jobs back to the queue within EMBEDQ_SHUTDOWN_TIMEOUT (30 s): give it a longer stop timeout

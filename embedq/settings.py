@@ -157,11 +157,13 @@ class Settings(BaseSettings):
     tls_cert_reqs: Literal["required", "optional", "none"] = Field(
         default="required", description="Verify the Redis server's certificate (rediss:// only).",
     )
-    metrics_port: int = Field(
-        default=9808, ge=0, le=65535, description="Port of the worker's Prometheus endpoint (/metrics); 0: none. "
-        "Give each worker on a machine its own port.",
+    metrics_port: int | None = Field(
+        default=None, ge=0, le=65535, description="Port of the worker's Prometheus endpoint (/metrics). Unset: the "
+        "first free port from 9808 to 9839 (several workers of a machine need no configuration; the registry and "
+        "`embedq status` show each one's); a number: exactly that port (taken: the worker stops); 0: none.",
     )
-    metrics_addr: str = Field(default="0.0.0.0", description="Address the metrics endpoint listens on.")
+    metrics_addr: str = Field(default="127.0.0.1", description="Address the metrics endpoint listens on; 0.0.0.0 "
+                              "where Prometheus scrapes over the network (ops/ sets it).")
     flower_basic_auth: SecretStr | None = Field(
         default=None, description="user:password[,user:password] for `embedq flower` (HTTP basic auth).",
     )

@@ -300,14 +300,33 @@ def test_queue_depth_counts_waiting_and_unacknowledged_messages(stack, monkeypat
 
 
 # -- c. embedq status -----------------------------------------------------------------------------
-def _status(stack, *args: str, broker: str | None = None, timeout: float = 60):
-    env = dict(os.environ, EMBEDQ_BROKER_URL=broker or stack["server"].url, COLUMNS="250")
+def _status(stack, *args: str, broker: str | None = None, timeout: float = 60, columns: int = 100):
+    env = dict(os.environ, EMBEDQ_BROKER_URL=broker or stack["server"].url, COLUMNS=str(columns))
     return subprocess.run([sys.executable, "-m", "embedq", "status", *args], env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
 def _cells(row: str) -> list[str]:
     return [cell.strip() for cell in re.split(r"[│┃|]", row) if cell.strip()]
+
+
+def _workers_table(text: str) -> tuple[list[str], list[dict[str, str]]]:
+    """The headers and rows of the status's live-workers table. A long node name or model id folds over several
+    lines; a row's continuation lines have an empty ``device`` cell, and their pieces are joined back."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Live workers:"))
+    headers = [cell.strip() for cell in lines[start + 1].split("┃")]
+    rows: list[dict[str, str]] = []
+    for line in lines[start + 3:]:
+        if "│" not in line:
+            break
+        cells = [cell.strip() for cell in line.split("│")]
+        assert len(cells) == len(headers), line
+        if cells[headers.index("device")]:
+            rows.append(dict(zip(headers, cells)))
+        else:
+            rows[-1] = {h: rows[-1][h] + c for h, c in zip(headers, cells)}
+    return headers, rows
 
 
 def _fresh_record(client, worker: WorkerHandle, after: float) -> dict | None:
@@ -334,20 +353,38 @@ def test_c_status_lists_queue_depths_and_the_live_worker(stack):
     finally:
         client.close()
 
-    out = _status(stack)
-    assert out.returncode == 0, out.stderr
-    text = out.stdout
-    assert "Queues" in text and "Live workers: 1" in text
-    idle_row = next(line for line in text.splitlines() if IDLE_QUEUE in line)
-    assert _cells(idle_row)[-3:] == ["3", "0", "3"]  # waiting, unacked, depth
-    assert any(stack["settings"].queue_name in line for line in text.splitlines())
-    worker_row = next(line for line in text.splitlines() if f"-{worker.proc.pid}@" in line)
-    cells = _cells(worker_row)
-    assert cells[1].endswith("all-MiniLM-L6-v2") and cells[2:4] == ["cpu", "float32"], cells
-    assert "recent throughput" in text and "dead letters: 0" in text
-    assert "Online and bulk" in text
-    traffic_row = [line for line in text.splitlines() if f"-{worker.proc.pid}@" in line][1]
+    (mine,) = [r for r in json.loads(_status(stack, "--json").stdout)["workers"] if r["pid"] == worker.proc.pid]
+    for columns in (80, 100):  # the default table fits a terminal of 80 or 100 columns: every header whole
+        out = _status(stack, columns=columns)
+        assert out.returncode == 0, out.stderr
+        text = out.stdout
+        assert max(len(line) for line in text.splitlines()) <= columns, text
+        assert "Queues" in text and "Live workers: 1" in text
+        idle_row = next(line for line in text.splitlines() if IDLE_QUEUE in line)
+        assert _cells(idle_row)[-3:] == ["3", "0", "3"]  # waiting, unacked, depth
+        headers, (row,) = _workers_table(text)
+        assert headers == ["worker", "model", "device", "held", "texts/s", "failed", "up", "metrics"], text
+        assert f"-{worker.proc.pid}@" in row["worker"] and row["model"].endswith("all-MiniLM-L6-v2"), row
+        assert row["device"] == "cpu" and row["held"].isdigit(), row
+        assert row["failed"] == str(mine["counters"]["jobs_failed"]), row  # the earlier tests' failed jobs
+        assert row["metrics"] == f":{stack['settings'].metrics_port}", row
+        assert "recent throughput" in text and "dead letters: 0" in text
+        assert "--wide" in text and "Online and bulk" not in text  # the details are on request
+
+    wide = _status(stack, "--wide", columns=80).stdout  # every column, as wide as they need
+    headers, (row,) = _workers_table(wide)
+    assert headers[:5] == ["worker", "model", "device", "dtype", "queues"] and "tokens/s" in headers, wide
+    assert row["dtype"] == "float32" and row["queues"] == ",".join(stack["settings"].queues), row
+    assert "Online and bulk" in wide
+    traffic_row = [line for line in wide.splitlines() if f"-{worker.proc.pid}@" in line][1]
     assert _cells(traffic_row)[2] == "0", traffic_row  # preemptions: no bulk job ran on this worker
+    one = _status(stack, "--worker", str(worker.proc.pid), columns=80)
+    assert one.returncode == 0 and f"-{worker.proc.pid}@" in one.stdout, one.stderr
+    field = re.compile(r"\s*(\S.*?)\s{2,}(\S.*?)\s*")  # one line of --worker: name, two spaces or more, value
+    fields = {m[1]: m[2] for line in one.stdout.splitlines() if (m := field.fullmatch(line))}
+    assert fields["dtype"] == "float32" and fields["metrics"] == f":{stack['settings'].metrics_port}", fields
+    missing = _status(stack, "--worker", "no-such-worker", columns=80)
+    assert missing.returncode == 1 and "no live worker matches 'no-such-worker'" in missing.stderr
 
     snap = json.loads(_status(stack, "--json").stdout)
     assert snap["queues"][IDLE_QUEUE] == {"waiting": 3, "unacked": 0, "depth": 3}
@@ -389,6 +426,99 @@ def test_a_taken_metrics_port_stops_the_worker_with_a_clear_message(stack, tmp_p
         proc = start_worker(settings, log_path=tmp_path / "w.log")
         assert proc.wait(120) != 0
     assert f"cannot serve metrics on 127.0.0.1:{port}" in Path(tmp_path / "w.log").read_text()
+
+
+def test_a_worker_stops_clearly_when_every_default_metrics_port_is_taken():
+    import socket
+    from types import SimpleNamespace
+
+    from embedq.workers import observe
+    from embedq.workers.metrics import DEFAULT_PORTS, WorkerMetrics
+
+    held = []
+    try:
+        for port in DEFAULT_PORTS:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the endpoint does: TIME_WAIT is free
+            try:
+                sock.bind(("127.0.0.1", port))
+                sock.listen()
+                held.append(sock)
+            except OSError:
+                sock.close()  # taken already, by another program
+        worker = SimpleNamespace(settings=Settings(metrics_port=None, metrics_addr="127.0.0.1"),
+                                 metrics=WorkerMetrics())
+        with pytest.raises(SystemExit, match=r"every default port on 127\.0\.0\.1 \(9808-9839\) is taken; set "
+                           r"EMBEDQ_METRICS_PORT to a free port, or 0 for none"):
+            observe.serve_metrics(worker)
+        assert worker.metrics.port is None
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def _scraped_ports(config: Path) -> dict[str, set[int]]:
+    """Ports the ``embedq-workers`` job of an ops/ Prometheus configuration scrapes, by machine."""
+    import yaml
+
+    job = next(j for j in yaml.safe_load(config.read_text())["scrape_configs"] if j["job_name"] == "embedq-workers")
+    out: dict[str, set[int]] = {}
+    for group in job["static_configs"]:
+        for target in group["targets"]:
+            host, port = target.rsplit(":", 1)
+            out.setdefault(host, set()).add(int(port))
+    return out
+
+
+def test_two_workers_on_one_host_both_serve_with_metrics_where_prometheus_looks(stack, tmp_path):
+    """The README's command twice on one machine, same settings, no per-worker port: both start, both take jobs,
+    each serves its metrics on its own default port, which the registry and `embedq status` announce and
+    ops/prometheus.yml scrapes on every machine."""
+    from embedq.workers.metrics import DEFAULT_PORTS
+
+    settings = Settings(broker_url=stack["server"].url, queue=f"embedq.test.two-{uuid.uuid4().hex[:6]}",
+                        metrics_port=None)  # unset, as in the README: no EMBEDQ_METRICS_PORT in the workers' env
+    workers = []
+    try:
+        for i in range(2):  # one after the other: the second one starts while the first holds its port
+            workers.append(WorkerHandle(settings, tmp_path / f"worker-{i}.log"))
+        pids = {w.proc.pid for w in workers}
+        client = redis_client(settings)
+        try:
+            records = _wait(lambda: (r := [w for w in monitor.live_workers(client) if w.get("pid") in pids])
+                            and len(r) == 2 and r, 60, "both workers in the registry")
+        finally:
+            client.close()
+        ports = {r["pid"]: r["metrics_port"] for r in records}
+        assert all(r["queues"] == settings.queues for r in records), records
+        assert len(set(ports.values())) == 2 and set(ports.values()) <= set(DEFAULT_PORTS), ports
+
+        # Both take jobs: bursts of one-text jobs until each worker has finished some (the first burst does, unless
+        # one worker's window swallowed it whole; the bound is only a safety net).
+        for burst in range(20):
+            handles = workers[0].client.submit_many([_texts(1, f"two-{burst}-{i}") for i in range(8)])
+            workers[0].client.collect(handles, timeout=60)
+            done = [w.stats()["jobs_succeeded"] for w in workers]
+            if all(done):
+                break
+        assert all(done), f"a worker took no job: {done}"
+
+        # Each endpoint answers on its port, which ops/prometheus.yml scrapes on every machine it lists.
+        scraped = _scraped_ports(Path(__file__).resolve().parents[1] / "ops" / "prometheus.yml")
+        assert scraped and all(set(ports.values()) <= p for p in scraped.values()), scraped
+        for w in workers:
+            with urllib.request.urlopen(f"http://127.0.0.1:{ports[w.proc.pid]}/metrics", timeout=10) as resp:
+                samples = {s.name: s.value for f in text_string_to_metric_families(resp.read().decode())
+                           for s in f.samples}
+            assert samples["embedq_jobs_succeeded_total"] >= 1
+        out = _status(stack, columns=100)
+        _headers, rows = _workers_table(out.stdout)
+        shown = {row["worker"]: row["metrics"] for row in rows}
+        for pid, port in ports.items():
+            assert [m for name, m in shown.items() if f"-{pid}@" in name] == [f":{port}"], out.stdout
+    finally:
+        for w in workers:
+            w.stop()
 
 
 def test_the_operations_guide_documents_every_metric():

@@ -22,8 +22,7 @@ import pytest
 import yaml
 
 from embedq.settings import Settings
-from embedq.workers.metrics import CATALOG, PREFIX, exported_names
-from embedq.workers.replicas import METRICS_PORT_STEP
+from embedq.workers.metrics import CATALOG, DEFAULT_PORTS, PREFIX, exported_names
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = ROOT / "ops"
@@ -36,7 +35,9 @@ PROMQL_FILES = [OPS / "alerts.yml", OPS / "prometheus.yml", OPS / "prometheus.co
 
 FLOWER_AUTH = "ops-test:not-a-real-password"
 SHUTDOWN_TIMEOUT = Settings.model_fields["shutdown_timeout"].default
-METRICS_PORT = Settings.model_fields["metrics_port"].default
+METRICS_PORT = DEFAULT_PORTS[0]  # a worker without EMBEDQ_METRICS_PORT takes the first free one of DEFAULT_PORTS
+#: The ports of one compose service: its worker's and its replicas' (at most 4 by default), one container each.
+COMPOSE_PORTS = set(range(METRICS_PORT, METRICS_PORT + 4))
 JOB = "embedq-workers"
 REQUIRED_ALERTS = {"EmbedqQueueGrowing", "EmbedqNoLiveWorkers", "EmbedqJobErrorRate", "EmbedqPaddingRatioHigh",
                    "EmbedqWorkerDown", "EmbedqDeadLetters", "EmbedqBrokerUnreachable"}
@@ -145,6 +146,12 @@ def _seconds(duration: Any) -> float:
     assert parts and "".join(v + u for v, u in parts) == text, f"unreadable duration {duration!r}"
     units = {"h": 3600, "min": 60, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
     return sum(float(value) * units[unit] for value, unit in parts)
+
+
+def _port_range(spec: str) -> range:
+    """The ports of a compose port spec: "9808" or "9808-9811" (a protocol suffix left out)."""
+    first, _, last = spec.split("/")[0].partition("-")
+    return range(int(first), int(last or first) + 1)
 
 
 def _env_dict(environment: Any) -> dict[str, str]:
@@ -264,7 +271,10 @@ def test_compose_one_gpu_per_worker(compose: dict[str, Any]) -> None:
         env = _env_dict(svc["environment"])
         assert env["EMBEDQ_DEVICE"] == "cuda:0", f"{name}: the container's only GPU is cuda:0"
         assert re.fullmatch(r"redis://(:[^@/]+@)?redis:6379/0", env["EMBEDQ_BROKER_URL"]), env["EMBEDQ_BROKER_URL"]
-        assert int(env["EMBEDQ_METRICS_PORT"]) == METRICS_PORT
+        # No port: the worker and its replicas take the first free ones; on every address, for Prometheus.
+        assert "EMBEDQ_METRICS_PORT" not in env and env["EMBEDQ_METRICS_ADDR"] == "0.0.0.0", name
+        exposed = {p for spec in svc["expose"] for p in _port_range(str(spec))}
+        assert exposed >= COMPOSE_PORTS, f"{name}: expose the metrics ports {sorted(COMPOSE_PORTS)}"
         shutdown = float(env.get("EMBEDQ_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT))
         assert _seconds(svc["stop_grace_period"]) > shutdown, f"{name}: SIGKILL before the hand-back completes"
         assert svc.get("stop_signal", "SIGTERM") == "SIGTERM"
@@ -305,9 +315,11 @@ def test_compose_prometheus_mounts_config_and_scrapes_every_worker(compose: dict
     config = _load_yaml(config_path)
     assert "alerts.yml" in config["rule_files"]
     job = next(j for j in config["scrape_configs"] if j["job_name"] == JOB)
-    names = {name for sd in job["dns_sd_configs"] for name in sd["names"]}
-    assert all(sd["type"] == "A" and sd["port"] == METRICS_PORT for sd in job["dns_sd_configs"])
-    assert names == set(_workers(compose)), "every worker service, and only those, is scraped by name"
+    assert all(sd["type"] == "A" for sd in job["dns_sd_configs"])
+    # Every worker service, and only those, is scraped by name on each port its worker and replicas may take.
+    for port in COMPOSE_PORTS:
+        names = {name for sd in job["dns_sd_configs"] if sd["port"] == port for name in sd["names"]}
+        assert names == set(_workers(compose)), f"port {port}: {sorted(names)}"
 
 
 def test_compose_grafana_is_provisioned_with_the_dashboard(compose: dict[str, Any]) -> None:
@@ -346,24 +358,31 @@ def test_dockerfile() -> None:
 
 
 # ---------------------------------------------------------------------------------------- prometheus
+def _scraped(config: dict[str, Any]) -> dict[str, set[int]]:
+    """The ports the workers' job of a bare-metal configuration scrapes, by machine."""
+    job = next(j for j in config["scrape_configs"] if j["job_name"] == JOB)
+    targets = [t for group in job["static_configs"] for t in group["targets"]]
+    assert len(set(targets)) == len(targets), "a target listed twice"
+    out: dict[str, set[int]] = {}
+    for target in targets:
+        host, port = target.rsplit(":", 1)
+        out.setdefault(host, set()).add(int(port))
+    return out
+
+
 def test_prometheus_bare_metal_config() -> None:
     config = _load_yaml(OPS / "prometheus.yml")
     assert "alerts.yml" in config["rule_files"]
+    scraped = _scraped(config)
+    assert len(scraped) >= 2, "example: several machines"
+    # Two workers started alike on one machine (embedq-worker@0 and @1, or the README's command twice) take the
+    # first two free default ports, their replicas the next ones: every machine is scraped on all of them.
+    first_two = set(DEFAULT_PORTS[:2])
+    for machine, ports in scraped.items():
+        assert first_two <= ports, f"{machine}: both workers' endpoints ({sorted(first_two)}) are not scraped"
+        assert ports == set(DEFAULT_PORTS), f"{machine}: scrape every default port, {DEFAULT_PORTS}"
     job = next(j for j in config["scrape_configs"] if j["job_name"] == JOB)
-    targets = [(t, group.get("labels", {})) for group in job["static_configs"] for t in group["targets"]]
-    machines = {t.rsplit(":", 1)[0] for t, _ in targets}
-    assert len(machines) >= 2 and len(targets) > len(machines), "example: several machines, several GPUs each"
-    assert len({t for t, _ in targets}) == len(targets), "a target listed twice"
-    # The port convention of embedq-worker@.service: EMBEDQ_METRICS_PORT=<prefix>%i.
-    port_template = next(v.split("=", 1)[1] for v in _unit_values(WORKER_UNIT, "Service", "Environment")
-                         if v.startswith("EMBEDQ_METRICS_PORT="))
-    assert "%i" in port_template
-    for target, labels in targets:
-        assert "gpu" in labels, f"{target}: label the GPU"
-        # replica r of a worker (embedq worker --processes N) serves on its port + METRICS_PORT_STEP x r
-        port = int(port_template.replace("%i", labels["gpu"])) + METRICS_PORT_STEP * int(labels.get("replica", 0))
-        assert int(target.rsplit(":", 1)[1]) == port, target
-    assert any("replica" in labels for _, labels in targets), "example: a worker with replicas"
+    assert all(group.get("labels", {}).get("machine") for group in job["static_configs"]), "label the machine"
 
 
 def test_alert_rules_are_complete() -> None:
@@ -519,11 +538,11 @@ def test_systemd_worker_unit() -> None:
     assert unit["KillSignal"] == "SIGTERM"
     assert _seconds(unit["TimeoutStopSec"]) > SHUTDOWN_TIMEOUT, "systemd would SIGKILL the worker before the hand-back"
     assert "PrivateDevices" not in unit, "PrivateDevices hides /dev/nvidia*"
-    ports = [v for v in _unit_values(WORKER_UNIT, "Service", "Environment") if v.startswith("EMBEDQ_METRICS_PORT=")]
-    assert len(ports) == 1 and "%i" in ports[0]
-    for gpu in range(10):
-        port = int(ports[0].split("=", 1)[1].replace("%i", str(gpu)))
-        assert 1024 < port <= 65535
+    # No per-instance port (each instance takes the first free default one, which ops/prometheus.yml scrapes); on
+    # every address, so that Prometheus reaches it (the worker's own default is 127.0.0.1).
+    env = " ".join(_unit_values(WORKER_UNIT, "Service", "Environment")).split()
+    assert not [v for v in env if v.startswith("EMBEDQ_METRICS_PORT=")]
+    assert "EMBEDQ_METRICS_ADDR=0.0.0.0" in env
 
 
 def test_systemd_flower_unit() -> None:

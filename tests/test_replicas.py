@@ -39,6 +39,9 @@ def test_how_many_replicas(monkeypatch):
     assert env["EMBEDQ_METRICS_PORT"] == "9100" and env["EMBEDQ_TORCH_THREADS"] == "4"
     assert env["EMBEDQ_WORKER_PROCESSES"] == "1"
     assert (env["EMBEDQ_PREFETCH_TEXTS"], env["EMBEDQ_PREFETCH_WINDOW"]) == ("4096", "512")  # half the window each
+    # Metrics port unset (the default): a replica gets none from its supervisor and takes the next free default port
+    # itself, as every worker of the machine does.
+    assert "EMBEDQ_METRICS_PORT" not in replicas.replica_env(Settings(device="cpu"), 1, 2, cpus=8)
 
 
 def _children(pid: int) -> set[int]:

@@ -176,7 +176,8 @@ def cmd_status(ns: argparse.Namespace, settings: Settings) -> int:
     if not settings.broker_url:
         print("embedq status: set EMBEDQ_BROKER_URL (e.g. redis://127.0.0.1:6379/0)", file=sys.stderr)
         return 2
-    return show_status(settings, queues=ns.queue or [], as_json=ns.json, watch=ns.watch)
+    return show_status(settings, queues=ns.queue or [], as_json=ns.json, watch=ns.watch, wide=ns.wide,
+                       worker=ns.worker)
 
 
 def cmd_flower(ns: argparse.Namespace, settings: Settings, extra: list[str]) -> int:
@@ -336,6 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--queue", action="append", help="also show this queue (repeatable); by default every queue "
                    "declared on the broker")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    s.add_argument("--wide", action="store_true", help="every column of the live workers (dtype, queues, rates, "
+                   "padding, ...) and the online/bulk table; for a terminal wider than 100 columns")
+    s.add_argument("--worker", metavar="NAME", help="one worker's whole record: its node name, part of it, or its "
+                   "pid (with --json: its records as JSON)")
     s.add_argument("--watch", type=_positive(float), metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
     s.set_defaults(func=cmd_status)
 

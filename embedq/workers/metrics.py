@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 PREFIX = "embedq_"
 RATE_WINDOW = 60.0  # seconds of history behind the "recent" rates
+#: The ports a worker without an explicit EMBEDQ_METRICS_PORT tries, in order: the first free one is its own, so the
+#: workers (and replicas) of one machine need no per-worker setting; ops/'s Prometheus configurations scrape them all.
+DEFAULT_PORTS = range(9808, 9840)
 QUEUE_CACHE_SECONDS = 2.0
 
 #: name (without ``embedq_``) -> (type, help). Counters are exposed with a ``_total`` suffix; they are the
@@ -135,6 +138,7 @@ class WorkerMetrics:
         self.queues: list[str] = []
         self.redis: Any = None
         self._depths: tuple[float, dict[str, monitor.QueueDepth] | None] = (0.0, None)
+        self.port: int | None = None  # the port the endpoint is bound to (the registry announces it)
         self._depth_lock = threading.Lock()
         self.registry.register(_Collector(self))
         ProcessCollector(registry=self.registry)
@@ -175,9 +179,10 @@ class WorkerMetrics:
             self._depths = (time.monotonic(), cached)
             return cached
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> Any:
+    def serve(self, port: int, addr: str = "127.0.0.1") -> Any:
         """Start the HTTP endpoint (a daemon thread). Raises OSError when the port is taken."""
         server, _thread = _start_http_server(port, addr=addr, registry=self.registry)
+        self.port = server.server_port
         return server
 
 

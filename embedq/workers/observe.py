@@ -6,6 +6,7 @@ None of it ever carries a user's text: jobs are summarised by their texts' count
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -19,6 +20,7 @@ from embedq.kinds import TASKS
 from embedq.protocol import short_options
 from embedq.settings import Settings
 from embedq.version import __version__
+from embedq.workers.metrics import DEFAULT_PORTS
 from embedq.workers.stats import COUNTERS, TIMERS
 
 if TYPE_CHECKING:
@@ -43,18 +45,28 @@ class Worker(Protocol):
 
 
 def serve_metrics(worker: Worker) -> None:
-    """Serve Prometheus metrics on ``metrics_port`` (0: none). A taken port stops the worker with a clear
-    message: a worker nobody can see is worse than one that does not start."""
+    """Serve Prometheus metrics: on ``metrics_port`` when it is set (0: none), else on the first free port of
+    :data:`~embedq.workers.metrics.DEFAULT_PORTS` (9808-9839), so the workers of one machine need no per-worker
+    setting. A set port that is taken, or a machine whose 32 default ports are all taken, stops the worker with a
+    clear message: a worker nobody can see is worse than one that does not start."""
     settings = worker.settings
-    if not settings.metrics_port or worker.metrics is None:
+    if settings.metrics_port == 0 or worker.metrics is None:
         return
-    try:
-        worker.metrics.serve(settings.metrics_port, settings.metrics_addr)
-    except OSError as exc:
-        where = f"{settings.metrics_addr}:{settings.metrics_port}"
-        raise SystemExit(f"embedq worker: cannot serve metrics on {where} ({exc.strerror or exc}); give each "
-                         "worker its own EMBEDQ_METRICS_PORT, or 0 for none") from None
-    log.info("metrics on http://%s:%d/metrics", settings.metrics_addr, settings.metrics_port)
+    addr = settings.metrics_addr
+    ports = [settings.metrics_port] if settings.metrics_port is not None else list(DEFAULT_PORTS)
+    for port in ports:
+        try:
+            worker.metrics.serve(port, addr)
+        except OSError as exc:
+            if settings.metrics_port is None and exc.errno == errno.EADDRINUSE:
+                continue  # another worker's (or program's): try the next one
+            raise SystemExit(f"embedq worker: cannot serve metrics on {addr}:{port} ({exc.strerror or exc}); "
+                             "set EMBEDQ_METRICS_PORT to a free port, or 0 for none") from None
+        log.info("metrics on http://%s:%d/metrics", addr, port)
+        return
+    raise SystemExit(f"embedq worker: cannot serve metrics: every default port on {addr} "
+                     f"({DEFAULT_PORTS[0]}-{DEFAULT_PORTS[-1]}) is taken; set EMBEDQ_METRICS_PORT to a free port, "
+                     "or 0 for none")
 
 
 def short_args(req: Any) -> str:
@@ -89,7 +101,7 @@ def identity(worker: Worker | None) -> dict[str, Any]:
     service = worker.service if worker is not None else None
     settings = worker.settings if worker is not None else Settings()
     out: dict[str, Any] = {"ready": service is not None and not worker.stopped, "version": __version__,
-                           "queues": settings.queues, "metrics_port": settings.metrics_port or None}
+                           "queues": settings.queues, "metrics_port": metrics_port(worker)}
     if service is not None:
         info = service.info
         out.update(model=info.model_id, device=info.device, dtype=info.dtype, linear_kernel=info.linear_kernel,
@@ -99,6 +111,12 @@ def identity(worker: Worker | None) -> dict[str, Any]:
                    max_batch_tokens=settings.batch_tokens,
                    preemption=service.preemption)
     return out
+
+
+def metrics_port(worker: Worker | None) -> int | None:
+    """The port this worker's metrics endpoint is bound to (None: it serves none)."""
+    metrics = worker.metrics if worker is not None else None
+    return metrics.port if metrics is not None else None
 
 
 def worker_record(worker: Worker) -> dict[str, Any]:

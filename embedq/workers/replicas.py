@@ -11,8 +11,9 @@ guarantee of one worker holds for each, a SIGKILL of one loses no job (its messa
 The supervisor owns no model and no broker connection. It starts the replicas (fresh interpreters, never a fork:
 CUDA must not be initialised before one, each runs the supervisor's own command line with an environment that makes
 it replica *i*), gives replica *i* the node name ``<name>-r<i>``, a 1/N share of the prefetch window (the machine
-holds what one worker would), the metrics port ``metrics_port + 100 × i`` (GPU workers of one machine use
-neighbouring ports: 9800, 9801, …) and its share of the CPU threads, forwards SIGTERM/SIGINT (each replica stops
+holds what one worker would), its metrics port (unset ``metrics_port``, the default: each replica takes the next free
+port from 9808, as every worker of the machine does; a set one: ``metrics_port + 100 × i``) and its share of the CPU
+threads, forwards SIGTERM/SIGINT (each replica stops
 gracefully: finishes its micro-batch, stores what is done, hands the rest back), restarts a replica that dies (with a
 back-off; one that could not start at all stops the supervisor), and exits once all have stopped. A replica whose
 supervisor dies gets SIGTERM (``PR_SET_PDEATHSIG``).
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 RESTART_BACKOFF_MAX = 30.0
 #: A replica that ran this long before it died is restarted at once (its back-off starts over).
 HEALTHY_RUN = 60.0
-#: Replica i serves metrics on metrics_port + i × this (GPU workers on one machine use neighbouring ports).
+#: With metrics_port set, replica i serves metrics on metrics_port + i × this (unset: the next free default port).
 METRICS_PORT_STEP = 100
 #: A replica's exit status when its watchdog stopped it (workers.stopping.EXIT_FAILED): always restarted.
 EXIT_FAILED = 70
@@ -81,7 +82,7 @@ def replica_env(settings: Settings, index: int, count: int, cpus: int | None = N
            # spread over all of them (not taken whole by the first) and none finishes long after the others.
            "EMBEDQ_PREFETCH_TEXTS": str(max(1, settings.prefetch_texts // count)),
            "EMBEDQ_PREFETCH_WINDOW": str(max(1, settings.prefetch_window // count))}
-    if settings.metrics_port and index:
+    if settings.metrics_port and index:  # unset (None): nothing to pass, each replica picks a free default port
         env["EMBEDQ_METRICS_PORT"] = str(settings.metrics_port + METRICS_PORT_STEP * index)
     if settings.torch_threads is None and not settings.device.startswith("cuda"):
         cpus = cpus or len(os.sched_getaffinity(0))
