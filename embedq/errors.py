@@ -44,6 +44,7 @@ The tree (class, ``code``, HTTP status, ``error_type``; ``*``: retryable)::
     ├── Cancelled                cancelled            409 Cancelled
     └── Unavailable            * unavailable          503 Unhealthy
         ├── BrokerUnavailable  * unavailable          503 Unhealthy
+        ├── NoWorker           * no_worker            503 Unhealthy   no live worker serves the job's queue
         ├── JobTimeout         * timeout              504 Timeout     no result in time: a gateway timeout
         └── JobLost            * job_lost             503 Unhealthy
 
@@ -273,6 +274,14 @@ class Unavailable(EmbedqError):
 
 class BrokerUnavailable(Unavailable):
     """A producer could not reach the broker (Redis down, refused, wrong password, TLS failure)."""
+
+
+class NoWorker(Unavailable):
+    """No live worker serves the queue a producer sends to (a model no worker serves, a typo in it, or every
+    worker down); the message names the queue and what the live workers do serve. Raised before anything is sent,
+    by the gateway's synchronous routes, ``embedq index`` and ``Client(require_worker=True)``."""
+
+    code = "no_worker"
 
 
 class JobTimeout(Unavailable):

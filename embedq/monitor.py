@@ -18,6 +18,7 @@ Keys are declared here once.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -148,6 +149,90 @@ def live_workers(client: Any) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return out
+
+
+@dataclass(frozen=True)
+class Serving:
+    """Which live workers serve ``queue``, from the registry: the one check every producer makes before it sends
+    (``embedq index``, ``Client(require_worker=True)``, the gateway). A record whose ``ready`` is false (a worker
+    stopping, or one that registers before its model is loaded) does not serve: it cannot answer now."""
+
+    queue: str
+    ready: list[dict[str, Any]]  # live, ready workers consuming ``queue``
+    not_ready: list[dict[str, Any]]  # live records that list ``queue`` but are not ready
+    others: list[dict[str, Any]]  # every other live, ready worker (what the broker does serve)
+
+    def __bool__(self) -> bool:
+        return bool(self.ready)
+
+    def served(self) -> dict[str, list[str]]:
+        """What the live, ready workers serve: each one's queues (joined) -> its models, one entry per model."""
+        out: dict[str, list[str]] = {}
+        for record in self.ready + self.others:
+            models = out.setdefault(", ".join(record.get("queues") or ["?"]), [])
+            models.append(str(record.get("model", "?")))
+        return out
+
+    def describe(self) -> str:
+        """Why nothing serves ``queue``, and what is served instead (queue -> model)."""
+        text = f"no live worker serves queue {self.queue}"
+        if self.not_ready:
+            text += f" ({len(self.not_ready)} registered but not ready: starting or stopping)"
+        served = self.served()
+        if not served:
+            return text + "; no live worker is registered on this broker"
+        parts = []
+        for queues, models in sorted(served.items()):
+            counts = {m: models.count(m) for m in models}
+            names = ", ".join(f"{m} ({n} worker{'s' if n > 1 else ''})" for m, n in counts.items())
+            parts.append(f"{queues} -> {names}")
+        return text + "; live workers serve: " + "; ".join(parts)
+
+
+def serving(records: Iterable[dict[str, Any]], queue: str) -> Serving:
+    """:class:`Serving` of ``queue`` among the registry's ``records`` (:func:`live_workers`)."""
+    ready: list[dict[str, Any]] = []
+    not_ready: list[dict[str, Any]] = []
+    others: list[dict[str, Any]] = []
+    for record in records:
+        listed = queue in (record.get("queues") or [])
+        if listed and record.get("ready"):
+            ready.append(record)
+        elif listed:
+            not_ready.append(record)
+        elif record.get("ready"):
+            others.append(record)
+    return Serving(queue, ready, not_ready, others)
+
+
+class Registry:
+    """The live-worker registry read at most once per ``max_age`` seconds (thread-safe): a producer that checks
+    before every send (the gateway, ``Client(require_worker=True)``) costs Redis one read a second, not one per
+    job."""
+
+    def __init__(self, max_age: float = 1.0) -> None:
+        self.max_age = max_age
+        self._read: tuple[float, list[dict[str, Any]]] = (-float("inf"), [])
+        self._lock = threading.Lock()
+
+    def fresh(self) -> list[dict[str, Any]] | None:
+        """The records read within ``max_age`` seconds, or None (an event loop reads Redis in a thread only then)."""
+        at, records = self._read
+        return records if time.monotonic() - at <= self.max_age else None
+
+    def records(self, client: Any) -> list[dict[str, Any]]:
+        records = self.fresh()
+        if records is not None:
+            return records
+        with self._lock:  # one read for the threads that find it stale together
+            at, records = self._read
+            if time.monotonic() - at > self.max_age:
+                records = live_workers(client)
+                self._read = (time.monotonic(), records)
+        return records
+
+    def serving(self, client: Any, queue: str) -> Serving:
+        return serving(self.records(client), queue)
 
 
 def dead_letter_count(client: Any) -> int:

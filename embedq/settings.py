@@ -182,6 +182,11 @@ class Settings(BaseSettings):
         default=None, description="`embedq serve`: comma-separated origins browsers may call it from, or `*`; "
         "unset: no CORS headers.",
     )
+    gateway_require_worker: bool = Field(
+        default=True, description="`embedq serve`: a synchronous request for a model no live worker serves is "
+        "answered 503 (`no_worker`, Retry-After) at once, nothing sent; false: it waits for a worker (deployments "
+        "that scale workers up from zero on queue depth). `POST /jobs` always queues.",
+    )
     gateway_models: str | None = Field(
         default=None, description="`embedq serve`: more models behind the same gateway, comma-separated, each "
         "`name` (a model id: its workers' default queue) or `name=queue`; a request picks one by OpenAI's `model` "

@@ -25,7 +25,7 @@ import pytest
 from conftest import GatewayHandle
 from kombu.serialization import loads
 
-from embedq import errors
+from embedq import errors, monitor
 from embedq.producers.client import Client
 from embedq.results import ResultStore
 from embedq.settings import Settings
@@ -106,7 +106,8 @@ def test_operations_table_agrees():
 @pytest.fixture(scope="module")
 def failing(redis_server, tmp_path_factory):
     """A gateway on a queue no worker serves, and a thread that fails each job it sends with the error class its
-    text names (``fail with <Class>``), stored as a worker stores it."""
+    text names (``fail with <Class>``), stored as a worker stores it; the thread registers as a live worker of the
+    queue (else the gateway would answer 503 ``no_worker`` before sending)."""
     queue = f"embedq.test.errors.{uuid.uuid4().hex[:8]}"
     settings = Settings(broker_url=redis_server.url, queue=queue)
     client = Client(settings)
@@ -114,7 +115,12 @@ def failing(redis_server, tmp_path_factory):
     stop = threading.Event()
 
     def fail_jobs() -> None:
+        published = 0.0
         while not stop.is_set():
+            if time.monotonic() - published > monitor.REPORT_INTERVAL:  # it serves the queue: the registry says so
+                monitor.publish_worker(r, {"hostname": f"errors-table@{queue}", "ready": True, "queues": [queue],
+                                           "model": "a thread of this test"})
+                published = time.monotonic()
             popped = r.brpop([settings.queue_name], timeout=0.2)
             if popped is None:
                 continue
@@ -130,6 +136,7 @@ def failing(redis_server, tmp_path_factory):
     g.stop()
     stop.set()
     thread.join(5)
+    monitor.withdraw_worker(r, f"errors-table@{queue}")
     client.close()
 
 

@@ -252,7 +252,9 @@ def test_two_thousand_requests_wait_at_once_without_a_thread_each(redis_server, 
     if soft < 2 * n + 200:  # the gateway (a child: it inherits it) and this process each hold n sockets
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4 * n), hard))
     queue = f"embedq.test.gw-many-{os.getpid()}"
-    g = Gateway(redis_server.url, queue, tmp_path / "gw.log", EMBEDQ_ONLINE_QUEUE_LIMIT="0")
+    # requests wait for a worker instead of a 503 (EMBEDQ_GATEWAY_REQUIRE_WORKER=false: scaling up from zero)
+    g = Gateway(redis_server.url, queue, tmp_path / "gw.log", EMBEDQ_ONLINE_QUEUE_LIMIT="0",
+                EMBEDQ_GATEWAY_REQUIRE_WORKER="false")
     worker = None
     seen: dict[str, float] = {}
 
@@ -295,7 +297,7 @@ def test_e_a_disconnected_client_s_job_never_runs_and_a_deadline_expires(redis_s
     (504), one whose openai SDK says it waits 1 s (504), an async job deleted before it ran. When a worker then
     starts on that queue, none reaches the model: its counters show only the request sent after it started."""
     queue = f"embedq.test.gw-late-{os.getpid()}"
-    g = Gateway(redis_server.url, queue, tmp_path / "gw.log")
+    g = Gateway(redis_server.url, queue, tmp_path / "gw.log", EMBEDQ_GATEWAY_REQUIRE_WORKER="false")  # they wait
     worker = None
     try:
         with pytest.raises(httpx.ReadTimeout):
@@ -378,7 +380,8 @@ def test_a_overload_is_429_and_the_openai_sdk_s_rate_limit_error(redis_server, t
     from embedq.broker import redis_client
 
     queue = f"embedq.test.gw-full-{os.getpid()}"
-    g = Gateway(redis_server.url, queue, tmp_path / "gw.log", EMBEDQ_ONLINE_QUEUE_LIMIT="1")
+    g = Gateway(redis_server.url, queue, tmp_path / "gw.log", EMBEDQ_ONLINE_QUEUE_LIMIT="1",
+                EMBEDQ_GATEWAY_REQUIRE_WORKER="false")  # the first request waits (a worker would come)
     redis = redis_client(Settings(broker_url=redis_server.url))
     try:
         with pytest.raises(httpx.ReadTimeout):  # no worker: it is never answered, and its job stays queued

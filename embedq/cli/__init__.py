@@ -40,6 +40,13 @@ def _positive(kind: type) -> Any:
     return parse
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds (or inf), got {text}")
+    return value
+
+
 def _add_embedding_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", help="text prepended to every input")
     p.add_argument("--prompt-name", help="a prompt defined by the model (config_sentence_transformers.json)")
@@ -97,6 +104,7 @@ def cmd_index(ns: argparse.Namespace, settings: Settings) -> int:
 
     from embedq.producers.client import Client
     from embedq.producers.index import IndexConfig, run_index
+    from embedq.producers.index.sources import Source
 
     if ns.model:
         settings = settings.model_copy(update={"model": ns.model})
@@ -104,16 +112,18 @@ def cmd_index(ns: argparse.Namespace, settings: Settings) -> int:
         chunk_size=ns.chunk_size, max_in_flight=ns.max_in_flight, options=_embedding_options(ns),
         vector_dtype=ns.vector_dtype, job_timeout=ns.job_timeout, checkpoint_seconds=ns.checkpoint_seconds,
         shard_rows=ns.shard_rows, overwrite=ns.overwrite, progress=not ns.quiet, kind=ns.kind,
+        wait_for_worker=ns.wait_for_worker, connect_timeout=settings.broker_timeout,
     )
+    # the input is checked before anything starts (a private stack included): a refused run leaves nothing
+    source = Source(ns.input, ns.input_format, text_field=ns.text_field, id_field=ns.id_field)
+    source.check()
 
-    def _stop(signum: int, frame: Any) -> None:  # SIGTERM (systemd, kill): stop like Ctrl-C, committing first
-        raise KeyboardInterrupt
+    def _stop(signum: int, frame: Any) -> None:  # SIGTERM (systemd, kill): stop like Ctrl-C (the run's own
+        raise KeyboardInterrupt  # handler, once it runs, commits first)
 
     signal.signal(signal.SIGTERM, _stop)
     with _broker(settings, quiet=ns.quiet) as live, Client(live) as client:
-        summary = run_index(client, ns.input, Path(ns.output), input_format=ns.input_format,
-                            output_format=ns.output_format, text_field=ns.text_field, id_field=ns.id_field,
-                            config=config)
+        summary = run_index(client, source, Path(ns.output), output_format=ns.output_format, config=config)
     print(summary.render(), file=sys.stderr)
     if ns.json:
         print(json.dumps(summary.as_dict()))
@@ -254,8 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
         "index", help="embed a file (JSONL, CSV, Parquet, text or stdin) into Parquet, NPY or JSONL; resumable",
         description="Embed every record of INPUT into OUTPUT. Run the same command again after an "
         "interruption and it embeds only the ids missing from OUTPUT; an OUTPUT made with another model or "
-        "other options is refused. Exit code: 0 all embedded, 1 some records failed (see the errors file), "
-        "2 refused or broken, 130 interrupted.")
+        "other options is refused. Input, broker and a live worker on the queue are checked before OUTPUT is "
+        "created. Ctrl-C or SIGTERM stops it at once, committing what has arrived. Exit code: 0 all embedded, 1 some "
+        "records failed (see the errors file), 2 refused or broken, 130 interrupted (Ctrl-C or SIGTERM).")
     i.add_argument("input", help="a .jsonl/.csv/.tsv/.parquet/.txt file (.gz for line formats) or - for stdin")
     i.add_argument("-o", "--output", required=True,
                    help="OUT.parquet (a directory of shards), OUT.npy (+ OUT.ids.txt) or OUT.jsonl")
@@ -280,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--checkpoint-seconds", type=_positive(float), default=60.0,
                    help="commit the output at least this often (default 60; what a crash can cost)")
     i.add_argument("--shard-rows", type=_positive(int), default=100_000, help="rows per Parquet shard at most")
+    i.add_argument("--wait-for-worker", type=_seconds, default=10.0, metavar="SECONDS",
+                   help="before sending anything, wait this long for a live worker on the queue, then refuse "
+                   "(exit 2, naming the queue and what the live workers serve); inf waits for ever, for workers "
+                   "that scale up from zero (default 10)")
     i.add_argument("--overwrite", action="store_true", help="delete an existing output and start afresh")
     i.add_argument("--json", action="store_true", help="also print the summary as JSON on stdout")
     i.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import logging
 import re
-import time
 from typing import Any
 
 from fastapi import Request
@@ -26,8 +25,6 @@ from embedq.settings import Settings
 
 log = logging.getLogger(__name__)
 
-#: Seconds a read of the live-worker registry is reused (``/health``, ``/info``).
-REGISTRY_TTL = 1.0
 #: Seconds between looks, while requests wait, at whether Redis restarted or lost its data (then: resend).
 EPOCH_CHECK = 1.0
 
@@ -53,7 +50,6 @@ class Gateway:
         self.models = served_models(settings)
         self.client = Client(settings, follow_results=False)
         self.results: AsyncResults | None = None
-        self._registry: tuple[float, list[dict[str, Any]]] = (0.0, [])
         self.meter = GatewayMetrics()
         self._cancelling: set[asyncio.Future[Any]] = set()  # cancels of jobs sent for requests gone meanwhile
         self._watch: asyncio.Task[None] | None = None
@@ -105,19 +101,22 @@ class Gateway:
         raise errors.ModelNotFound(f"The model `{name}` is not served here (served: {', '.join(self.models)})")
 
     async def workers(self, target: Settings | None = None) -> list[dict[str, Any]]:
-        """Live workers serving ``target``'s online queue (default: the gateway's own model; the registry is
-        re-read at most once a second)."""
-        at, records = self._registry
-        if time.monotonic() - at > REGISTRY_TTL:
-            records = await asyncio.to_thread(monitor.live_workers, self.client.redis())
-            self._registry = (time.monotonic(), records)
-        queue = (target or self.settings).queue_name
-        return [r for r in records if r.get("ready") and queue in (r.get("queues") or [])]
+        """Live, ready workers serving ``target``'s online queue (default: the gateway's own model). The registry
+        read is the client's, shared with the check of every synchronous request (``Client.check_worker``) and
+        re-read at most once a second."""
+        registry = self.client.registry
+        records = registry.fresh()
+        if records is None:
+            records = await asyncio.to_thread(registry.records, self.client.redis())
+        return monitor.serving(records, (target or self.settings).queue_name).ready
 
-    async def send(self, request: Request, plan: Plan, model: str | None = None) -> list[Any]:
+    async def send(self, request: Request, plan: Plan, model: str | None = None, *,
+                   require_worker: bool = False) -> list[Any]:
         """``plan``'s items as jobs of at most ``max_texts_per_job`` items, sent to the queue of the request's
         model (:meth:`target`) together (``Client.submit_many``: one round trip, nothing sent unless every job
-        is valid and admitted): their handles, in order."""
+        is valid and admitted): their handles, in order. ``require_worker``: refuse them with
+        :class:`~embedq.errors.NoWorker` (503) when no live worker serves that queue (the registry the client
+        re-reads at most once a second), after they are found valid."""
         if not plan.items:
             raise errors.EmptyInput("Input validation error: `inputs` cannot be empty")
         cap = self.settings.max_client_batch_size
@@ -131,7 +130,7 @@ class Gateway:
         jobs = [plan.job(plan.items[i:i + size]) for i in range(0, len(plan.items), size)]
         sending = asyncio.ensure_future(asyncio.to_thread(
             self.client.submit_many, jobs, kind=plan.kind, queue=queue, traffic_class=traffic_class,
-            deadline=deadline, **plan.options))
+            deadline=deadline, require_worker=require_worker, **plan.options))
         try:
             return await asyncio.shield(sending)
         except asyncio.CancelledError:
@@ -147,9 +146,10 @@ class Gateway:
         cancelling.add_done_callback(self._cancelling.discard)
 
     async def run(self, request: Request, plan: Plan, model: str | None = None) -> Any:
-        """``plan`` sent and awaited: its answer."""
+        """``plan`` sent and awaited: its answer; 503 at once when no live worker serves its queue
+        (``gateway_require_worker``), where the request would wait for a worker with nobody to say so."""
         assert self.results is not None
-        handles = await self.send(request, plan, model)
+        handles = await self.send(request, plan, model, require_worker=self.settings.gateway_require_worker)
         deadline = _deadline(request)
         # past its deadline (and a grace for a job that started just in time) no result will come
         timeout = DEFAULT_RESULT_TIMEOUT if deadline is None else deadline + DEADLINE_GRACE

@@ -82,8 +82,13 @@ class Client(DirectWrites, Collecting):
     """Send embedding jobs to embedq workers and collect their results."""
 
     def __init__(self, settings: Settings | None = None, *, broker_url: str | None = None,
-                 app: Celery | None = None, follow_results: bool = True) -> None:
-        """``follow_results``: the ``ignore_result`` header of the jobs' messages: False for a caller that reads
+                 app: Celery | None = None, follow_results: bool = True, require_worker: bool = False) -> None:
+        """``require_worker``: refuse a job with :class:`~embedq.errors.NoWorker` (503, retryable) at once, nothing
+        sent, when no live worker serves its queue (the registry, read at most once a second), instead of leaving
+        it queued until a worker comes; also per call (``submit(..., require_worker=True)``). Off by default: a job
+        sent before its workers start (scaling up from zero) is served when they do.
+
+        ``follow_results``: the ``ignore_result`` header of the jobs' messages: False for a caller that reads
         results itself (the gateway's asyncio waiter). Either way no job's result channel is subscribed when it
         is sent (a round trip per job): ``JobHandle.result`` subscribes when it first waits, after reading the
         stored record, and :meth:`collect` reads many records per round trip."""
@@ -93,6 +98,8 @@ class Client(DirectWrites, Collecting):
         self.settings = settings
         self.app = app or make_app(settings)
         self.follow_results = follow_results
+        self.require_worker = require_worker
+        self.registry = monitor.Registry(max_age=1.0)
         self._redis: Any = None
         self._redis_lock = threading.Lock()
         self._listeners = threading.local()  # each thread's result-notification connection (collect)
@@ -116,7 +123,7 @@ class Client(DirectWrites, Collecting):
 
     def submit_job(self, kind: str | TaskSpec, job: Any, *, queue: str | None = None, traffic_class: str = ONLINE,
                    deadline: float | dt.datetime | None = None, return_text: bool = False,
-                   **options: Any) -> JobHandle:
+                   require_worker: bool | None = None, **options: Any) -> JobHandle:
         """Validate and enqueue one job of any kind (its name, an alias, or its :class:`~embedq.kinds.TaskSpec`,
         a plugin's included): ``job`` is what the kind takes (texts; a ``(query, texts)`` pair for rerank; inputs
         for predict; token ids for decode), ``options`` its options. Every named submit below is this call.
@@ -127,10 +134,11 @@ class Client(DirectWrites, Collecting):
         ends with :class:`~embedq.errors.Expired`. When the online queue holds ``online_queue_limit`` jobs
         an online job is refused at once with :class:`~embedq.errors.Overloaded`; a bulk job waits for
         room under ``bulk_queue_limit`` instead (up to ``bulk_wait_timeout``). ``return_text``: the result
-        carries each text (rerank; from this handle, not through Redis)."""
+        carries each text (rerank; from this handle, not through Redis). ``require_worker``: this call's choice
+        over the client's (see :class:`Client`)."""
         spec = kind if isinstance(kind, TaskSpec) else kind_spec(kind)
         return self._submit(spec, [spec.job_args(job)], options, queue=queue, traffic_class=traffic_class,
-                            deadline=deadline, return_text=return_text)[0]
+                            deadline=deadline, return_text=return_text, require_worker=require_worker)[0]
 
     def submit(self, texts: str | Sequence[str], **options: Any) -> JobHandle:
         """Enqueue one embedding job (``embed``); returns a :class:`JobHandle` at once. Options: ``normalize``,
@@ -188,7 +196,7 @@ class Client(DirectWrites, Collecting):
 
     def submit_many(self, jobs: Iterable[Any], *, kind: str | TaskSpec = "embed", queue: str | None = None,
                     traffic_class: str = ONLINE, deadline: float | dt.datetime | None = None,
-                    return_text: bool = False, **options: Any) -> list[JobHandle]:
+                    return_text: bool = False, require_worker: bool | None = None, **options: Any) -> list[JobHandle]:
         """Validate and enqueue many jobs of one kind with the same options: their handles, in order, sent to
         Redis in one round trip (a pipeline; one backpressure check for the batch).
 
@@ -197,7 +205,7 @@ class Client(DirectWrites, Collecting):
         ``(query, texts)`` pair for ``rerank``; inputs (texts or text pairs) for ``predict``; token ids for
         ``decode``. ``options`` are the kind's options, the single submits' keywords included (``top_k``,
         ``return_tokens``, ``outputs``, ``raw_scores``, ``skip_special_tokens``; ``return_text`` for rerank);
-        ``queue``, ``traffic_class`` and ``deadline`` as for :meth:`submit_job`, for every job.
+        ``queue``, ``traffic_class``, ``deadline`` and ``require_worker`` as for :meth:`submit_job`, for every job.
 
         Every job is checked before any is sent: the first invalid one raises the error its single submit would
         raise (a note names its index) and nothing is sent. An online batch is refused with
@@ -211,10 +219,11 @@ class Client(DirectWrites, Collecting):
         if not argses:
             return []
         return self._submit(spec, argses, options, queue=queue, traffic_class=traffic_class, deadline=deadline,
-                            return_text=return_text)
+                            return_text=return_text, require_worker=require_worker)
 
     def _submit(self, spec: TaskSpec, argses: list[list[Any]], options: dict[str, Any], *, queue: str | None,
-                traffic_class: str, deadline: float | dt.datetime | None, return_text: bool) -> list[JobHandle]:
+                traffic_class: str, deadline: float | dt.datetime | None, return_text: bool,
+                require_worker: bool | None = None) -> list[JobHandle]:
         """Jobs of one kind and options (``argses``: each job's task arguments): checked, admitted, sent."""
         if traffic_class not in TRAFFIC_CLASSES:
             raise errors.InvalidOption(f"traffic_class must be one of {', '.join(TRAFFIC_CLASSES)}, "
@@ -236,6 +245,8 @@ class Client(DirectWrites, Collecting):
             for args in argses:
                 check_message_size(args, wire, serializer=limits.serializer, limit=limits.max_message_bytes)
         try:
+            if self.require_worker if require_worker is None else require_worker:
+                self.check_worker(queue)
             self._admit(queue, traffic_class, len(argses))
             epoch = self.epoch()
             if bodies is not None and route is not None and self._direct_now():
@@ -299,6 +310,17 @@ class Client(DirectWrites, Collecting):
         self._depths[queue] = (time.monotonic(), depth + count)
         self.bulk_waits += 1
         self.bulk_waited_seconds += time.monotonic() - started
+
+    def serving(self, queue: str) -> monitor.Serving:
+        """Which live workers serve ``queue`` (the registry, re-read at most once a second)."""
+        return self.registry.serving(self.redis(), queue)
+
+    def check_worker(self, queue: str) -> None:
+        """:class:`~embedq.errors.NoWorker`, naming the queue and what the live workers serve, unless a live, ready
+        worker serves ``queue``."""
+        found = self.serving(queue)
+        if not found:
+            raise errors.NoWorker(found.describe())
 
     def cancel(self, job_id: str) -> bool:
         """Cancel a job by id (see :meth:`JobHandle.cancel`): True if it had no outcome yet.

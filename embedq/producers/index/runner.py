@@ -23,21 +23,23 @@ What the run reports, :class:`~embedq.producers.index.summary.Summary`, is in ``
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
-import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from embedq import errors
-from embedq.producers.client import BROKER_ERRORS, Client, JobHandle
+from embedq.producers.client import Client, JobHandle
 from embedq.producers.index.idset import IdSet, digest
 from embedq.producers.index.kinds import INDEX_KINDS, IndexKind, index_kind
-from embedq.producers.index.sinks import OutputLock, Sink, VectorDtype, open_sink
-from embedq.producers.index.sources import Source
+from embedq.producers.index.sinks import OutputLock, Sink, VectorDtype, open_sink, remove_output
+from embedq.producers.index.sources import Record, Source
+from embedq.producers.index.stopping import Stop, Stopper, ride_out, say, wait_for_worker
 from embedq.producers.index.summary import Summary
 from embedq.protocol import Fingerprint, decode_result, validate_texts
 
@@ -48,10 +50,6 @@ FATAL_CODES = frozenset({"invalid_option", "unknown_model", "unknown_prompt_name
                          "too_many_texts", "empty_input", "unsupported_model", "invalid_request"})
 #: stop early when this many records in a row are unusable before any is usable (a wrong --text-field)
 FAIL_FAST_RECORDS = 1000
-
-
-class _Stop(Exception):
-    """A stop was asked (Ctrl-C, SIGTERM); raised only at points where the output is consistent."""
 
 
 @dataclass
@@ -65,7 +63,9 @@ class IndexConfig:
     checkpoint_seconds: float = 60.0
     shard_rows: int = 100_000
     kind: str = "embed"  # embed | sparse | multi | bge-m3 (producers/index/kinds.py)
-    broker_timeout: float = 300.0
+    broker_timeout: float = 300.0  # riding out a broker that went away mid-run (first contact: connect_timeout)
+    connect_timeout: float = 30.0  # reaching the broker at all (EMBEDQ_BROKER_TIMEOUT from the CLI)
+    wait_for_worker: float = 10.0  # seconds to wait for a live worker on the queue before refusing (inf: forever)
     overwrite: bool = False
     progress: bool = True
 
@@ -111,21 +111,53 @@ class Indexer:
         self._no_worker_warned = False
         self.sink: Sink | None = None
         self.bar: Any = None
-        self._stop_asked = False
+        self.stop = Stopper()
         self._full_noted = False
         self._waits_at_start = (client.bulk_waits, client.bulk_waited_seconds)
         client.on_bulk_wait = self._on_bulk_wait
 
     # -- the run -------------------------------------------------------------------------------------
     def run(self) -> Summary:
+        """Check the input, reach the broker and find a worker before the output is created (a refused run
+        leaves no files), then stream. Ctrl-C or SIGTERM stops at once at any stage, committing what arrived."""
         if self.source.path != "-" and Path(self.source.path).resolve() == self.output.resolve():
             raise errors.InvalidOption("the output would overwrite the input")
-        with OutputLock(self.output):
+        t0 = time.perf_counter()
+        restore = self.stop.catch()
+        try:
+            try:
+                records = self._prepare()
+                with OutputLock(self.output):
+                    self._stream(records, t0)
+            except Stop:  # before the output existed: nothing to commit
+                self.summary.interrupted = True
+                self.summary.seconds = time.perf_counter() - t0
+        finally:
+            restore()
+            if self.bar is not None:
+                self.bar.close()
+        return self.summary
+
+    def _prepare(self) -> Iterator[Record]:
+        """The input's first record read (a CSV's or Parquet's columns checked), the broker reached and a live
+        worker found on the queue: the records, from the first."""
+        records = iter(self.source)
+        first = next(records, None)
+        self._connect()
+        wait_for_worker(self.client, self.client.settings.bulk_queue_name, self.config.wait_for_worker,
+                        self.config.broker_timeout)
+        return records if first is None else itertools.chain([first], records)
+
+    def _stream(self, records: Iterator[Record], t0: float) -> None:
+        created = not self.output.exists()
+        with self.stop.writing(then_stop=False):  # a stop asked meanwhile: at the check below
             self.sink = open_sink(self.output, self.format, vector_dtype=self.config.vector_dtype,
                                   options=storage_options(self.config.options, self.kind),
-                                  shard_rows=self.config.shard_rows,
-                                  overwrite=self.config.overwrite)
-            self.summary.errors_file = str(self.sink.errors_path)
+                                  shard_rows=self.config.shard_rows, overwrite=self.config.overwrite)
+        self.summary.errors_file = str(self.sink.errors_path)
+        self._last_commit = time.monotonic()
+        try:
+            self._check_stop()
             if self.sink.manifest.fingerprint is not None:
                 self._probe()
             from tqdm import tqdm
@@ -133,59 +165,43 @@ class Indexer:
             total = self.source.count() if self.config.progress else None
             self.bar = tqdm(total=total, unit="text", disable=not self.config.progress, smoothing=0.05,
                             dynamic_ncols=True, desc="embedq index")
-            t0 = time.perf_counter()
-            self._last_commit = time.monotonic()
-            restore = self._catch_signals()
-            try:
-                self._loop()
-            except errors.OutputMismatch:
-                self.sink.close()  # nothing was written: the existing output stays as it was
-                raise
-            except _Stop:
-                self.summary.interrupted = True
-                self._finish(t0, complete=False)
-            except KeyboardInterrupt:  # a second Ctrl-C: leave at once; the next run cuts back to the last commit
-                self.sink.close()
-                raise
-            except BaseException:
-                self._finish(t0, complete=False)
-                raise
-            else:
-                self._finish(t0, complete=True)
-            finally:
-                restore()
-                self.bar.close()
-        return self.summary
+            self._loop(records)
+        except errors.OutputMismatch:
+            self.sink.close()  # nothing was written: the existing output stays as it was
+            raise
+        except Stop:
+            self.summary.interrupted = True
+            self._finish(t0, complete=False)
+        except KeyboardInterrupt:  # a second Ctrl-C: leave at once; the next run cuts back to the last commit
+            self.sink.close()
+            raise
+        except errors.EmbedqError:
+            self._finish(t0, complete=False)
+            if created and self.sink.manifest.fingerprint is None:  # refused before a row: leave no files
+                remove_output(self.output, self.format)
+            raise
+        except BaseException:
+            self._finish(t0, complete=False)
+            raise
+        else:
+            self._finish(t0, complete=True)
 
-    def _catch_signals(self) -> Any:
-        """Ctrl-C / SIGTERM ask for a stop that commits first; a second one interrupts at once."""
-        import signal
-        import threading
-
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-
-        def ask(signum: int, frame: Any) -> None:
-            if self._stop_asked:
-                raise KeyboardInterrupt
-            self._stop_asked = True
-            self.bar.write("embedq index: stopping: committing what has arrived (again to quit at once)",
-                           file=sys.stderr)
-
-        previous = {sig: signal.signal(sig, ask) for sig in (signal.SIGINT, signal.SIGTERM)}
-        return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
+    def _connect(self) -> None:
+        """Reach the broker before anything else, for at most ``connect_timeout`` seconds: a wrong URL or a
+        broker that is down is named at once and refused after that (later outages are ridden out longer)."""
+        ride_out(self.client, lambda: self.client.epoch(refresh=True), self.config.connect_timeout,
+                 "; check EMBEDQ_BROKER_URL")
 
     def _check_stop(self) -> None:
-        if self._stop_asked:
-            raise _Stop
+        self.stop.check()
 
-    def _loop(self) -> None:
+    def _loop(self, records: Iterator[Record]) -> None:
         assert self.sink is not None
         chunk = _Chunk([], [])
         staged: list[_Chunk] = []  # full chunks not sent yet: sent together once the window has room for them
         refill = self.config.max_in_flight // 2  # the window is refilled when it is down to this many jobs
         limits = self.client.settings
-        for rec in self.source:
+        for rec in records:
             self._check_stop()
             self._records += 1
             if rec.error is not None:
@@ -224,6 +240,7 @@ class Indexer:
 
     def _finish(self, t0: float, *, complete: bool) -> None:
         assert self.sink is not None
+        self.stop.finishing = True  # a stop asked now waits for the commit (a second one quits at once)
         s = self.summary
         try:
             if self.sink.manifest.fingerprint is not None:
@@ -249,10 +266,10 @@ class Indexer:
     def _on_bulk_wait(self, queue: str, depth: int, waited: float) -> None:
         """The bulk queue is full: this run waits for the workers to make room instead of failing; Ctrl-C
         still stops it."""
-        if not self._full_noted and self.bar is not None:
+        if not self._full_noted:
             self._full_noted = True
-            self.bar.write(f"embedq index: the bulk queue {queue} is full ({depth:,} jobs waiting); sending "
-                           "resumes as workers make room", file=sys.stderr)
+            say(f"the bulk queue {queue} is full ({depth:,} jobs waiting); sending resumes as workers "
+                      "make room")
         self._check_stop()
 
     def _probe(self) -> None:
@@ -334,8 +351,9 @@ class Indexer:
         else:
             fingerprint, data = self.kind.table(payload, self.config.vector_dtype)
         assert self.sink is not None
-        self.sink.accept(fingerprint)  # OutputMismatch before the first write
-        self.sink.write(chunk.ids, data)
+        with self.stop.writing():
+            self.sink.accept(fingerprint)  # OutputMismatch before the first write
+            self.sink.write(chunk.ids, data)
         n = len(chunk.ids)
         self.summary.texts += n
         tokens = (payload.get("usage") or {}).get("tokens", 0)
@@ -353,8 +371,7 @@ class Indexer:
         live = self._broker(lambda: self.client.workers(timeout=1.0))
         if not live:
             if not self._no_worker_warned:
-                self.bar.write("embedq index: no embedq worker answers; waiting for one (jobs stay queued)",
-                               file=sys.stderr)
+                say("no embedq worker answers; waiting for one (jobs stay queued)")
                 self._no_worker_warned = True
             self.window[0].head_since = time.monotonic()  # not the job's fault: wait another round
             return
@@ -414,9 +431,10 @@ class Indexer:
         assert self.sink is not None
         if time.monotonic() - self._last_commit < self.config.checkpoint_seconds:
             return
-        if self.sink.manifest.fingerprint is not None:
-            self.sink.commit()
-            self._flush_errors()
+        with self.stop.writing():
+            if self.sink.manifest.fingerprint is not None:
+                self.sink.commit()
+                self._flush_errors()
         self._last_commit = time.monotonic()
 
     def _flush_errors(self, final: bool = False) -> None:
@@ -434,29 +452,17 @@ class Indexer:
 
     def _broker(self, call: Any) -> Any:
         """Run a broker call, riding out a broker that is restarting for up to ``broker_timeout``."""
-        deadline, pause = None, 0.5
-        while True:
-            try:
-                return call()
-            except BROKER_ERRORS as exc:
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + self.config.broker_timeout
-                    self.bar.write(f"embedq index: broker unreachable ({exc}); retrying for up to "
-                                   f"{self.config.broker_timeout:.0f}s", file=sys.stderr)
-                if now >= deadline:
-                    raise errors.Unavailable(f"the broker did not answer for {self.config.broker_timeout:.0f}s: "
-                                             f"{exc}") from None
-                time.sleep(pause)
-                pause = min(pause * 2, 5.0)
+        return ride_out(self.client, call, self.config.broker_timeout)
 
 
-def run_index(client: Client, input_path: str, output: Path, *, input_format: str | None = None,
+def run_index(client: Client, input_path: str | Source, output: Path, *, input_format: str | None = None,
               output_format: str | None = None, text_field: str = "text", id_field: str | None = None,
               config: IndexConfig | None = None) -> Summary:
-    """Embed ``input_path`` (a path or ``-``) into ``output``; see :class:`IndexConfig`."""
+    """Embed ``input_path`` (a path, ``-``, or a :class:`Source` made already) into ``output``; see
+    :class:`IndexConfig`."""
     from embedq.producers.index.sinks import detect_output_format
 
-    source = Source(input_path, input_format, text_field=text_field, id_field=id_field)
+    source = input_path if isinstance(input_path, Source) else Source(input_path, input_format,
+                                                                       text_field=text_field, id_field=id_field)
     fmt = output_format or detect_output_format(output)
     return Indexer(client, source, output, fmt, config or IndexConfig()).run()

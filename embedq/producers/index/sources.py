@@ -75,6 +75,20 @@ class Source:
         self._explicit_id = id_field is not None
         self._id_field = id_field or "id"
 
+    def check(self) -> None:
+        """Refuse a file whose columns lack the text (or id) field at once, before anything starts (stdin's are
+        checked at its first record, still before the output is created)."""
+        if self.path == "-" or self.format not in ("csv", "tsv", "parquet"):
+            return
+        if self.format == "parquet":
+            import pyarrow.parquet as pq
+
+            self._check_columns(pq.ParquetFile(self.path).schema_arrow.names)
+            return
+        with self._open_binary() as fh:
+            text = io.TextIOWrapper(fh, encoding="utf-8", errors="replace", newline="")
+            self._check_columns(next(csv.reader(text, delimiter=self._delimiter), []))
+
     def describe(self) -> str:
         return f"{'stdin' if self.path == '-' else self.path} ({self.format})"
 
