@@ -54,6 +54,21 @@ def redis_client(settings: Settings, *, timeout: float = 5.0) -> Any:
                                 **(tls_options(settings) or {}))
 
 
+class Routes:
+    """Celery's router for embedq's app (``task_routes``): a job kind's task goes to the online queue, any other task
+    (a user's callback or errback that a job's canvas sends, Celery's own ``celery.*`` tasks) to
+    ``EMBEDQ_CALLBACK_QUEUE``, never to embedq's queues, whose workers refuse tasks that are not embedq kinds. A
+    queue given with the task (``apply_async(queue=...)``, a signature's ``options``) wins over both."""
+
+    def __init__(self, queue: str, callback_queue: str) -> None:
+        self.queue = queue
+        self.callback_queue = callback_queue
+
+    def __call__(self, name: str, args: Any = None, kwargs: Any = None, options: Any = None, task: Any = None,
+                 **_: Any) -> dict[str, str]:
+        return {"queue": self.queue if name in TASKS else self.callback_queue}
+
+
 def celery_config(settings: Settings) -> dict[str, object]:
     broker = settings.broker_url
     if broker is None:
@@ -90,7 +105,7 @@ def celery_config(settings: Settings) -> dict[str, object]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "task_default_queue": settings.queue_name,
-        "task_routes": {name: {"queue": settings.queue_name} for name in TASKS},
+        "task_routes": (Routes(settings.queue_name, settings.callback_queue),),
         "worker_prefetch_multiplier": settings.prefetch_window,
         "worker_send_task_events": True,
         "task_send_sent_event": False,

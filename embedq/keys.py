@@ -18,6 +18,9 @@ EPOCH_KEY = "embedq.epoch"
 ATTEMPTS_KEY = "embedq-attempts-{}"
 #: Set when a stopping worker handed the job back gracefully (its next delivery is not a crash).
 RETURNED_KEY = "embedq-returned-{}"
+#: Set with a job's record when the job has Celery canvas work (callbacks, errbacks, chain, chord) not yet sent;
+#: deleted once it is sent (workers/canvas.py).
+CANVAS_KEY = "embedq-canvas-{}"
 #: List of JSON records of dead-lettered jobs, newest first (written by workers, read by ``embedq status``).
 DEAD_LETTERS = "embedq.dead-letters"
 #: Stream of cancelled job ids (producers add, every worker follows it; cancellation.py).

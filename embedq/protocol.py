@@ -337,6 +337,21 @@ def decode_result(payload: dict[str, Any]) -> tuple[np.ndarray, Fingerprint]:
     return decode_vectors(payload["vectors"]), Fingerprint.model_validate(payload["fingerprint"])
 
 
+def json_result(payload: dict[str, Any]) -> dict[str, Any]:
+    """A result in its plain JSON form, what Celery callbacks receive (``link``, a chain's next step, a chord's
+    body): the same dict with every encoded array as ``{"encoding": "float", "dtype", "shape", "data"}``, ``data``
+    nested lists of numbers (float arrays as float32 values, whatever the job's encoding), as a job that asked
+    ``encoding="float"`` gets it. Any Celery client reads it without numpy or base64; :func:`decode_arrays` still
+    turns it back into arrays."""
+    out = dict(payload)
+    for name, value in payload.items():
+        if isinstance(value, dict) and "encoding" in value and "shape" in value and value["encoding"] != "float":
+            dtype = value.get("dtype", "float32")
+            out[name] = {"encoding": "float", "dtype": "float32" if dtype.startswith("float") else dtype,
+                         "shape": list(value["shape"]), "data": decode_array(value).tolist()}
+    return out
+
+
 def decode_arrays(payload: dict[str, Any]) -> dict[str, Any]:
     """Every encoded array of a result, decoded, with its other fields as they are."""
     return {k: decode_array(v) if isinstance(v, dict) and "encoding" in v and "shape" in v else v

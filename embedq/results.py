@@ -8,6 +8,12 @@ overwritten by a later SUCCESS), so a job cancelled while it ran read as cancell
 a success to the next. :class:`ResultStore` writes the record Celery's Redis backend would write (same
 key, same encoding, the same pub/sub notification, the backend's TTL) but only if the job has no record
 yet, atomically in Redis: the first outcome wins, whoever wrote it.
+
+A job with Celery canvas work (callbacks, errbacks, a chain, a chord) gets, in the same atomic step, a small
+*pending* marker beside its record (:data:`~embedq.keys.CANVAS_KEY`, the record's TTL): its worker deletes it once
+that work is sent (:meth:`ResultStore.canvas_sent`), so a worker killed in between leaves the marker, and the
+redelivered message's worker sends the work instead (``workers/canvas.py``). A job without canvas work costs what it
+did before: the same one script per job, with no marker.
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ from typing import Any
 from celery import Celery, states
 
 from embedq import errors
+from embedq.keys import CANVAS_KEY
 
-#: SET the record only if absent (with a TTL when one is given) and, if set, notify waiting readers.
+#: SET the record only if absent (with a TTL when one is given) and, if set, notify waiting readers. With a second
+#: key, setting the record also sets that key (the job's canvas-pending marker), with the same TTL.
 _STORE_ONCE = """
 local done
 if tonumber(ARGV[2]) > 0 then
@@ -27,6 +35,13 @@ else
   done = redis.call('SET', KEYS[1], ARGV[1], 'NX')
 end
 if done then
+  if KEYS[2] then
+    if tonumber(ARGV[2]) > 0 then
+      redis.call('SET', KEYS[2], 1, 'EX', ARGV[2])
+    else
+      redis.call('SET', KEYS[2], 1)
+    end
+  end
   redis.call('PUBLISH', KEYS[1], ARGV[1])
   return 1
 end
@@ -47,9 +62,11 @@ class ResultStore:
         broker's errors when Redis cannot be reached (the caller decides whether to retry)."""
         return self.store_many([(job_id, outcome)])[0]
 
-    def store_many(self, outcomes: list[tuple[str, dict[str, Any] | errors.EmbedqError]]) -> list[bool]:
+    def store_many(self, outcomes: list[tuple[str, dict[str, Any] | errors.EmbedqError]],
+                   canvas: frozenset[str] | set[str] = frozenset()) -> list[bool]:
         """:meth:`store` for many jobs in one round trip (a pipeline of the same atomic script, one per job);
-        each job's record is written once, as with :meth:`store`. Returns, per job, whether this call wrote it."""
+        each job's record is written once, as with :meth:`store`. Returns, per job, whether this call wrote it.
+        The jobs in ``canvas`` (ids) also get their canvas-pending marker, set with the record, atomically."""
         backend = self.app.backend
         pipe = backend.client.pipeline(transaction=False)
         # Celery's record (what _get_result_meta builds with no request: a batch is stored at one instant, so its
@@ -67,8 +84,17 @@ class ResultStore:
             meta["task_id"] = job_id
             # EVAL, not a registered script: redis-py's pipeline asks SCRIPT EXISTS before every execute, a second
             # round trip per batch
-            pipe.eval(_STORE_ONCE, 1, backend.get_key_for_task(job_id), backend.encode(meta), ttl)
+            key = backend.get_key_for_task(job_id)
+            if job_id in canvas:
+                pipe.eval(_STORE_ONCE, 2, key, CANVAS_KEY.format(job_id), backend.encode(meta), ttl)
+            else:
+                pipe.eval(_STORE_ONCE, 1, key, backend.encode(meta), ttl)
         return [bool(written) for written in pipe.execute()]
+
+    def canvas_sent(self, job_ids: list[str]) -> None:
+        """The canvas work of these jobs has been sent: delete their pending markers (one round trip)."""
+        if job_ids:
+            self.app.backend.client.delete(*(CANVAS_KEY.format(job_id) for job_id in job_ids))
 
     def outcome(self, job_id: str) -> dict[str, Any]:
         """The stored record's meta (``status`` PENDING when there is none)."""

@@ -220,6 +220,11 @@ class Settings(BaseSettings):
         "call's outcome still its status code.",
     )
     serializer: Literal["json", "msgpack"] = "json"
+    callback_queue: str = Field(
+        default="celery", min_length=1, description="Queue of the Celery tasks a job's canvas sends (link, "
+        "link_error, the next step of a chain, a chord's body) whose signature names no queue; any task that is not "
+        "an embedq kind is routed there, never to embedq's own queues (Celery's default queue is `celery`).",
+    )
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (CPU).")
     worker_processes: int | None = Field(
         default=None, ge=1, le=64,

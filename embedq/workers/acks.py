@@ -25,7 +25,7 @@ from embedq.batching import PrefetchWindow
 from embedq.batching.traffic import BULK, TrafficClass
 from embedq.broker import BROKER_ERRORS
 from embedq.results import ResultStore
-from embedq.workers import transport
+from embedq.workers import canvas, transport
 from embedq.workers.delivery import renew_leases
 from embedq.workers.jobs import Job
 from embedq.workers.metrics import WorkerMetrics
@@ -68,10 +68,11 @@ class Acks:
             if not isinstance(outcome, errors.EmbedqError):
                 outcome["worker"] = job.context.primary.hostname  # the indexer's summary counts texts per worker
         app = done[0][0].context.primary.task.app
+        canvas = {job.id for job, _ in done if job.canvas is not None}
         delay = 0.2
         while True:
             try:
-                written = ResultStore(app).store_many([(job.id, outcome) for job, outcome in done])
+                written = ResultStore(app).store_many([(job.id, outcome) for job, outcome in done], canvas)
                 break
             except BROKER_ERRORS as exc:
                 if self.service is not None and self.service.stopping:
@@ -82,12 +83,75 @@ class Acks:
                             delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
+        unsent = self.send_canvas(app, [(job, outcome, wrote) for (job, outcome), wrote in zip(done, written)
+                                        if job.canvas is not None]) if canvas else set()
         now = time.monotonic()
         for (job, outcome), wrote in zip(done, written):
             if not wrote:  # another outcome came first (the job was cancelled while it ran): that one stands
                 log.info("job %s already has an outcome; its %s is not stored", job.id,
                          "error" if isinstance(outcome, errors.EmbedqError) else "result")
+            if job.id in unsent:  # left unacknowledged: handed back, and its redelivery sends the work (marker)
+                continue
             self.finished.put((job, outcome, now))
+
+    def send_canvas(self, app: Any, jobs: list[tuple[Job, Any, bool]]) -> set[str]:
+        """Results thread: send the Celery canvas work of stored jobs (``workers/canvas.py``), riding out a broker
+        restart, then delete the pending markers of those sent. A job whose record another writer stored first
+        only returns its chord part, with that outcome (idempotent in Celery's Redis backend). Returns the ids of
+        jobs whose work could not be sent because the worker is stopping (their markers stay)."""
+        sent: list[str] = []
+        unsent: set[str] = set()
+        for job, outcome, wrote in jobs:
+            if unsent:  # stopping with the broker away: the rest wait for their redelivery too
+                unsent.add(job.id)
+                continue
+            delay = 0.2
+            while True:
+                try:
+                    if wrote:
+                        canvas.dispatch(app, job.canvas, outcome)
+                    else:
+                        canvas.chord_part(app, job.canvas, ResultStore(app).outcome(job.id))
+                    break
+                except BROKER_ERRORS as exc:
+                    if self.service is not None and self.service.stopping:
+                        log.warning("could not send the canvas work of job %s before stopping (%s)", job.id,
+                                    type(exc).__name__)
+                        unsent.add(job.id)
+                        break
+                    log.warning("sending the canvas work of job %s failed (%s); retrying in %.1fs", job.id,
+                                type(exc).__name__, delay)
+                    time.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+                except Exception:  # a malformed signature, a chord error: Celery's tracer logs it too, and so do we
+                    log.exception("the canvas work of job %s failed", job.id)
+                    break
+            if wrote and job.id not in unsent:
+                sent.append(job.id)
+        self._canvas_sent(app, sent)
+        return unsent
+
+    def resend_canvas(self, job: Job, record: dict[str, Any] | None) -> None:
+        """Consumer thread: a redelivered job whose record is stored and whose canvas work is still marked pending
+        (its worker died after storing and before deleting the marker): send the work now, for the stored outcome."""
+        if record is None:
+            return
+        app = job.context.primary.task.app
+        try:
+            canvas.dispatch(app, job.canvas, record.get("result"))
+        except BROKER_ERRORS as exc:  # its ack fails too, most likely: redelivered again, and sent then
+            log.warning("could not send the canvas work of redelivered job %s (%s)", job.id, type(exc).__name__)
+            return
+        except Exception:
+            log.exception("the canvas work of job %s failed", job.id)
+        log.info("sent the canvas work of job %s, redelivered after its worker stored it and died", job.id)
+        self._canvas_sent(app, [job.id])
+
+    def _canvas_sent(self, app: Any, job_ids: list[str]) -> None:
+        try:
+            ResultStore(app).canvas_sent(job_ids)
+        except BROKER_ERRORS as exc:  # only a redelivery of these jobs (their worker dying now) would send twice
+            log.warning("could not clear the canvas markers of %d job(s) (%s)", len(job_ids), type(exc).__name__)
 
     def apply_window(self) -> None:
         """Consumer thread: set the channel's prefetch count to what the text window allows now."""

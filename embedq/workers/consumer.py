@@ -45,6 +45,7 @@ from embedq.protocol import RESENT_HEADER, SENT_HEADER, TASK_NAME
 from embedq.settings import Settings
 from embedq.workers import memory, transport
 from embedq.workers.acks import ALREADY_STORED, Acks, routing_key_of
+from embedq.workers.canvas import canvas_of
 from embedq.workers.delivery import Ledger, Verdict
 from embedq.workers.jobs import Job
 from embedq.workers.messages import Messages, deadline_of, expires_iso
@@ -278,7 +279,7 @@ class Worker(Messages, Acks, Stopping):
             return
         req.send_event("task-received", **event)
         job = Job(id=req.id, texts=args, options=kwargs, context=Delivery([(req, size)]), size=size, spec=spec,
-                  traffic_class=klass, deadline=deadline_of(req.expires))
+                  traffic_class=klass, deadline=deadline_of(req.expires), canvas=canvas_of(req))
         self.held[job.id] = job
         verdict = Verdict()
         headers = req._request_dict or {}
@@ -294,6 +295,9 @@ class Worker(Messages, Acks, Stopping):
                 log.warning("could not read the history of job %s: %s", job.id, type(exc).__name__)
                 verdict = Verdict(suspect=redelivered, crashes=int(redelivered))
         if verdict.stored:
+            if verdict.canvas_pending and redelivered and job.canvas is not None:
+                # its worker died between storing the record and sending the canvas work (or deleting the marker)
+                self.resend_canvas(job, verdict.record)
             service.count_received(job.size, klass, spec.kind)
             service.stats.add(already_stored=1)
             self.finished.put((job, ALREADY_STORED, time.monotonic()))

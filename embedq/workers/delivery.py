@@ -31,7 +31,7 @@ from typing import Any
 
 from celery import states
 
-from embedq.keys import ATTEMPTS_KEY, DEAD_LETTERS, RETURNED_KEY
+from embedq.keys import ATTEMPTS_KEY, CANVAS_KEY, DEAD_LETTERS, RETURNED_KEY
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ class Verdict:
     """What a redelivered message's history says about it."""
 
     stored: bool = False  # a terminal record exists: acknowledge, do not run
+    canvas_pending: bool = False  # stored, and its canvas work may not have been sent (results.py's marker)
+    record: dict[str, Any] | None = None  # the stored record (decoded) when stored
     suspect: bool = False  # it may have killed a worker: run it alone, counting the run
     crashes: int = 0  # worker deaths it may have caused so far
 
@@ -70,11 +72,13 @@ class Ledger:
         pipe.delete(RETURNED_KEY.format(job_id))
         pipe.get(ATTEMPTS_KEY.format(job_id))
         pipe.get(self.backend.get_key_for_task(job_id))
-        returned, _, attempts, meta = pipe.execute()
+        pipe.exists(CANVAS_KEY.format(job_id))
+        returned, _, attempts, meta, canvas = pipe.execute()
         if meta is not None:
             try:
-                if self.backend.decode_result(meta).get("status") in states.READY_STATES:
-                    return Verdict(stored=True)
+                record = self.backend.decode_result(meta)
+                if record.get("status") in states.READY_STATES:
+                    return Verdict(stored=True, canvas_pending=bool(canvas), record=record)
             except Exception:  # an unreadable record is overwritten by running the job again
                 log.warning("job %s has an unreadable stored record; running it again", job_id)
         if attempts is None:

@@ -42,6 +42,7 @@ class Job:
     started: float | None = None  # monotonic time its first micro-batch started (set under the service lock)
     traffic_class: TrafficClass = ONLINE  # from the queue it came from
     deadline: float | None = None  # monotonic time after which it is dropped unless it has started
+    canvas: Any = None  # the Celery canvas work its message carries (workers/canvas.py), None for most jobs
 
     @property
     def kind(self) -> str:
