@@ -293,6 +293,6 @@ def test_b_online_jobs_run_inside_a_long_bulk_micro_batch_which_stays_bit_identi
     redis.close()
     assert mine[0]["preemption"] == "between layers" and mine[0]["timers"]["bulk_paused_seconds"] > 0
     console = Console(width=250, record=True)
-    console.print(render(snap, "redis://test"))
+    console.print(render(snap, "redis://test", wide=True))  # the online/bulk table is a detail: --wide
     row = [line for line in console.export_text().splitlines() if f"-{w.proc.pid}@" in line][1]
     assert f" {after['preemptions']:,} " in row and "between layers" in row, row
