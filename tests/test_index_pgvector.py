@@ -239,3 +239,24 @@ def test_d_a_missing_extra_names_it(worker, pg, tmp_path):
                           timeout=300, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "pip install 'embedq[pgvector]'" in proc.stderr and pg.PASSWORD not in proc.stderr
+
+
+def test_store_text_and_the_errors_file_of_a_database_output(worker, pg, corpus, tmp_path):
+    """--store-text keeps each text beside its vector; a failed record goes to TABLE.errors.jsonl in the current
+    folder; --overwrite replaces the table."""
+    texts = [t for t in corpus if len(t) < 200][:20]
+    src = tmp_path / "in.jsonl"
+    ids = _write_jsonl(src, texts)
+    with src.open("a") as fh:
+        fh.write(json.dumps({"id": "empty-1", "text": "   "}) + "\n")
+    url = pg.url(table="with_text")
+    for extra in ((), ("--overwrite",)):
+        code, summary, out = _run(worker.settings, src, url, "--store-text", *extra, cwd=tmp_path)
+        assert code == 1 and summary["rows"] == 20 and summary["failed"] == 1, out
+        assert summary["texts"] == 20  # --overwrite: the table was dropped, so every text was embedded again
+    errors_file = tmp_path / "with_text.errors.jsonl"
+    assert summary["errors_file"] == str(errors_file)
+    assert [json.loads(line)["id"] for line in errors_file.read_text().splitlines()] == ["empty-1"]
+    with pg.connect() as conn:
+        stored = dict(conn.execute("SELECT id, text FROM with_text").fetchall())
+    assert stored == dict(zip(ids, texts))

@@ -139,6 +139,9 @@ class Target:
             raise errors.InvalidOption(
                 f"--kind {self.config.kind} makes sparse vectors ({shapes['sparse']}), which need pgvector >= 0.7 "
                 f"(sparsevec); this server has pgvector {have}: upgrade the extension, or write Parquet")
+        if "sparse" in shapes and "dense" in shapes:  # the fingerprint's dimensions are the dense column's
+            raise errors.InvalidOption(f"--kind {self.config.kind}: the vocabulary size of its sparse column "
+                                       f"({shapes['sparse']}) is not known before the first result; write Parquet")
         if self.config.vector_dtype == "float16" and self.version < (0, 7):
             raise errors.InvalidOption(f"--vector-dtype float16 needs pgvector >= 0.7 (halfvec); this server has "
                                        f"pgvector {have}")
@@ -155,7 +158,7 @@ class Target:
                 cur.execute(f"SELECT manifest FROM {MANIFEST_TABLE} WHERE name = %s", (self.table,))
                 row = cur.fetchone()
                 self.manifest = Manifest.model_validate(row[0]) if row and exists else None
-            if exists and self.manifest is None:
+            if exists and self.manifest is None and not self.config.overwrite:  # --overwrite drops it in open()
                 cur.execute(self._sql("SELECT EXISTS (SELECT 1 FROM {t})"))
                 if cur.fetchone()[0]:
                     raise errors.OutputMismatch(
