@@ -25,8 +25,9 @@ def _pgserver():
 class PgCluster:
     PASSWORD = "embedq-test-pw"
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, bin_dir: Path | None = None) -> None:
         self.root = root
+        self.bin_dir = bin_dir  # default: the pgserver wheel's
         self.data = root / "data"
         self.socket = root / "sock"
         self.log = root / "postgres.log"
@@ -38,7 +39,7 @@ class PgCluster:
 
     def start(self) -> PgCluster:
         commands, utils = _pgserver()
-        bin_dir = Path(commands.POSTGRES_BIN_PATH)
+        bin_dir = Path(self.bin_dir or commands.POSTGRES_BIN_PATH)
         self.root.mkdir(parents=True, exist_ok=True)
         self.socket.mkdir(exist_ok=True)
         pwfile = self.root / "pwfile"

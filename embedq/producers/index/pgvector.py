@@ -8,7 +8,8 @@ the URL with ``***``.
 **The table** is created by the first commit, in that commit's transaction: ``id text primary key``, then one column
 per output of the kind, by its shape (``embedq/kinds.py`` :class:`~embedq.kinds.Column`; no kind is named here):
 ``dense`` -> ``vector(dim)`` (``halfvec(dim)`` for ``--vector-dtype float16``, pgvector >= 0.7), named ``embedding``
-for the plain ``embed`` kind and by the kind's column name otherwise; ``sparse`` -> ``sparsevec(dim)`` (pgvector >= 0.7:
+for the plain ``embed`` kind and by the kind's column name otherwise (an unnamed one, a SPLADE kind's: ``embedding``);
+``sparse`` -> ``sparsevec(dim)`` (pgvector >= 0.7:
 an older server refuses a sparse kind before anything is embedded); ``scalar`` -> ``double precision``; ``ragged`` (a
 list of vectors per text) is refused: pgvector has no multi-vector type that an index can use. ``--store-text`` adds
 ``text``. An existing table without embedq's record is used only when it is empty and its columns are exactly
@@ -20,9 +21,10 @@ never sends an id the table holds, and the primary key would refuse one) and the
 killed at any point leaves the last commit, and the next run reads the committed ids from the table and embeds the
 rest. One writer per table: a session advisory lock, which the server drops when the writer dies.
 
-**The ANN index** (``--build-index``): HNSW (pgvector >= 0.5) on each dense column after the load, with
+**The ANN index** (``--build-index``): HNSW (pgvector >= 0.5) on each vector column after the load, with
 ``vector_cosine_ops`` (``halfvec_cosine_ops``): embedq's models score by cosine (normalized vectors: cosine ranks as
-inner product does), so ``ORDER BY embedding <=> $query LIMIT k`` uses it.
+inner product does), so ``ORDER BY embedding <=> $query LIMIT k`` uses it; on a sparse column ``sparsevec_ip_ops``
+(SPLADE scores by inner product: ``ORDER BY embedding <#> $query``).
 """
 
 from __future__ import annotations
@@ -228,12 +230,13 @@ class Target:
 
     def build_index(self) -> tuple[str, float]:
         """HNSW on every vector column (after the load); returns what was built and the seconds it took."""
-        cols = [name for name, pgtype in self.columns() if pgtype.startswith(("vector(", "halfvec("))]
+        ops_of = {"vector": "vector_cosine_ops", "halfvec": "halfvec_cosine_ops", "sparsevec": "sparsevec_ip_ops"}
+        cols = [(name, ops_of[pgtype.split("(")[0]]) for name, pgtype in self.columns()
+                if pgtype.split("(")[0] in ops_of]
         built = []
         t0 = time.perf_counter()
         with self.conn.cursor() as cur:
-            for name in cols:
-                ops = "halfvec_cosine_ops" if self.columns_dict()[name].startswith("halfvec") else "vector_cosine_ops"
+            for name, ops in cols:
                 index = f"{self.table.split('.')[-1]}_{name}_hnsw"[:63]
                 from psycopg import sql
 
@@ -359,12 +362,15 @@ class PgvectorSink(Sink):
         else:
             self.cols = []
             for column, arrays in data:
+                # a sparse column's name is a prefix in Parquet (``lexical_`` -> lexical_indices, lexical_values; a
+                # SPLADE kind's is empty): here it names one column, the kind's only output being ``embedding``
+                name = column.name.rstrip("_") or "embedding"
                 if column.shape == "dense":
-                    self.cols.append(_dense(column.name, arrays[0], dtype))
+                    self.cols.append(_dense(name, arrays[0], dtype))
                 elif column.shape == "sparse":
-                    self.cols.append(_sparse(column.name, fp.dimensions))
+                    self.cols.append(_sparse(name, fp.dimensions))
                 else:
-                    self.cols.append(_scalar(column.name))
+                    self.cols.append(_scalar(name))
         want = [("id", "text")] + [(c.name, c.pgtype) for c in self.cols]
         if texts is not None:
             want.append(("text", "text"))
