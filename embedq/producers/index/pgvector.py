@@ -302,6 +302,7 @@ class PgvectorSink(Sink):
     """Rows into a PostgreSQL table, committed with the manifest in one transaction (see the module's docstring)."""
 
     format = "postgresql"
+    arrow_columns = False  # the kind's columns as numpy arrays, mapped by shape in _plan
 
     def __init__(self, target: Target, manifest: Manifest) -> None:
         super().__init__(Path(target.table), manifest, shard_rows=0)

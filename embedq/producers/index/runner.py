@@ -356,9 +356,9 @@ class Indexer:
         assert self.sink is not None
         if self.kind.columns is None:
             data, fingerprint = decode_result(payload)
-        elif self.sink.format == "parquet":
+        elif self.sink.arrow_columns:
             fingerprint, data = self.kind.table(payload, self.config.vector_dtype)
-        else:  # a database sink maps the kind's columns itself
+        else:  # a sink that maps the kind's columns itself (pgvector.py)
             fingerprint, data = self.kind.arrays(payload)
         texts = {"texts": chunk.texts} if self.config.store_text else {}
         with self.stop.writing():
