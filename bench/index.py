@@ -3,6 +3,8 @@
     python bench/index.py                  # 100,000 texts (the corpus 25 times), CPU fp32
     python bench/index.py --n 20000        # quicker
     python bench/index.py --device cuda:0 --dtype float16
+    python bench/index.py --sink           # the same texts into Parquet and into pgvector (a private pgserver)
+    python bench/index.py --sink 'postgresql://user@host/db?table=bench'   # into that server instead
 
 Runs, in this one process tree:
   1. core: the throughput benchmark's embedq run (``bench/throughput.py``: the 4,000 corpus texts as
@@ -11,6 +13,12 @@ Runs, in this one process tree:
      process, default chunk size and window) embedding ``--n`` texts JSONL -> Parquet. A sampler reads
      Redis ``INFO memory`` twice a second; Redis' own ``used_memory_peak`` is read at the end.
 The last line is the headline ratio: index texts/s / core texts/s.
+
+With ``--sink`` (issue 40 e) it runs instead, on one private redis-server and one warm worker, the same ``--n`` texts
+(default 4,000: the corpus) through ``embedq index`` into Parquet and into PostgreSQL + pgvector, alternating
+(Parquet, pgvector, pgvector, Parquet, ... for ``--rounds``), each into a fresh output, no ANN index (its build is
+timed apart, once, after the last run). Without a URL it starts its own cluster from the pgserver wheel
+(tests/pgcluster.py). The last line is the headline ratio: pgvector seconds / Parquet seconds (summed over rounds).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import redis  # noqa: E402
 
@@ -103,14 +111,103 @@ def run_index(settings: Settings, src: Path, out: Path, extra: list[str], log: P
     return elapsed, json.loads(done.stdout), memory, delta
 
 
+def _index_once(settings: Settings, src: Path, out: str, extra: list[str]) -> tuple[float, dict]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_")}
+    env.update({"EMBEDQ_BROKER_URL": settings.broker_url, "PYTHONPATH": str(ROOT)})
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "embedq", "index", str(src), "-o", out, "-q", "--json", *extra],
+                          env=env, capture_output=True, text=True, cwd=src.parent)
+    elapsed = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"embedq index -o {out} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return elapsed, json.loads(done.stdout)
+
+
+def sink_main(args: argparse.Namespace, base: dict) -> None:
+    """Parquet against pgvector: same texts, same worker, alternating runs; the ANN index build timed apart."""
+    import contextlib
+
+    from embedq.producers.index.targets import mask_url, split_param
+
+    n = args.n if args.n_given else 4000
+    logdir = Path(os.environ.get("TMPDIR", "/tmp")) / "embedq-bench"
+    logdir.mkdir(exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="embedq-bench-sink-")))
+        url = args.sink
+        if url == "auto":
+            from pgcluster import PgCluster
+
+            cluster = stack.enter_context(PgCluster(tmp / "pg"))
+            url = cluster.url(cluster.create_database("bench"))
+            where = "a private pgserver cluster (PostgreSQL 16.2, pgvector 0.6.2), 127.0.0.1"
+        else:
+            where = mask_url(url)
+        base_url, _ = split_param(url, "table")
+        sep = "&" if "?" in base_url else "?"
+        src = tmp / "in.jsonl"
+        write_input(src, n)
+        redis_server = stack.enter_context(RedisServer())
+        settings = Settings().model_copy(update={**base, "broker_url": redis_server.url})
+        proc = start_worker(settings, log_path=logdir / "worker-sink.log")
+        client = Client(settings)
+        stack.callback(client.close)
+        stack.callback(stop_worker, proc)
+        wait_for_worker(client.app, proc, log_path=logdir / "worker-sink.log")
+        client.embed(["warm up"] * 64, timeout=300)
+        extra = args.index_args.split()
+        times: dict[str, list[float]] = {"parquet": [], "pgvector": []}
+        order = [("parquet", "pgvector"), ("pgvector", "parquet")]
+        last_table = None
+        for r in range(args.rounds):
+            for sink in order[r % 2]:
+                if sink == "parquet":
+                    out = str(tmp / f"out-{r}.parquet")
+                else:
+                    last_table = f"bench_{os.getpid()}_{r}"
+                    out = f"{base_url}{sep}table={last_table}"
+                seconds, summary = _index_once(settings, src, out, extra)
+                assert summary["rows"] == n and summary["failed"] == 0, summary
+                times[sink].append(seconds)
+                print(f"  round {r + 1} {sink:<9} {seconds:7.1f}s  {n / seconds:7.1f} texts/s", flush=True)
+        import psycopg
+
+        with psycopg.connect(base_url, autocommit=True) as conn:
+            t0 = time.perf_counter()
+            conn.execute(f"CREATE INDEX ON {last_table} USING hnsw (embedding vector_cosine_ops)")
+            index_s = time.perf_counter() - t0
+            for r in range(args.rounds):
+                conn.execute(f"DROP TABLE IF EXISTS bench_{os.getpid()}_{r}")
+            conn.execute("DELETE FROM embedq_index WHERE name LIKE %s", (f"bench_{os.getpid()}_%",))
+    pq_s, pg_s = sum(times["parquet"]), sum(times["pgvector"])
+    print(f"# embedq index --sink  {time.strftime('%Y-%m-%d')}  {platform.node()}  {cpu_summary()}"
+          f"  cpus={os.cpu_count()}  device={args.device}  dtype={args.dtype}")
+    print(f"# {n} texts JSONL (the corpus{' repeated' if n > 4000 else ''}), {args.rounds} rounds alternating, "
+          f"args: {args.index_args or '(defaults)'}; pgvector: {where}")
+    print(f"{'sink':<10} {'runs':>4} {'seconds':>9} {'texts/s':>8}")
+    for sink, s in (("parquet", pq_s), ("pgvector", pg_s)):
+        print(f"{sink:<10} {len(times[sink]):>4} {s:>9.1f} {n * len(times[sink]) / s:>8.1f}")
+    print(f"HNSW index build on {n} rows (vector_cosine_ops, not in the times above): {index_s:.1f}s")
+    print(f"pgvector / Parquet (seconds, same texts, same worker): {pg_s / pq_s:.3f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n", type=int, default=100_000, help="texts to index (the corpus repeated)")
+    p.add_argument("--n", type=int, default=None, help="texts to index (the corpus repeated; default 100,000, "
+                   "4,000 with --sink)")
+    p.add_argument("--sink", nargs="?", const="auto", metavar="URL",
+                   help="Parquet against pgvector (issue 40 e); URL: postgresql://... (default: a private pgserver)")
+    p.add_argument("--rounds", type=int, default=2, help="--sink: alternating rounds of each sink (default 2)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--index-args", default="", help="extra `embedq index` arguments, e.g. '--chunk-size 128'")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
+    args.n_given = args.n is not None
+    if args.sink:
+        sink_main(args, {"device": args.device, "dtype": args.dtype})
+        return
+    args.n = args.n or 100_000
 
     core_texts = [r["text"] for r in corpus_rows()]
     logdir = Path(os.environ.get("TMPDIR", "/tmp")) / "embedq-bench"

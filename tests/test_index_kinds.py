@@ -87,7 +87,7 @@ def test_d_sparse_index_resumes_after_a_kill_and_equals_the_client(splade_worker
         run_index(splade_worker.client, str(tmp_path / "in.jsonl"), out,
                   config=IndexConfig(kind="multi", progress=False))
     assert sorted(p.name for p in out.iterdir()) == before
-    with pytest.raises(errors.InvalidOption, match="Parquet only"):
+    with pytest.raises(errors.InvalidOption, match="writes Parquet \\(list columns\\) or a database"):
         run_index(splade_worker.client, str(tmp_path / "in.jsonl"), tmp_path / "out.npy",
                   config=IndexConfig(kind="sparse", progress=False))
 

@@ -105,6 +105,7 @@ def cmd_index(ns: argparse.Namespace, settings: Settings) -> int:
     from embedq.producers.client import Client
     from embedq.producers.index import IndexConfig, run_index
     from embedq.producers.index.sources import Source
+    from embedq.producers.index.targets import FileTarget, output_target
 
     if ns.model:
         settings = settings.model_copy(update={"model": ns.model})
@@ -113,17 +114,23 @@ def cmd_index(ns: argparse.Namespace, settings: Settings) -> int:
         vector_dtype=ns.vector_dtype, job_timeout=ns.job_timeout, checkpoint_seconds=ns.checkpoint_seconds,
         shard_rows=ns.shard_rows, overwrite=ns.overwrite, progress=not ns.quiet, kind=ns.kind,
         wait_for_worker=ns.wait_for_worker, connect_timeout=settings.broker_timeout,
+        errors_file=Path(ns.errors) if ns.errors else None, ann_index=ns.build_index, store_text=ns.store_text,
     )
-    # the input is checked before anything starts (a private stack included): a refused run leaves nothing
+    # the input and a database output are checked before anything starts (a private stack included): a refused run
+    # leaves nothing
     source = Source(ns.input, ns.input_format, text_field=ns.text_field, id_field=ns.id_field)
     source.check()
+    target = output_target(ns.output, ns.output_format, config)
+    if (ns.build_index or ns.store_text) and isinstance(target, FileTarget):
+        raise errors.InvalidOption("--build-index and --store-text are for a database output (-o postgresql://...)")
+    target.check()
 
     def _stop(signum: int, frame: Any) -> None:  # SIGTERM (systemd, kill): stop like Ctrl-C (the run's own
         raise KeyboardInterrupt  # handler, once it runs, commits first)
 
     signal.signal(signal.SIGTERM, _stop)
     with _broker(settings, quiet=ns.quiet) as live, Client(live) as client:
-        summary = run_index(client, source, Path(ns.output), output_format=ns.output_format, config=config)
+        summary = run_index(client, source, target, config=config)
     print(summary.render(), file=sys.stderr)
     if ns.json:
         print(json.dumps(summary.as_dict()))
@@ -269,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
         "records failed (see the errors file), 2 refused or broken, 130 interrupted (Ctrl-C or SIGTERM).")
     i.add_argument("input", help="a .jsonl/.csv/.tsv/.parquet/.txt file (.gz for line formats) or - for stdin")
     i.add_argument("-o", "--output", required=True,
-                   help="OUT.parquet (a directory of shards), OUT.npy (+ OUT.ids.txt) or OUT.jsonl")
+                   help="OUT.parquet (a directory of shards), OUT.npy (+ OUT.ids.txt), OUT.jsonl, or a database: "
+                   "postgresql://user@host:5432/db?table=docs (pip install 'embedq[pgvector]'; docs/INDEXING.md)")
     i.add_argument("--input-format", choices=["jsonl", "csv", "tsv", "parquet", "text"],
                    help="default: from the input's suffix (jsonl for stdin)")
     i.add_argument("--output-format", choices=["parquet", "npy", "jsonl"], help="default: from the output's suffix")
@@ -296,6 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(exit 2, naming the queue and what the live workers serve); inf waits for ever, for workers "
                    "that scale up from zero (default 10)")
     i.add_argument("--overwrite", action="store_true", help="delete an existing output and start afresh")
+    i.add_argument("--errors", metavar="FILE", help="where the failed records go (default: OUTPUT.errors.jsonl "
+                   "beside a file output; TABLE.errors.jsonl in the current folder for a database)")
+    i.add_argument("--build-index", action="store_true", help="a database output: build its ANN index (HNSW, "
+                   "cosine) after the load; its time is reported on its own line")
+    i.add_argument("--store-text", action="store_true", help="a database output: store each text beside its vectors")
     i.add_argument("--json", action="store_true", help="also print the summary as JSON on stdout")
     i.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_embedding_options(i)

@@ -12,7 +12,8 @@ own name or an alias, stored in the columns its spec's :class:`~embedq.kinds.Col
 Each of the four column shapes maps to Parquet here (dense: fixed-size list; sparse: two lists; ragged: a list of
 fixed-size lists; scalar: one value), so a kind from a plugin is indexed with no edit of this module. The kind and
 its outputs are in every result's fingerprint and in the output's manifest, so an output is never continued with
-another kind. Kinds other than ``embed`` write Parquet only.
+another kind. Kinds other than ``embed`` write Parquet or a database (whose sink maps the shapes it can store and
+refuses the others: ``pgvector.py``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,13 @@ class IndexKind:
             wire["encoding"] = vector_dtype
         return wire
 
+    def arrays(self, payload: dict[str, Any]) -> tuple[Fingerprint, list[tuple[Column, list[np.ndarray]]]]:
+        """A non-dense result as (its fingerprint, each column with its decoded arrays, in the order
+        :attr:`Column.arrays` names them): what a database sink maps by shape."""
+        assert self.columns is not None
+        return (Fingerprint.model_validate(payload["fingerprint"]),
+                [(c, [decode_array(payload[name]) for name in c.arrays]) for c in self.columns])
+
     def table(self, payload: dict[str, Any], vector_dtype: str) -> tuple[Fingerprint, Any]:
         """A non-dense result as (its fingerprint, a pyarrow table of its columns, one row per text)."""
         import pyarrow as pa
@@ -100,6 +108,7 @@ def index_kind(name: str, output_format: str) -> IndexKind:
         raise errors.InvalidOption(f"unknown index kind {name!r}; use one of {', '.join(indexable)} "
                                    f"(or an alias: {', '.join(MANIFEST_NAMES.values())})")
     kind = IndexKind.of(spec)
-    if kind.columns is not None and output_format != "parquet":
-        raise errors.InvalidOption(f"--kind {name} writes Parquet only (list columns); name the output .parquet")
+    if kind.columns is not None and output_format in ("npy", "jsonl"):  # a database sink checks its own columns
+        raise errors.InvalidOption(f"--kind {name} writes Parquet (list columns) or a database; name the output "
+                                   ".parquet")
     return kind

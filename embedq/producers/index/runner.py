@@ -37,10 +37,11 @@ from embedq import errors
 from embedq.producers.client import Client, JobHandle
 from embedq.producers.index.idset import IdSet, digest
 from embedq.producers.index.kinds import INDEX_KINDS, IndexKind, index_kind
-from embedq.producers.index.sinks import OutputLock, Sink, VectorDtype, open_sink, remove_output
+from embedq.producers.index.sinks import Sink, VectorDtype
 from embedq.producers.index.sources import Record, Source
 from embedq.producers.index.stopping import Stop, Stopper, ride_out, say, wait_for_worker
 from embedq.producers.index.summary import Summary
+from embedq.producers.index.targets import Target, output_target
 from embedq.protocol import Fingerprint, decode_result, validate_texts
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,9 @@ class IndexConfig:
     wait_for_worker: float = 10.0  # seconds to wait for a live worker on the queue before refusing (inf: forever)
     overwrite: bool = False
     progress: bool = True
+    errors_file: Path | None = None  # default: beside a file output; a database's: <table>.errors.jsonl here
+    ann_index: bool = False  # a database output: build its ANN index after a complete run (timed on its own)
+    store_text: bool = False  # a database output: a ``text`` column beside the vectors
 
 
 @dataclass(eq=False)
@@ -91,16 +95,16 @@ def storage_options(options: dict[str, Any], kind: IndexKind = INDEX_KINDS["embe
 
 
 class Indexer:
-    def __init__(self, client: Client, source: Source, output: Path, output_format: str,
+    def __init__(self, client: Client, source: Source, output: Path | str | Target, output_format: str | None,
                  config: IndexConfig) -> None:
         self.client = client
         self.source = source
-        self.output = output
-        self.format = output_format
         self.config = config
-        self.kind = index_kind(config.kind, output_format)
+        self.target = output_target(output, output_format, config)
+        self.kind = index_kind(config.kind, self.target.format)
         self.job_options = self.kind.job_options(config.options, config.vector_dtype)
-        self.summary = Summary(input=source.describe(), output=str(output))
+        self.summary = Summary(input=source.describe(), output=self.target.describe())
+        self.errors_path = config.errors_file or self.target.default_errors_path()
         self.window: deque[_Chunk] = deque()
         self.seen = IdSet()
         self._errors: list[dict[str, Any]] = []
@@ -120,14 +124,15 @@ class Indexer:
     def run(self) -> Summary:
         """Check the input, reach the broker and find a worker before the output is created (a refused run
         leaves no files), then stream. Ctrl-C or SIGTERM stops at once at any stage, committing what arrived."""
-        if self.source.path != "-" and Path(self.source.path).resolve() == self.output.resolve():
-            raise errors.InvalidOption("the output would overwrite the input")
+        if hasattr(self.target, "check_input"):
+            self.target.check_input(self.source.path)
+        self.target.check()  # a database reached and its table checked before the broker (a file: when opened)
         t0 = time.perf_counter()
         restore = self.stop.catch()
         try:
             try:
                 records = self._prepare()
-                with OutputLock(self.output):
+                with self.target.lock():
                     self._stream(records, t0)
             except Stop:  # before the output existed: nothing to commit
                 self.summary.interrupted = True
@@ -149,16 +154,16 @@ class Indexer:
         return records if first is None else itertools.chain([first], records)
 
     def _stream(self, records: Iterator[Record], t0: float) -> None:
-        created = not self.output.exists()
+        created = not self.target.exists()
         with self.stop.writing(then_stop=False):  # a stop asked meanwhile: at the check below
-            self.sink = open_sink(self.output, self.format, vector_dtype=self.config.vector_dtype,
-                                  options=storage_options(self.config.options, self.kind),
-                                  shard_rows=self.config.shard_rows, overwrite=self.config.overwrite)
-        self.summary.errors_file = str(self.sink.errors_path)
+            self.sink = self.target.open(vector_dtype=self.config.vector_dtype,
+                                         options=storage_options(self.config.options, self.kind),
+                                         shard_rows=self.config.shard_rows, overwrite=self.config.overwrite)
+        self.summary.errors_file = str(self.errors_path)
         self._last_commit = time.monotonic()
         try:
             self._check_stop()
-            if self.sink.manifest.fingerprint is not None:
+            if self.sink.manifest.fingerprint is not None or getattr(self.sink, "probe_first", False):
                 self._probe()
             from tqdm import tqdm
 
@@ -178,13 +183,15 @@ class Indexer:
         except errors.EmbedqError:
             self._finish(t0, complete=False)
             if created and self.sink.manifest.fingerprint is None:  # refused before a row: leave no files
-                remove_output(self.output, self.format)
+                self.target.remove()
             raise
         except BaseException:
             self._finish(t0, complete=False)
             raise
         else:
             self._finish(t0, complete=True)
+            if self.config.ann_index:  # after the load, timed on its own line of the summary
+                self.summary.ann_index, self.summary.ann_index_seconds = self.target.build_index()
 
     def _connect(self) -> None:
         """Reach the broker before anything else, for at most ``connect_timeout`` seconds: a wrong URL or a
@@ -346,14 +353,17 @@ class Indexer:
 
     def _write(self, chunk: _Chunk, payload: dict[str, Any]) -> None:
         """A chunk's result into the output."""
+        assert self.sink is not None
         if self.kind.columns is None:
             data, fingerprint = decode_result(payload)
-        else:
+        elif self.sink.arrow_columns:
             fingerprint, data = self.kind.table(payload, self.config.vector_dtype)
-        assert self.sink is not None
+        else:  # a sink that maps the kind's columns itself (pgvector.py)
+            fingerprint, data = self.kind.arrays(payload)
+        texts = {"texts": chunk.texts} if self.config.store_text else {}
         with self.stop.writing():
             self.sink.accept(fingerprint)  # OutputMismatch before the first write
-            self.sink.write(chunk.ids, data)
+            self.sink.write(chunk.ids, data, **texts)
         n = len(chunk.ids)
         self.summary.texts += n
         tokens = (payload.get("usage") or {}).get("tokens", 0)
@@ -440,7 +450,7 @@ class Indexer:
     def _flush_errors(self, final: bool = False) -> None:
         """The errors file lists the failures of the latest run (earlier failures are retried)."""
         assert self.sink is not None
-        path = self.sink.errors_path
+        path = self.errors_path
         if not self._errors and not self._errors_started:
             if final:
                 path.unlink(missing_ok=True)
@@ -455,14 +465,11 @@ class Indexer:
         return ride_out(self.client, call, self.config.broker_timeout)
 
 
-def run_index(client: Client, input_path: str | Source, output: Path, *, input_format: str | None = None,
-              output_format: str | None = None, text_field: str = "text", id_field: str | None = None,
-              config: IndexConfig | None = None) -> Summary:
-    """Embed ``input_path`` (a path, ``-``, or a :class:`Source` made already) into ``output``; see
-    :class:`IndexConfig`."""
-    from embedq.producers.index.sinks import detect_output_format
-
+def run_index(client: Client, input_path: str | Source, output: Path | str | Target, *,
+              input_format: str | None = None, output_format: str | None = None, text_field: str = "text",
+              id_field: str | None = None, config: IndexConfig | None = None) -> Summary:
+    """Embed ``input_path`` (a path, ``-``, or a :class:`Source` made already) into ``output`` (a path, a database
+    URL or a target made already: ``targets.py``); see :class:`IndexConfig`."""
     source = input_path if isinstance(input_path, Source) else Source(input_path, input_format,
                                                                        text_field=text_field, id_field=id_field)
-    fmt = output_format or detect_output_format(output)
-    return Indexer(client, source, output, fmt, config or IndexConfig()).run()
+    return Indexer(client, source, output, output_format, config or IndexConfig()).run()

@@ -103,6 +103,7 @@ class Sink:
     """Base of the three outputs. Use :func:`open_sink`."""
 
     format = ""
+    arrow_columns = True  # a kind's columns reach write() as one pyarrow table (False: as decoded numpy arrays)
 
     def __init__(self, path: Path, manifest: Manifest, *, shard_rows: int) -> None:
         self.path = path

@@ -33,6 +33,8 @@ class Summary:
     failures_by_code: Counter[str] = field(default_factory=Counter)
     fingerprint: Fingerprint | None = None
     errors_file: str | None = None
+    ann_index: str | None = None  # a database's ANN index built after the load (``--build-index``), and its time
+    ann_index_seconds: float | None = None
 
     @property
     def texts_per_second(self) -> float:
@@ -62,6 +64,9 @@ class Summary:
             f"  failed     {self.failed:,}" + (f" -> {self.errors_file} ({codes})" if self.failed else ""),
             f"  output     {self.rows:,} rows" + (f"; {self.fingerprint.describe()}" if self.fingerprint else ""),
         ]
+        if self.ann_index is not None:
+            lines.append(f"  ann index  {self.ann_index} built in {self.ann_index_seconds or 0:.1f}s (not in the "
+                         f"{self.seconds:.1f}s above)")
         if self.resubmitted:
             lines.append(f"  resubmitted {self.resubmitted} jobs (timeouts or retryable errors)")
         if self.bulk_waits:

