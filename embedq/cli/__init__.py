@@ -122,7 +122,8 @@ def cmd_index(ns: argparse.Namespace, settings: Settings) -> int:
     source.check()
     target = output_target(ns.output, ns.output_format, config)
     if (ns.build_index or ns.store_text) and isinstance(target, FileTarget):
-        raise errors.InvalidOption("--build-index and --store-text are for a database output (-o postgresql://...)")
+        raise errors.InvalidOption("--build-index and --store-text are for a database output (-o postgresql://... or "
+                                   "lancedb://...)")
     target.check()
 
     def _stop(signum: int, frame: Any) -> None:  # SIGTERM (systemd, kill): stop like Ctrl-C (the run's own
@@ -277,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("input", help="a .jsonl/.csv/.tsv/.parquet/.txt file (.gz for line formats) or - for stdin")
     i.add_argument("-o", "--output", required=True,
                    help="OUT.parquet (a directory of shards), OUT.npy (+ OUT.ids.txt), OUT.jsonl, or a database: "
-                   "postgresql://user@host:5432/db?table=docs (pip install 'embedq[pgvector]'; docs/INDEXING.md)")
+                   "postgresql://user@host:5432/db?table=docs (pip install 'embedq[pgvector]') or "
+                   "lancedb:///absolute/path/to/db?table=docs (pip install 'embedq[lancedb]'); docs/INDEXING.md")
     i.add_argument("--input-format", choices=["jsonl", "csv", "tsv", "parquet", "text"],
                    help="default: from the input's suffix (jsonl for stdin)")
     i.add_argument("--output-format", choices=["parquet", "npy", "jsonl"], help="default: from the output's suffix")
@@ -306,8 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--overwrite", action="store_true", help="delete an existing output and start afresh")
     i.add_argument("--errors", metavar="FILE", help="where the failed records go (default: OUTPUT.errors.jsonl "
                    "beside a file output; TABLE.errors.jsonl in the current folder for a database)")
-    i.add_argument("--build-index", action="store_true", help="a database output: build its ANN index (HNSW, "
-                   "cosine) after the load; its time is reported on its own line")
+    i.add_argument("--build-index", action="store_true", help="a database output: build its ANN index (pgvector: HNSW; "
+                   "LanceDB: IVF_HNSW_SQ; cosine) after the load; its time is reported on its own line")
     i.add_argument("--store-text", action="store_true", help="a database output: store each text beside its vectors")
     i.add_argument("--json", action="store_true", help="also print the summary as JSON on stdout")
     i.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

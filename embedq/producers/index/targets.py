@@ -40,6 +40,7 @@ class Backend:
 SCHEMES: dict[str, Backend] = {
     "postgresql": Backend("pgvector", "pgvector", ("psycopg",)),
     "postgres": Backend("pgvector", "pgvector", ("psycopg",)),
+    "lancedb": Backend("lancedb", "lancedb", ("lancedb",)),
 }
 
 

@@ -1,0 +1,379 @@
+"""``embedq index -o lancedb:///absolute/path/to/db?table=docs``: a LanceDB table (embedded: no server).
+
+The URL names the database's folder (an absolute local path; it is created if missing, its parent must exist) and,
+with ``table``, the table in it. The ``lancedb`` package is imported only here, absolutely (this module's name is
+``embedq.producers.index.lancedb``; ``from __future__ import annotations`` keeps every import absolute).
+
+**The table** is created by the first commit: ``id`` (string), then the kind's columns exactly as the kinds table
+builds them for Parquet (``kinds.py``: the runner hands this sink one pyarrow table per result, so no kind is named
+here): dense -> a fixed-size list of float32 (float16 with ``--vector-dtype float16``), LanceDB's vector type, named
+``vector`` for the plain ``embed`` kind (LanceDB's default vector column) and by the kind's column name otherwise;
+ragged (``--kind multi``: ``embed_all``'s per-token states; BGE-M3's ``colbert``) -> a list of fixed-size vectors,
+LanceDB's multivector type; sparse -> ``<name>indices`` list<int32> and ``<name>values`` list<float32> (plain
+columns: LanceDB has no sparse vector type); scalar -> one value. ``--store-text`` adds ``text``. An existing table
+without embedq's record is used only when it is empty and its columns are exactly these (types and dimensions);
+otherwise it is refused before anything is embedded.
+
+**The record** (format, options, embedding-space fingerprint, row count, runs: the file sinks' manifest) is the
+metadata of the ``id`` field, key ``embedq.manifest`` (``tbl.schema.field("id").metadata``): written by the commit
+that creates the table, so the table never holds a row without it, and updated at each commit. It is read and
+compared before anything is embedded (format, vector dtype, options: the kind is one of them), and the fingerprint
+against the workers' one-text probe before anything is written.
+
+**Commits**: rows are buffered and appended at each checkpoint (``--checkpoint-seconds``) by one ``add``: a LanceDB
+commit is atomic (a new version appears whole or not at all), so a run killed at any point leaves whole commits, and
+the next run reads the ids the table holds and embeds the rest. Append, not ``merge_insert("id")``: with one writer
+(the lock) and resume from the table's own ids the indexer never sends an id the table holds, and an append costs
+the batch, where a merge joins every batch against the table's whole id column (a cost that grows with the table all
+night). The append is checked: the row count after it must be the count before plus the batch, and the ids read when
+a run starts must be distinct, or the run stops with an error (another writer went around the lock). The record's
+row count may lag the table by the last commit (killed between the append and the record's update): the table's own
+count is what a run starts from. One writer per table: an ``flock`` on ``<db>.<table>.embedq.lock`` beside the
+database's folder, dropped by the kernel when the writer dies.
+
+**The ANN index** (``--build-index``): IVF_HNSW_SQ with cosine distance on each vector column (dense and
+multivector) after the load (LanceDB's defaults: one IVF partition per ~1M vectors, HNSW m=20, ef_construction=300,
+8-bit scalar quantization; a 2,000-row table gets one partition). ``tbl.search(q).distance_type("cosine")`` uses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import numpy as np
+
+from embedq import errors
+from embedq.producers.index.idset import digest
+from embedq.producers.index.sinks import Manifest, OutputLock, Sink, _now
+from embedq.producers.index.targets import split_param
+from embedq.protocol import Fingerprint
+
+MANIFEST_KEY = b"embedq.manifest"
+ROWS_PER_ADD = 65_536  # rows buffered before an append even between checkpoints (bounds this process's memory)
+_TABLE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # what LanceDB accepts as a table name
+
+
+def _lancedb() -> Any:
+    import lancedb
+
+    return lancedb
+
+
+def _pa() -> Any:
+    import pyarrow as pa
+
+    return pa
+
+
+def _writable(folder: Path) -> str | None:
+    """Why files cannot be created in ``folder`` (None: they can): tried, not guessed from the mode bits."""
+    if not folder.exists():
+        return "does not exist"
+    if not folder.is_dir():
+        return "is not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=".embedq-probe-"):
+            pass
+    except OSError as exc:
+        return f"is not writable ({exc.strerror or exc})"
+    return None
+
+
+def _type_name(t: Any) -> str:
+    return str(t).replace("item: ", "")
+
+
+class Target:
+    """A LanceDB table as an ``embedq index`` output (see the module's docstring)."""
+
+    format = "lancedb"
+
+    def __init__(self, url: str, config: Any) -> None:
+        self.url = url
+        rest, table = split_param(url, "table")
+        parts = urlsplit(rest)
+        if not table:
+            raise errors.InvalidOption(f"{url} names no table: add ?table=NAME")
+        if not _TABLE_NAME.match(table):
+            raise errors.InvalidOption(f"{url}: a LanceDB table name has only letters, digits, _, - and .")
+        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+            raise errors.InvalidOption(f"{url}: a LanceDB output is a local folder named by an absolute path, "
+                                       "lancedb:///absolute/path/to/db?table=NAME (three slashes)")
+        if parts.query:
+            names = ", ".join(sorted({k for k, _ in parse_qsl(parts.query, keep_blank_values=True)}))
+            raise errors.InvalidOption(f"{url}: a lancedb:// output takes only ?table= (not {names})")
+        self.path = Path(unquote(parts.path))
+        self.table = table
+        self.config = config
+        self.db: Any = None
+        self.tbl: Any = None
+        self.manifest: Manifest | None = None
+        self.made_folder = False
+        self._checked = False
+
+    # -- what the runner asks ----------------------------------------------------------------------
+    def describe(self) -> str:
+        return self.url
+
+    def default_errors_path(self) -> Path:
+        return Path.cwd() / f"{self.table}.errors.jsonl"
+
+    def check(self) -> None:
+        """The folder reachable and writable, an existing table embedq's (or empty). Nothing is written."""
+        if self._checked:
+            return
+        where = self.path if self.path.exists() else self.path.parent
+        why = _writable(where)
+        if why is not None:
+            what = "the database folder" if where == self.path else "the parent folder of the database"
+            raise errors.InvalidOption(f"cannot write the LanceDB database {self.path}: {what} {where} {why}")
+        self.tbl, self.manifest = None, None
+        if self.path.exists():
+            self.db = _lancedb().connect(str(self.path))
+            if self.table in self._tables():
+                self.tbl = self.db.open_table(self.table)
+                self.manifest = self._read_manifest()
+                if self.manifest is None and not self.config.overwrite and self.tbl.count_rows():
+                    raise errors.OutputMismatch(
+                        f"table {self.table} of {self.path} holds rows that embedq index did not write (no "
+                        f"{MANIFEST_KEY.decode()} in its id field's metadata); choose another table")
+        self._checked = True
+
+    def _tables(self) -> list[str]:
+        names, token = [], None
+        while True:  # list_tables pages its answer
+            page = self.db.list_tables(page_token=token)
+            names += page.tables
+            token = page.page_token
+            if not token:
+                return names
+
+    def _read_manifest(self) -> Manifest | None:
+        schema = self.tbl.schema
+        if schema.get_field_index("id") < 0:
+            return None
+        raw = (schema.field("id").metadata or {}).get(MANIFEST_KEY)
+        if raw is None:
+            return None
+        try:
+            return Manifest.model_validate_json(raw)
+        except ValueError as exc:
+            raise errors.InvalidOption(f"table {self.table} of {self.path}: its {MANIFEST_KEY.decode()} is not a "
+                                       f"readable embedq record ({exc}); pass --overwrite to start afresh") from None
+
+    def lock(self) -> OutputLock:
+        lock = OutputLock(self.path.with_name(f"{self.path.name}.{self.table}"))  # <db>.<table>.embedq.lock
+        lock.output = Path(f"{self.path}?table={self.table}")
+        return lock
+
+    def exists(self) -> bool:
+        return self.tbl is not None
+
+    def remove(self) -> None:
+        """The table is created by the first commit: only a database folder this run made (still empty) goes."""
+        if self.made_folder:
+            with contextlib.suppress(OSError):
+                self.path.rmdir()
+
+    def open(self, *, vector_dtype: Any, options: dict[str, Any], shard_rows: int, overwrite: bool) -> LanceSink:
+        self._checked = False  # read again under the lock (a table handle does not see later commits by itself)
+        self.check()
+        if not self.path.exists():
+            self.path.mkdir()
+            self.made_folder = True
+        if self.db is None:
+            self.db = _lancedb().connect(str(self.path))
+        if overwrite and self.tbl is not None:
+            self.db.drop_table(self.table)
+            self.tbl, self.manifest = None, None
+        manifest = self.manifest
+        if manifest is not None:
+            wanted = {"format": self.format, "vector_dtype": vector_dtype, "options": options}
+            for key, value in wanted.items():
+                have = getattr(manifest, key)
+                if have != value:
+                    raise errors.OutputMismatch(
+                        f"table {self.table} of {self.path} was written with {key} {have!r}; this run asks for "
+                        f"{value!r}. Vectors made by different pipelines must not share a table: write to another "
+                        "one, or pass --overwrite")
+        else:
+            manifest = Manifest(format=self.format, vector_dtype=vector_dtype, options=options)
+        sink = LanceSink(self, manifest)
+        sink.load_committed()
+        return sink
+
+    def build_index(self) -> tuple[str, float]:
+        """IVF_HNSW_SQ (cosine) on every vector column, after the load; what was built and the seconds it took."""
+        from lancedb.index import HnswSq
+
+        if self.tbl is None or not self.tbl.count_rows():
+            return "none (the table is empty)", 0.0
+        pa = _pa()
+        built = []
+        t0 = time.perf_counter()
+        for field in self.tbl.schema:
+            t = field.type
+            inner = t.value_type if pa.types.is_list(t) else t
+            if not (pa.types.is_fixed_size_list(inner) and pa.types.is_floating(inner.value_type)):
+                continue
+            self.tbl.create_index(field.name, config=HnswSq(distance_type="cosine"), replace=True)
+            kind = "multivector" if pa.types.is_list(t) else "vector"
+            built.append(f"IVF_HNSW_SQ {field.name}_idx ({field.name}, {kind}, cosine)")
+        return "; ".join(built) or "none (no vector column)", time.perf_counter() - t0
+
+
+class LanceSink(Sink):
+    """Rows appended to a LanceDB table at each commit, the record in its id field's metadata (the module's
+    docstring)."""
+
+    format = "lancedb"
+    arrow_columns = True  # a kind's columns as one pyarrow table: stored as they are
+
+    def __init__(self, target: Target, manifest: Manifest) -> None:
+        super().__init__(Path(target.table), manifest, shard_rows=0)
+        self.target = target
+        self.where = f"table {target.table} of {target.path}"
+        self.schema: Any = target.tbl.schema if target.tbl is not None else None
+        self.adopted = target.tbl is not None and target.manifest is None  # an empty table of someone else's
+        # an adopted empty table: one probe first checks its vector column against the space before any text
+        self.probe_first = self.adopted
+        self._buffer: list[Any] = []
+        self._buffered = 0
+        self._table_rows = 0  # rows the table holds (committed)
+        self._saved: str | None = None
+
+    def load_committed(self) -> None:
+        tbl = self.target.tbl
+        if tbl is None:
+            return
+        rows = dups = 0
+        for batch in tbl.search().select(["id"]).to_batches():
+            for doc_id in batch.column("id").to_pylist():
+                key = digest(doc_id)
+                dups += key in self.committed
+                self.committed.add(key)
+                rows += 1
+        if dups:
+            raise errors.OutputMismatch(f"{self.where} holds {dups} ids more than once: it was written outside "
+                                        "embedq index; write to another table, or pass --overwrite")
+        self._table_rows = rows
+        self.manifest.rows = rows  # the table's own count (the record's may lag by the last commit)
+        self._saved = self._record()
+
+    # -- Sink's contract ---------------------------------------------------------------------------
+    def accept(self, fingerprint: Fingerprint) -> None:
+        have = self.manifest.fingerprint
+        if have is not None and not have.same_space(fingerprint):
+            raise errors.OutputMismatch(
+                f"{self.where} holds vectors of another embedding space: it has [{have.describe()}], this run makes "
+                f"[{fingerprint.describe()}]. Vectors of different spaces must not share a table: write to another "
+                "one, or pass --overwrite")
+        if self.adopted and have is None and self.target.config.kind in ("embed",):  # the dense path: known now
+            pa = _pa()
+            value = pa.float16() if self.manifest.vector_dtype == "float16" else pa.float32()
+            want = [("id", pa.string()), ("vector", pa.list_(value, fingerprint.dimensions))]
+            self._compare(pa.schema(want + ([("text", pa.string())] if self.target.config.store_text else [])))
+        self.manifest.fingerprint = fingerprint
+
+    def _compare(self, want: Any) -> None:
+        have = {f.name: f.type for f in self.schema}
+        problems = [f"{f.name} is {_type_name(have[f.name])}, this run writes {_type_name(f.type)}" if f.name in have
+                    else f"no column {f.name} ({_type_name(f.type)})" for f in want if have.get(f.name) != f.type]
+        problems += [f"column {name} is not written by this run" for name in have if name not in want.names]
+        if problems:
+            raise errors.OutputMismatch(f"{self.where} has another schema: {'; '.join(problems)}. Write to another "
+                                        "table, or pass --overwrite to replace it")
+
+    def write(self, ids: list[str], data: Any, texts: list[str] | None = None) -> None:
+        pa = _pa()
+        if isinstance(data, np.ndarray):
+            rows = self._vectors(data)
+            value = pa.float16() if self.manifest.vector_dtype == "float16" else pa.float32()
+            table = pa.table({"vector": pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1), value),
+                                                                          int(rows.shape[1]))})
+        else:
+            table = data
+        table = table.add_column(0, "id", pa.array(ids, pa.string()))
+        if texts is not None:
+            table = table.append_column("text", pa.array(texts, pa.string()))
+        if self.schema is None:
+            self.schema = table.schema
+        elif not self._buffer and self._table_rows == 0 and self.adopted:
+            self._compare(table.schema)
+        self._buffer.append(table)
+        self._buffered += len(ids)
+        self.pending_rows += len(ids)
+        if self._buffered >= ROWS_PER_ADD:
+            self._append()
+
+    def _append(self) -> None:
+        """The buffered rows as one LanceDB commit (creating the table with its record), then checked."""
+        if not self._buffer:
+            return
+        pa = _pa()
+        batch = pa.concat_tables(self._buffer)
+        n = batch.num_rows
+        try:
+            if self.target.tbl is None:
+                self.manifest.rows = n
+                self.manifest.updated = _now()
+                record = self._record()
+                field = batch.schema.field("id").with_metadata({MANIFEST_KEY: record})
+                schema = batch.schema.set(batch.schema.get_field_index("id"), field)
+                self.target.tbl = self.target.db.create_table(self.target.table, batch.cast(schema))
+                self._saved = record
+                self.manifest.rows = 0  # counted again by commit()
+            else:
+                if self.adopted and self.target.manifest is None:  # the record before the rows: never rows without
+                    self._save(force=True)
+                    self.target.manifest = self.manifest
+                self.target.tbl.add(batch)
+            count = self.target.tbl.count_rows()
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise errors.Unavailable(f"writing to {self.where} failed: {exc}; run again to continue from the last "
+                                     "commit") from None
+        self._buffer, self._buffered = [], 0
+        if count != self._table_rows + n:
+            raise errors.Unavailable(f"{self.where} holds {count} rows after appending {n} to {self._table_rows}: "
+                                     "another writer went around embedq's lock; stop it, then run again")
+        self._table_rows = count
+
+    def commit(self) -> None:
+        """The rows since the last commit (one append), then the record."""
+        self._append()
+        self.manifest.rows += self.pending_rows
+        self.pending_rows = 0
+        self.save_manifest()
+
+    def _record(self) -> str:
+        return self.manifest.model_dump_json()
+
+    def save_manifest(self) -> None:
+        self._save()
+
+    def _save(self, force: bool = False) -> None:
+        if self.target.tbl is None or self.manifest.fingerprint is None:
+            return  # nothing written: no table, no record
+        unchanged = json.loads(self._saved or "{}") | {"updated": None} == \
+            json.loads(self._record()) | {"updated": None}
+        if unchanged and not force:
+            return  # a LanceDB commit (a new version) only when the record changed
+        self.manifest.updated = _now()
+        record = self._record()
+        try:
+            self.target.tbl.update_field_metadata({"path": "id", "metadata": {MANIFEST_KEY.decode(): record}})
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise errors.Unavailable(f"committing to {self.where} failed: {exc}; run again to continue from the "
+                                     "last commit") from None
+        self._saved = record
+
+    def close(self) -> None:
+        """Rows not appended yet are dropped (the next run embeds them again)."""
+        self._buffer, self._buffered = [], 0

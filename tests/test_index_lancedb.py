@@ -1,0 +1,292 @@
+"""`embedq index -o lancedb:///...`: LanceDB's own engine (embedded, in this process and the indexer's), a real
+worker, the real MiniLM model, real kills (issue 40: a, b, c, d for LanceDB)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT_DIR, WorkerHandle
+
+from embedq.settings import Settings
+
+pytestmark = pytest.mark.integration
+lancedb = pytest.importorskip("lancedb")
+pa = pytest.importorskip("pyarrow")
+
+#: acceptance a's 2,000 corpus texts (the pgvector test's: the short ones, under 400 characters, in corpus order)
+N_TEXTS = 2000
+
+
+def _env(settings: Settings, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_") or k.endswith("_CACHE")}
+    return {**env, "EMBEDQ_BROKER_URL": settings.broker_url, "EMBEDQ_QUEUE": settings.queue_name,
+            "PYTHONPATH": str(ROOT_DIR), **extra}
+
+
+def _cmd(src: Path, url: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "embedq", "index", str(src), "-o", url, "-q", "--json", *extra]
+
+
+def _run(settings: Settings, src: Path, url: str, *extra: str, cwd: Path | None = None) -> tuple[int, dict, str]:
+    proc = subprocess.run(_cmd(src, url, *extra), env=_env(settings), capture_output=True, text=True, timeout=900,
+                          cwd=cwd)
+    summary = json.loads(proc.stdout) if proc.stdout.strip() else {}
+    return proc.returncode, summary, proc.stderr + proc.stdout
+
+
+def _write_jsonl(path: Path, texts: list[str]) -> list[str]:
+    ids = [f"doc-{i}" for i in range(len(texts))]
+    path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(ids, texts)))
+    return ids
+
+
+def _items(worker) -> int:
+    return worker.stats()["items_received"]
+
+
+def _url(db: Path, table: str = "docs") -> str:
+    return f"lancedb://{db}?table={table}"
+
+
+def _table(db: Path, table: str = "docs"):
+    """A fresh handle (a LanceDB table handle does not see later commits by itself)."""
+    conn = lancedb.connect(str(db))
+    return conn.open_table(table) if table in conn.list_tables().tables else None
+
+
+def _rows(db: Path, table: str = "docs") -> int:
+    if not db.exists():
+        return 0
+    tbl = _table(db, table)
+    return 0 if tbl is None else tbl.count_rows()
+
+
+def _state(db: Path, table: str = "docs") -> tuple[int, int, str]:
+    """The table's version, row count and a checksum of every stored id and vector."""
+    tbl = _table(db, table)
+    data = tbl.to_arrow().sort_by("id")
+    digest = hashlib.md5()
+    for name in data.column_names:
+        digest.update(json.dumps(data.column(name).to_pylist()).encode())
+    return tbl.version, data.num_rows, digest.hexdigest()
+
+
+def _manifest(tbl) -> dict:
+    return json.loads(tbl.schema.field("id").metadata[b"embedq.manifest"])
+
+
+@pytest.fixture(scope="module")
+def loaded(worker, corpus, tmp_path_factory):
+    """a. N corpus texts into ``docs``: SIGKILL once LanceDB holds >= 200 committed rows, resume with
+    --build-index."""
+    tmp = tmp_path_factory.mktemp("lance_a")
+    db = tmp / "db"
+    texts = [t for t in corpus if len(t) < 400][:N_TEXTS]
+    ids = _write_jsonl(tmp / "in.jsonl", texts)
+    args = ("--checkpoint-seconds", "1", "--chunk-size", "16", "--build-index")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(_cmd(tmp / "in.jsonl", _url(db), *args), env=_env(worker.settings), cwd=tmp,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while _rows(db) < 200:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no 200 rows committed"
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    committed = _rows(db)
+    code, summary, out = _run(worker.settings, tmp / "in.jsonl", _url(db), *args, cwd=tmp)
+    assert code == 0, out
+    print(f"\nlancedb acceptance a: {len(texts)} texts, killed at {committed} rows, {time.monotonic() - t0:.1f}s "
+          "in all")
+    return db, ids, texts, committed, summary, out
+
+
+def test_a_killed_run_resumes_into_exactly_the_texts_with_client_vectors(worker, loaded):
+    db, ids, texts, committed, summary, _ = loaded
+    assert 200 <= committed < len(ids)
+    assert summary["skipped"] == committed and summary["texts"] == len(ids) - committed
+    assert summary["rows"] == len(ids) and summary["failed"] == 0
+    tbl = _table(db)
+    data = tbl.to_arrow()
+    assert data.schema.field("vector").type == lancedb.vector(384)  # LanceDB's vector type: fixed-size float32
+    got = data.column("id").to_pylist()
+    assert len(got) == len(ids) and sorted(got) == sorted(ids)  # no gaps, no duplicates
+    manifest = _manifest(tbl)
+    assert manifest["rows"] == len(ids) and manifest["fingerprint"] == summary["fingerprint"]
+    vectors = np.asarray(data.column("vector").to_pylist(), dtype=np.float32)
+    by_id = dict(zip(ids, texts))
+    want = np.asarray(worker.client.embed([by_id[i] for i in got], timeout=600, traffic_class="bulk"))
+    assert np.abs(vectors - want).max() <= 1e-6
+
+
+def test_a_nearest_neighbours_through_the_ann_index_match_exact_search(worker, corpus, loaded):
+    db, _, _, _, summary, out = loaded
+    assert summary["ann_index"] == "IVF_HNSW_SQ vector_idx (vector, vector, cosine)", summary
+    assert "ann index" in out and summary["ann_index_seconds"] >= 0
+    queries = [t for t in corpus if len(t) < 400][N_TEXTS:N_TEXTS + 20]
+    qv = np.asarray(worker.client.embed(queries, timeout=300), dtype=np.float32)
+    tbl = _table(db)
+    [index] = tbl.list_indices()
+    assert index.index_type == "IvfHnswSq" and index.columns == ["vector"] and index.num_unindexed_rows == 0
+    plan = tbl.search(qv[0]).distance_type("cosine").limit(10).explain_plan(True)
+    assert "ANNSubIndex: name=vector_idx" in plan and "metric=Cosine" in plan, plan
+    found = [tbl.search(q).distance_type("cosine").limit(10).select(["id"]).to_arrow().column("id").to_pylist()
+             for q in qv]
+    data = tbl.to_arrow()
+    base_ids = data.column("id").to_pylist()
+    base = np.asarray(data.column("vector").to_pylist(), dtype=np.float32)
+    base /= np.linalg.norm(base, axis=1, keepdims=True)
+    exact = [[base_ids[k] for k in np.argsort(-(base @ q))[:10]] for q in qv]
+    recall = np.mean([len(set(f) & set(e)) / 10 for f, e in zip(found, exact)])
+    assert recall >= 0.95, recall
+
+
+@pytest.mark.parametrize("extra", [("--prompt", "query: "), ("--dimensions", "128"), ("--no-normalize",),
+                                   ("--kind", "multi"), ("--vector-dtype", "float16")])
+def test_c_other_options_or_kind_are_refused_and_the_table_untouched(worker, loaded, tmp_path, extra):
+    db = loaded[0]
+    src = tmp_path / "more.jsonl"
+    src.write_text('{"id": "new-1", "text": "a new document"}\n{"id": "doc-5", "text": "already there"}\n')
+    before = _state(db)
+    items = _items(worker)
+    code, _, out = _run(worker.settings, src, _url(db), *extra, cwd=tmp_path)
+    assert code == 2 and "[output_mismatch]" in out and "was written with" in out, out
+    assert _state(db) == before and _items(worker) == items  # refused before anything was embedded
+
+
+def test_c_another_pooling_is_refused_before_writing(redis_server, loaded, tmp_path):
+    """Another embedding space (the same weights, CLS pooling): the probe's fingerprint is refused."""
+    db = loaded[0]
+    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.cls.{tmp_path.name}", pooling="cls")
+    other = WorkerHandle(settings, tmp_path / "cls.log")
+    try:
+        src = tmp_path / "more.jsonl"
+        src.write_text('{"id": "new-1", "text": "a new document"}\n')
+        before = _state(db)
+        code, _, out = _run(settings, src, _url(db), cwd=tmp_path)
+    finally:
+        other.stop()
+    assert code == 2 and "another embedding space" in out and "cls pooling" in out, out
+    assert _state(db) == before
+
+
+def test_b_multi_vectors_into_lancedb_equal_the_client(worker, corpus, tmp_path):
+    """--kind multi (embed_all's per-token states): a LanceDB multivector column, equal to Client.embed_all, and its
+    ANN index; a second run continues it (nothing to embed)."""
+    texts = [" ".join(t.split()[:12]) for t in corpus[:40]]
+    src = tmp_path / "in.jsonl"
+    ids = _write_jsonl(src, texts)
+    db = tmp_path / "db"
+    code, summary, out = _run(worker.settings, src, _url(db, "multi"), "--kind", "multi", "--store-text",
+                              "--chunk-size", "8", "--build-index", cwd=tmp_path)
+    assert code == 0 and summary["rows"] == len(texts), out
+    assert summary["ann_index"] == "IVF_HNSW_SQ vectors_idx (vectors, multivector, cosine)", summary
+    tbl = _table(db, "multi")
+    data = tbl.to_arrow()
+    assert data.schema.field("vectors").type == pa.list_(lancedb.vector(384))  # LanceDB's multivector
+    assert data.column_names == ["id", "vectors", "text"]
+    assert _manifest(tbl)["options"]["kind"] == "multi"
+    rows = {i: (v, t) for i, v, t in zip(*(data.column(c).to_pylist() for c in data.column_names))}
+    assert sorted(rows) == sorted(ids)
+    want = worker.client.embed_all(texts, timeout=300)
+    for doc, text, mine in zip(ids, texts, want):
+        got, stored = rows[doc]
+        assert stored == text
+        assert np.abs(np.asarray(got, np.float32) - mine).max() <= 1e-6 * max(1.0, float(np.abs(mine).max()))
+    hit = tbl.search(want[3], vector_column_name="vectors").limit(1).select(["id"]).to_arrow()
+    assert hit.column("id").to_pylist() == [ids[3]]  # a multivector query (MaxSim) through the index
+    before = _state(db, "multi")
+    code, summary, out = _run(worker.settings, src, _url(db, "multi"), "--kind", "multi", "--store-text",
+                              cwd=tmp_path)
+    assert code == 0 and summary["skipped"] == len(texts) and summary["texts"] == 0, out
+    assert _state(db, "multi")[1:] == before[1:]  # the same rows (the record gained the run: a new version)
+    assert len(_manifest(_table(db, "multi"))["runs"]) == 2
+
+
+def _foreign_tables(db: Path) -> None:
+    conn = lancedb.connect(str(db))
+    existing = conn.list_tables().tables
+    if "other_schema" not in existing:
+        conn.create_table("other_schema", schema=pa.schema([("id", pa.int64()), ("body", pa.string())]))
+    if "dim768" not in existing:
+        conn.create_table("dim768", schema=pa.schema([("id", pa.string()), ("vector", lancedb.vector(768))]))
+    if "foreign_rows" not in existing:
+        conn.create_table("foreign_rows", pa.table({"id": ["x"], "vector": pa.array([[0.1] * 384],
+                                                                                  lancedb.vector(384))}))
+
+
+@pytest.mark.parametrize("case", ["missing parent", "parent is a file", "unwritable", "another schema",
+                                  "another dimension", "foreign rows", "no table", "relative path"])
+def test_d_bad_targets_are_refused_before_any_text_is_embedded(worker, corpus, tmp_path_factory, tmp_path, case):
+    shared = tmp_path_factory.getbasetemp() / "lance_d"
+    db = shared / "db"
+    db.mkdir(parents=True, exist_ok=True)
+    _foreign_tables(db)
+    (tmp_path / "a-file").write_text("not a folder")
+    url, says, probe = {
+        "missing parent": (_url(tmp_path / "missing" / "db"), "parent folder of the database", 0),
+        "parent is a file": (_url(tmp_path / "a-file" / "db"), "is not a folder", 0),
+        "unwritable": ("lancedb:///proc/embedq-db?table=docs", "is not writable", 0),
+        "another schema": (_url(db, "other_schema"), "has another schema: id is int64, this run writes string", 1),
+        "another dimension": (_url(db, "dim768"), "vector is fixed_size_list<float>[768], this run writes "
+                              "fixed_size_list<float>[384]", 1),
+        "foreign rows": (_url(db, "foreign_rows"), "holds rows that embedq index did not write", 0),
+        "no table": (f"lancedb://{db}", "names no table", 0),
+        "relative path": ("lancedb://db?table=docs", "absolute path", 0),
+    }[case]
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, corpus[:50])
+    before = _items(worker)
+    states = {t: _state(db, t) for t in ("other_schema", "dim768", "foreign_rows")}
+    code, _, out = _run(worker.settings, src, url, cwd=tmp_path)
+    assert code == 2 and says in out, out
+    assert _items(worker) - before <= probe  # no text of the input was sent (at most the one-text probe)
+    assert {t: _state(db, t) for t in states} == states
+    assert not (tmp_path / "missing").exists() and not Path("/proc/embedq-db").exists()
+
+
+def test_d_a_missing_extra_names_it(worker, tmp_path):
+    """lancedb made unimportable in the CLI's own process (the real import path, not a mock of the sink)."""
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, ["one text"])
+    code = ("import sys; sys.modules['lancedb'] = None; from embedq.cli import main; "
+            f"sys.exit(main(['index', {str(src)!r}, '-o', {_url(tmp_path / 'db')!r}, '-q']))")
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(worker.settings), capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'embedq[lancedb]'" in proc.stderr and not (tmp_path / "db").exists()
+
+
+def test_a_second_writer_is_refused_and_an_adopted_empty_table_gets_the_record(worker, corpus, tmp_path):
+    """One writer per table (the lock beside the database's folder); an empty table made by someone else with
+    exactly the columns is used, and carries embedq's record from its first commit."""
+    from embedq.producers.index.targets import output_target
+
+    db = tmp_path / "db"
+    db.mkdir()
+    lancedb.connect(str(db)).create_table("docs", schema=pa.schema([("id", pa.string()),
+                                                                             ("vector", lancedb.vector(384))]))
+    src = tmp_path / "in.jsonl"
+    ids = _write_jsonl(src, [t for t in corpus if len(t) < 200][:30])
+    target = output_target(_url(db), None, None)
+    with target.lock():
+        code, _, out = _run(worker.settings, src, _url(db), cwd=tmp_path)
+        assert code == 2 and "another embedq index is writing" in out, out
+    assert (tmp_path / "db.docs.embedq.lock").exists()
+    code, summary, out = _run(worker.settings, src, _url(db), cwd=tmp_path)
+    assert code == 0 and summary["rows"] == len(ids), out
+    tbl = _table(db)
+    assert sorted(tbl.to_arrow().column("id").to_pylist()) == sorted(ids)
+    assert _manifest(tbl)["fingerprint"] == summary["fingerprint"]
