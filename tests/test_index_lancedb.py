@@ -142,14 +142,16 @@ def test_a_nearest_neighbours_through_the_ann_index_match_exact_search(worker, c
     assert index.index_type == "IvfHnswSq" and index.columns == ["vector"] and index.num_unindexed_rows == 0
     plan = tbl.search(qv[0]).distance_type("cosine").limit(10).explain_plan(True)
     assert "ANNSubIndex: name=vector_idx" in plan and "metric=Cosine" in plan, plan
-    found = [tbl.search(q).distance_type("cosine").limit(10).select(["id"]).to_arrow().column("id").to_pylist()
-             for q in qv]
+    # ef 100: HNSW's candidate list (LanceDB's default is 1.5 k; 100 is pgvector's documented ef_search here too)
+    found = [tbl.search(q).distance_type("cosine").ef(100).limit(10).select(["id"]).to_arrow().column("id")
+             .to_pylist() for q in qv]
     data = tbl.to_arrow()
     base_ids = data.column("id").to_pylist()
     base = np.asarray(data.column("vector").to_pylist(), dtype=np.float32)
     base /= np.linalg.norm(base, axis=1, keepdims=True)
     exact = [[base_ids[k] for k in np.argsort(-(base @ q))[:10]] for q in qv]
     recall = np.mean([len(set(f) & set(e)) / 10 for f, e in zip(found, exact)])
+    print(f"\nlancedb recall@10 through the index: {recall:.3f}")
     assert recall >= 0.95, recall
 
 
@@ -290,3 +292,59 @@ def test_a_second_writer_is_refused_and_an_adopted_empty_table_gets_the_record(w
     tbl = _table(db)
     assert sorted(tbl.to_arrow().column("id").to_pylist()) == sorted(ids)
     assert _manifest(tbl)["fingerprint"] == summary["fingerprint"]
+
+
+def test_b_bge_m3_into_lancedb_dense_sparse_and_colbert_equal_the_client(redis_server, corpus, tmp_path):
+    """--kind bge-m3 (a tiny BGE-M3, tests/tiny_models.py): ``dense`` a vector column, ``lexical_indices`` /
+    ``lexical_values`` plain lists, ``colbert`` a multivector column, each equal to Client.embed_hybrid."""
+    import uuid
+
+    import tiny_models
+    from conftest import sparse_delta
+
+    folder = tiny_models.bge_m3(tmp_path / "bge-m3", corpus[:400])
+    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.lance-m3.{uuid.uuid4().hex[:8]}",
+                        model=str(folder), linear_kernel="torch")
+    m3 = WorkerHandle(settings, tmp_path / "worker.log")
+    try:
+        texts = [" ".join(t.split()[:20]) for t in corpus[400:430]]
+        src = tmp_path / "in.jsonl"
+        ids = _write_jsonl(src, texts)
+        db = tmp_path / "db"
+        code, summary, out = _run(settings, src, _url(db, "m3"), "--kind", "bge-m3", "--chunk-size", "8",
+                                  cwd=tmp_path)
+        assert code == 0 and summary["rows"] == len(texts), out
+        data = _table(db, "m3").to_arrow()
+        want = m3.client.embed_hybrid(texts)
+    finally:
+        m3.stop()
+    dim = want.dense.shape[1]
+    assert data.column_names == ["id", "dense", "lexical_indices", "lexical_values", "colbert"]
+    assert data.schema.field("dense").type == lancedb.vector(dim)
+    assert data.schema.field("colbert").type == pa.list_(lancedb.vector(want.colbert[0].shape[1]))
+    assert data.schema.field("lexical_indices").type == pa.list_(pa.int32())
+    order = [ids.index(i) for i in data.column("id").to_pylist()]
+    assert sorted(order) == list(range(len(texts)))
+    dense = np.asarray(data.column("dense").to_pylist(), np.float32)
+    assert np.abs(dense - want.dense[order]).max() <= 1e-6
+    for k, got_ids, got_values, got_colbert in zip(order, *(data.column(c).to_pylist() for c in
+                                                          ("lexical_indices", "lexical_values", "colbert"))):
+        mine = want.lexical[k]
+        assert sparse_delta(got_ids, got_values, mine.indices, mine.values) <= 1e-5  # test_index_kinds.py's bar
+        assert np.abs(np.asarray(got_colbert, np.float32) - want.colbert[k]).max() <= 1e-6
+
+
+def test_float16_into_lancedb_is_a_half_vector_with_its_index(worker, corpus, tmp_path):
+    texts = [t for t in corpus if len(t) < 200][:40]
+    src = tmp_path / "in.jsonl"
+    ids = _write_jsonl(src, texts)
+    db = tmp_path / "db"
+    code, summary, out = _run(worker.settings, src, _url(db, "half"), "--vector-dtype", "float16", "--build-index",
+                              cwd=tmp_path)
+    assert code == 0 and summary["ann_index"].startswith("IVF_HNSW_SQ vector_idx"), out
+    data = _table(db, "half").to_arrow()
+    assert data.schema.field("vector").type == lancedb.vector(384, pa.float16())
+    rows = dict(zip(data.column("id").to_pylist(), data.column("vector").to_pylist()))
+    got = np.asarray([rows[i] for i in ids], np.float32)
+    want = np.asarray(worker.client.embed(texts, timeout=300, traffic_class="bulk"), dtype=np.float32)
+    assert np.abs(got - want).max() <= 1e-3  # float16's rounding of values under 1
