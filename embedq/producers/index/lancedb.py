@@ -51,6 +51,7 @@ import numpy as np
 
 from embedq import errors
 from embedq.producers.index.idset import digest
+from embedq.producers.index.kinds import index_kind
 from embedq.producers.index.sinks import Manifest, OutputLock, Sink, _now
 from embedq.producers.index.targets import split_param
 from embedq.protocol import Fingerprint
@@ -275,7 +276,8 @@ class LanceSink(Sink):
                 f"{self.where} holds vectors of another embedding space: it has [{have.describe()}], this run makes "
                 f"[{fingerprint.describe()}]. Vectors of different spaces must not share a table: write to another "
                 "one, or pass --overwrite")
-        if self.adopted and have is None and self.target.config.kind in ("embed",):  # the dense path: known now
+        if self.adopted and have is None and index_kind(self.target.config.kind, self.format).columns is None:
+            # the plain dense path: its columns are known now (a kind's are compared at its first write)
             pa = _pa()
             value = pa.float16() if self.manifest.vector_dtype == "float16" else pa.float32()
             want = [("id", pa.string()), ("vector", pa.list_(value, fingerprint.dimensions))]
