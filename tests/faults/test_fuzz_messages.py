@@ -188,8 +188,12 @@ class Fuzz:
         t2 = time.monotonic()
         self.seconds["good job"] += t2 - t1
 
-        # Every hostile entry consumed: no list holds any, nothing unacknowledged (held, stuck or looping).
-        self.wait_for(lambda: self.backlog() == ({}, 0), "every list empty and nothing unacknowledged", batch)
+        # Every hostile entry consumed: no list holds any, nothing unacknowledged (held, stuck or looping), and
+        # every answerable entry has its record. The records are part of the state waited for: kombu's BRPOP takes
+        # an entry off its list a moment before it records it in the unacked hash, so "lists empty and nothing
+        # unacknowledged" alone can be read in that moment, with the last entry on its way to the worker.
+        self.wait_for(lambda: self.backlog() == ({}, 0) and self.all_recorded(batch),
+                      "every list empty, nothing unacknowledged and every answerable entry recorded", batch)
         self.seconds["drain"] += time.monotonic() - t2
 
         self.check_records(batch)
@@ -205,6 +209,11 @@ class Fuzz:
                       f"{status['VmRSS'] / 2**20:.0f} MiB, peak {status['VmHWM'] / 2**20:.0f} MiB", batch)
         if self.worker.proc.poll() is not None:
             self.fail("the worker exited", batch)
+
+    def all_recorded(self, batch: list[Entry]) -> bool:
+        """Every answerable entry of ``batch`` has a record (what it holds is :meth:`check_records`' business)."""
+        keys = [self.worker.client.app.backend.get_key_for_task(e.job_id) for e in batch if e.answerable]
+        return not keys or all(raw is not None for raw in self.redis.mget(keys))
 
     def check_records(self, batch: list[Entry]) -> None:
         """Each answerable entry has a terminal record: a typed error, or an embedq result for a runnable job."""
