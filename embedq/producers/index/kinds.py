@@ -18,7 +18,7 @@ refuses the others: ``pgvector.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -70,6 +70,45 @@ class IndexKind:
         dense_path = spec.columns == EMBED.columns
         return cls(MANIFEST_NAMES.get(spec.kind, spec.kind), spec.kind, spec.options,
                    None if dense_path else spec.columns, dict(spec.index_options), spec.index_dtype)
+
+    @property
+    def outputs(self) -> list[str] | None:
+        """The outputs a run may choose (``--outputs``): a kind whose options take ``outputs`` (BGE-M3's ``dense``,
+        ``lexical``, ``colbert``); None for a kind that makes one thing."""
+        chosen = self.fixed.get("outputs")
+        return list(chosen) if isinstance(chosen, list) else None
+
+    def select(self, outputs: list[str]) -> IndexKind:
+        """This kind computing and storing only ``outputs`` (each a column's name, a sparse one without its
+        trailing ``_``), in the kind's order: the jobs ask for them alone, and the manifest records them."""
+        have = self.outputs
+        if have is None or self.columns is None:
+            raise errors.InvalidOption(f"--outputs is for a kind with several outputs (bge-m3); {self.name} makes "
+                                       "one")
+        unknown = [o for o in outputs if o not in have]
+        if unknown or not outputs:
+            raise errors.InvalidOption(f"--outputs {','.join(outputs)}: {self.name}'s outputs are {', '.join(have)}")
+        keep = [o for o in have if o in outputs]
+        columns = tuple(c for c in self.columns if c.name.rstrip("_") in keep)
+        return replace(self, columns=columns, fixed={**self.fixed, "outputs": keep})
+
+    def fit(self, outputs: list[str] | None, refused: dict[str, str], where: str) -> tuple[IndexKind, list[str]]:
+        """This kind as ``where`` can store it: ``refused`` maps a column shape the target cannot store to why. A
+        kind with outputs to choose leaves those out, unless ``outputs`` asks for one (then, as for a kind with
+        nothing else to store, the run is refused saying why); returns the kind and a note per output left out."""
+        kind = self.select(outputs) if outputs is not None else self
+        bad = [c for c in kind.columns or () if c.shape in refused]
+        if not bad:
+            return kind, []
+        if outputs is not None or kind.outputs is None or len(bad) == len(kind.columns or ()):
+            c = bad[0]
+            name = c.name.rstrip("_") or kind.name
+            raise errors.InvalidOption(f"--kind {self.name}: {name} ({c.shape}) cannot be stored in {where}: "
+                                       f"{refused[c.shape]}")
+        dropped = [c.name.rstrip("_") for c in bad]
+        notes = [f"{name} is not written to {where}: {refused[c.shape]} (the other outputs are; --outputs chooses)"
+                 for name, c in zip(dropped, bad)]
+        return kind.select([o for o in kind.outputs or () if o not in dropped]), notes
 
     def job_options(self, options: dict[str, Any], vector_dtype: str) -> dict[str, Any]:
         """The chunk jobs' options: the user's, checked by the kind's options model, with the storage dtype."""

@@ -128,19 +128,20 @@ class Target:
             self.version = _version(row[0])
         self.conn.commit()
 
+    def refused_shapes(self) -> dict[str, str]:
+        """The column shapes this server cannot store, and why (``IndexKind.fit``)."""
+        refused = {"ragged": "pgvector has no multi-vector column an index can use (write it to Parquet or LanceDB)"}
+        if self.version < (0, 7):
+            refused["sparse"] = (f"sparse vectors need pgvector >= 0.7 (sparsevec); this server has pgvector "
+                                 f"{'.'.join(map(str, self.version))}: upgrade the extension, or write Parquet")
+        return refused
+
     def _plan_check(self) -> None:
         """The kind's columns against what this server's pgvector stores (before any text is embedded)."""
         have = ".".join(map(str, self.version))
-        kind = index_kind(self.config.kind, self.format)
+        kind, _ = index_kind(self.config.kind, self.format).fit(self.config.outputs, self.refused_shapes(),
+                                                                "PostgreSQL")
         shapes = {c.shape: c.name for c in kind.columns or ()}
-        if "ragged" in shapes:
-            raise errors.InvalidOption(
-                f"--kind {self.config.kind} has a list of vectors per text ({shapes['ragged']}); pgvector has no "
-                "multi-vector column an index can use: write it to Parquet")
-        if "sparse" in shapes and self.version < (0, 7):
-            raise errors.InvalidOption(
-                f"--kind {self.config.kind} makes sparse vectors ({shapes['sparse']}), which need pgvector >= 0.7 "
-                f"(sparsevec); this server has pgvector {have}: upgrade the extension, or write Parquet")
         if "sparse" in shapes and "dense" in shapes:  # the fingerprint's dimensions are the dense column's
             raise errors.InvalidOption(f"--kind {self.config.kind}: the vocabulary size of its sparse column "
                                        f"({shapes['sparse']}) is not known before the first result; write Parquet")

@@ -64,6 +64,7 @@ class IndexConfig:
     checkpoint_seconds: float = 60.0
     shard_rows: int = 100_000
     kind: str = "embed"  # embed | sparse | multi | bge-m3 (producers/index/kinds.py)
+    outputs: list[str] | None = None  # a kind with several outputs (bge-m3): which to make (default: what fits)
     broker_timeout: float = 300.0  # riding out a broker that went away mid-run (first contact: connect_timeout)
     connect_timeout: float = 30.0  # reaching the broker at all (EMBEDQ_BROKER_TIMEOUT from the CLI)
     wait_for_worker: float = 10.0  # seconds to wait for a live worker on the queue before refusing (inf: forever)
@@ -127,6 +128,7 @@ class Indexer:
         if hasattr(self.target, "check_input"):
             self.target.check_input(self.source.path)
         self.target.check()  # a database reached and its table checked before the broker (a file: when opened)
+        self._fit_kind()
         t0 = time.perf_counter()
         restore = self.stop.catch()
         try:
@@ -142,6 +144,17 @@ class Indexer:
             if self.bar is not None:
                 self.bar.close()
         return self.summary
+
+    def _fit_kind(self) -> None:
+        """The kind as the target stores it (a database says which column shapes it cannot store): outputs it cannot
+        store are left out, with a note, or the run is refused before anything is embedded."""
+        refused = self.target.refused_shapes() if hasattr(self.target, "refused_shapes") else {}
+        if refused or self.config.outputs is not None:
+            self.kind, notes = self.kind.fit(self.config.outputs, refused, self.target.describe())
+            self.job_options = self.kind.job_options(self.config.options, self.config.vector_dtype)
+            for note in notes:
+                say(note)
+            self.summary.notes += notes
 
     def _prepare(self) -> Iterator[Record]:
         """The input's first record read (a CSV's or Parquet's columns checked), the broker reached and a live
@@ -363,8 +376,10 @@ class Indexer:
         texts = {"texts": chunk.texts} if self.config.store_text else {}
         with self.stop.writing():
             self.sink.accept(fingerprint)  # OutputMismatch before the first write
-            self.sink.write(chunk.ids, data, **texts)
-        n = len(chunk.ids)
+            refused = self.sink.write(chunk.ids, data, **texts)
+        for doc_id, exc in refused or ():  # rows the database refuses (Milvus: an empty sparse vector)
+            self._fail(doc_id, exc)
+        n = len(chunk.ids) - len(refused or ())
         self.summary.texts += n
         tokens = (payload.get("usage") or {}).get("tokens", 0)
         self.summary.tokens += tokens

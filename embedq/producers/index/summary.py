@@ -35,6 +35,7 @@ class Summary:
     errors_file: str | None = None
     ann_index: str | None = None  # a database's ANN index built after the load (``--build-index``), and its time
     ann_index_seconds: float | None = None
+    notes: list[str] = field(default_factory=list)  # what the output could not take (an output left out, and why)
 
     @property
     def texts_per_second(self) -> float:
@@ -67,6 +68,8 @@ class Summary:
         if self.ann_index is not None:
             lines.append(f"  ann index  {self.ann_index} built in {self.ann_index_seconds or 0:.1f}s (not in the "
                          f"{self.seconds:.1f}s above)")
+        for note in self.notes:
+            lines.append(f"  note       {note}")
         if self.resubmitted:
             lines.append(f"  resubmitted {self.resubmitted} jobs (timeouts or retryable errors)")
         if self.bulk_waits:

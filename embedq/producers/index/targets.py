@@ -41,6 +41,7 @@ SCHEMES: dict[str, Backend] = {
     "postgresql": Backend("pgvector", "pgvector", ("psycopg",)),
     "postgres": Backend("pgvector", "pgvector", ("psycopg",)),
     "lancedb": Backend("lancedb", "lancedb", ("lancedb",)),
+    "milvus": Backend("milvus", "milvus", ("pymilvus",)),
 }
 
 

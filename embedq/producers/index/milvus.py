@@ -1,0 +1,469 @@
+"""``embedq index -o milvus://host:19530?collection=docs``: a Milvus collection (``pymilvus``'s ``MilvusClient``).
+
+Two URL forms (``collection`` is embedq's parameter, required):
+
+* ``milvus://[user[:password]@]host[:port][/database]?collection=NAME[&secure=true]``: a Milvus server (port 19530
+  by default; ``secure=true``: TLS). The credentials come from the URL, else from ``MILVUS_TOKEN`` (``user:password``
+  or an API key) or ``MILVUS_USER`` / ``MILVUS_PASSWORD``; every message shows the URL with ``***``.
+* ``milvus:///absolute/path/file.db?collection=NAME``: Milvus Lite's local database (``pip install
+  'embedq[milvus]'`` brings it; the file's folder must exist), no server.
+
+**The collection** is created by the first commit: ``id`` (``VARCHAR`` primary key), then one field per output of the
+kind, by its shape (``embedq/kinds.py`` :class:`~embedq.kinds.Column`; no kind is named here): ``dense`` ->
+``FLOAT_VECTOR(dim)``, named ``vector`` for the plain ``embed`` kind (Milvus's default vector field) and by the
+column's name otherwise; ``sparse`` -> ``SPARSE_FLOAT_VECTOR`` (``lexical`` for BGE-M3, ``sparse`` for a SPLADE
+kind), so one collection serves a hybrid search; ``scalar`` -> ``DOUBLE``; ``ragged`` (a list of vectors per text:
+``--kind multi``, BGE-M3's ColBERT) has no Milvus field of that shape: ``--kind multi`` is refused, ``--kind bge-m3``
+writes dense + lexical and says that ColBERT is left out (asking for it with ``--outputs`` is refused).
+``--store-text`` adds ``text`` (``VARCHAR``). Vectors are float32 (``--vector-dtype float16`` is refused: Milvus
+Lite has no ``FLOAT16_VECTOR``). An existing collection without embedq's record is used only when it is empty and
+its fields are exactly these; otherwise it is refused before anything is embedded.
+
+**The record** (format, options, embedding-space fingerprint, row count, runs) is the collection's property
+``embedq.manifest``: set when the collection is created, before any row, and updated after each commit. It is read
+and compared before anything is embedded, and the fingerprint against the workers' one-text probe before anything
+is written.
+
+**Commits**: rows are buffered and sent at each checkpoint by ``upsert`` (a re-sent id replaces its row: Milvus does
+not enforce a primary key on ``insert``), then the row count is checked (``count(*)``, strong consistency: the count
+before plus the batch, or the run stops: another writer) and the record updated. A run killed mid-commit leaves
+whole rows of that commit (each row is all its fields or absent); the next run reads the ids the collection holds and
+embeds the rest. A row Milvus cannot take is that record's error (errors file), not the run's: an empty sparse vector
+(Milvus refuses one), an id or text over ``VARCHAR``'s 65,535 bytes. One writer per collection: an ``flock`` beside
+a Milvus Lite file, or in the temp folder for a server (writers on other machines are caught by the count check).
+
+**Indexes**: Milvus loads (and so queries, and lists the ids to resume from) only a collection whose vector fields
+are indexed, so the collection is created with exact ones: ``FLAT`` (cosine) on dense fields and
+``SPARSE_INVERTED_INDEX`` (inner product: SPLADE and BGE-M3's lexical weights score by it) on sparse ones.
+``--build-index`` replaces each dense field's index by HNSW (cosine, M=16, efConstruction=200) after the load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import numpy as np
+
+from embedq import errors
+from embedq.producers.index.idset import digest
+from embedq.producers.index.kinds import index_kind
+from embedq.producers.index.sinks import Manifest, OutputLock, Sink, _now
+from embedq.producers.index.targets import mask_url, split_param
+from embedq.protocol import Fingerprint
+
+MANIFEST_KEY = "embedq.manifest"
+MAX_VARCHAR = 65_535  # bytes: Milvus's largest VARCHAR (the id and the text)
+ROWS_PER_REQUEST = 2_000  # rows per upsert (a gRPC message stays far under Milvus's 64 MiB)
+ROWS_PER_FLUSH = 65_536  # rows buffered before they are sent even between checkpoints (bounds this process's memory)
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,254}$")  # Milvus's collection names
+_AUTH = re.compile(r"auth|credential|password|token|unauthenticated|permission", re.I)
+REFUSED = {"ragged": "Milvus has no field for a list of vectors per text (ColBERT's, --kind multi's); write it to "
+                     "LanceDB or Parquet"}
+
+
+def _pymilvus() -> Any:
+    import pymilvus
+
+    logging.getLogger("pymilvus").setLevel(logging.CRITICAL)  # its RPC errors become embedq's own, said once
+    return pymilvus
+
+
+def _reason(exc: BaseException) -> str:
+    """One line saying why (a MilvusException's own message, without its code)."""
+    text = str(getattr(exc, "message", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class Target:
+    """A Milvus collection as an ``embedq index`` output (see the module's docstring)."""
+
+    format = "milvus"
+
+    def __init__(self, url: str, config: Any) -> None:
+        self.url = url
+        rest, collection = split_param(url, "collection")
+        if not collection:
+            raise errors.InvalidOption(f"{mask_url(url)} names no collection: add ?collection=NAME")
+        if not _NAME.match(collection):
+            raise errors.InvalidOption(f"{mask_url(url)}: a Milvus collection name has letters, digits and _, and "
+                                       "starts with a letter or _")
+        parts = urlsplit(rest)
+        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+        secure = query.pop("secure", "false").lower() in ("1", "true", "yes")
+        if query:
+            raise errors.InvalidOption(f"{mask_url(url)}: a milvus:// output takes only ?collection= and ?secure= "
+                                       f"(not {', '.join(sorted(query))})")
+        self.collection = collection
+        self.config = config
+        self.lite = parts.netloc in ("", "localhost") and parts.path.startswith("/") and parts.path.endswith(".db")
+        if self.lite:
+            self.path = Path(unquote(parts.path))
+            self.connect = {"uri": str(self.path)}
+        elif not parts.hostname:
+            raise errors.InvalidOption(f"{mask_url(url)}: use milvus://host:19530?collection=NAME for a server, or "
+                                       "milvus:///absolute/path/file.db?collection=NAME for Milvus Lite's file")
+        else:
+            scheme = "https" if secure else "http"
+            db = unquote(parts.path.strip("/"))
+            self.connect = {"uri": f"{scheme}://{parts.hostname}:{parts.port or 19530}", **({"db_name": db} if db
+                                                                                         else {})}
+            user = unquote(parts.username or "") or os.environ.get("MILVUS_USER", "")
+            password = unquote(parts.password or "") if parts.password is not None else \
+                os.environ.get("MILVUS_PASSWORD", "")
+            token = f"{user}:{password}" if user else os.environ.get("MILVUS_TOKEN", "")
+            if token:
+                self.connect["token"] = token
+        self.client: Any = None
+        self.manifest: Manifest | None = None
+        self.fields: dict[str, Any] | None = None  # an existing collection's fields: name -> (type, dim)
+        self._checked = False
+
+    # -- what the runner asks ----------------------------------------------------------------------
+    def describe(self) -> str:
+        return mask_url(self.url)
+
+    def where(self) -> str:
+        return f"collection {self.collection} at {self.describe()}"
+
+    def default_errors_path(self) -> Path:
+        return Path.cwd() / f"{self.collection}.errors.jsonl"
+
+    def refused_shapes(self) -> dict[str, str]:
+        return REFUSED
+
+    def check(self) -> None:
+        """Connect, check the options and an existing collection (embedq's, or empty). Nothing is written."""
+        if self._checked:
+            return
+        if self.config.vector_dtype == "float16":
+            raise errors.InvalidOption("--vector-dtype float16: the Milvus sink writes FLOAT_VECTOR (float32) fields "
+                                       "(Milvus Lite has no FLOAT16_VECTOR)")
+        index_kind(self.config.kind, self.format).fit(self.config.outputs, REFUSED, "Milvus")
+        if self.lite and not self.path.parent.is_dir():
+            raise errors.InvalidOption(f"cannot write the Milvus Lite database {self.path}: its folder "
+                                       f"{self.path.parent} does not exist")
+        self._connect()
+        self.manifest, self.fields = None, None
+        if self.client.has_collection(self.collection):
+            info = self.client.describe_collection(self.collection)
+            self.fields = {f["name"]: (f["type"], (f.get("params") or {}).get("dim")) for f in info["fields"]}
+            raw = (info.get("properties") or {}).get(MANIFEST_KEY)
+            if raw is not None:
+                try:
+                    self.manifest = Manifest.model_validate_json(raw)
+                except ValueError as exc:
+                    raise errors.InvalidOption(f"{self.where()}: its {MANIFEST_KEY} is not a readable embedq record "
+                                               f"({exc}); pass --overwrite to start afresh") from None
+            elif not self.config.overwrite and self.count():
+                raise errors.OutputMismatch(f"{self.where()} holds rows that embedq index did not write (no "
+                                            f"{MANIFEST_KEY} property); choose another collection")
+        self._checked = True
+
+    def _connect(self) -> None:
+        if self.client is not None:
+            return
+        pymilvus = _pymilvus()
+        try:
+            self.client = pymilvus.MilvusClient(**self.connect, timeout=10)
+        except Exception as exc:  # pymilvus raises MilvusException, grpc's errors and plain ones alike
+            reason = _reason(exc)
+            if not self.lite and _AUTH.search(reason):
+                raise errors.InvalidOption(f"Milvus at {self.describe()} refused the login ({reason}); check the "
+                                           "user and password (in the URL, MILVUS_TOKEN or MILVUS_USER / "
+                                           "MILVUS_PASSWORD)") from None
+            what = f"open the Milvus Lite database {self.path}" if self.lite else f"reach Milvus at {self.describe()}"
+            raise errors.Unavailable(f"cannot {what}: {reason}") from None
+
+    def count(self) -> int:
+        """The rows the collection holds now (strong consistency: every acknowledged write)."""
+        rows = self.client.query(self.collection, filter="", output_fields=["count(*)"], consistency_level="Strong")
+        return int(rows[0]["count(*)"])
+
+    def lock(self) -> OutputLock:
+        if self.lite:
+            lock = OutputLock(self.path.with_name(f"{self.path.name}.{self.collection}"))
+        else:
+            key = hashlib.sha256(f"{self.connect['uri']} {self.connect.get('db_name', '')}".encode()).hexdigest()[:16]
+            lock = OutputLock(Path(tempfile.gettempdir()) / f"embedq-milvus-{key}.{self.collection}")
+        lock.output = self.where()  # type: ignore[assignment]  (what its refusal names; not a path)
+        return lock
+
+    def exists(self) -> bool:
+        return self.fields is not None
+
+    def remove(self) -> None:
+        """Nothing to remove: the collection is created by the first commit."""
+
+    def open(self, *, vector_dtype: Any, options: dict[str, Any], shard_rows: int, overwrite: bool) -> MilvusSink:
+        self._checked = False  # read again under the lock
+        self.check()
+        if overwrite and self.fields is not None:
+            self.client.drop_collection(self.collection)
+            self.manifest, self.fields = None, None
+        manifest = self.manifest
+        if manifest is not None:
+            wanted = {"format": self.format, "vector_dtype": vector_dtype, "options": options}
+            for key, value in wanted.items():
+                have = getattr(manifest, key)
+                if have != value:
+                    raise errors.OutputMismatch(
+                        f"{self.where()} was written with {key} {have!r}; this run asks for {value!r}. Vectors made "
+                        "by different pipelines must not share a collection: write to another one, or pass "
+                        "--overwrite")
+        else:
+            manifest = Manifest(format=self.format, vector_dtype=vector_dtype, options=options)
+        sink = MilvusSink(self, manifest)
+        sink.load_committed()
+        return sink
+
+    def build_index(self) -> tuple[str, float]:
+        """HNSW (cosine) on every dense field, replacing the exact FLAT one, after the load."""
+        pymilvus = _pymilvus()
+        if self.fields is None:
+            return "none (no collection)", 0.0
+        dense = [name for name, (ftype, _) in self.fields.items() if ftype == pymilvus.DataType.FLOAT_VECTOR]
+        t0 = time.perf_counter()
+        self.client.release_collection(self.collection)
+        params = self.client.prepare_index_params()
+        for name in dense:
+            self.client.drop_index(self.collection, index_name=name)
+            params.add_index(field_name=name, index_name=name, index_type="HNSW", metric_type="COSINE",
+                             params={"M": 16, "efConstruction": 200})
+        self.client.create_index(self.collection, params)
+        self.client.load_collection(self.collection)
+        built = [f"HNSW {name} (COSINE, M=16, efConstruction=200)" for name in dense]
+        return "; ".join(built) or "none (no dense field)", time.perf_counter() - t0
+
+
+class MilvusSink(Sink):
+    """Rows upserted into a Milvus collection at each commit, the record in its properties (the module's
+    docstring)."""
+
+    format = "milvus"
+    arrow_columns = False  # the kind's columns as numpy arrays, mapped by shape
+
+    def __init__(self, target: Target, manifest: Manifest) -> None:
+        super().__init__(Path(target.collection), manifest, shard_rows=0)
+        self.target = target
+        self.client = target.client
+        self.where = target.where()
+        self.adopted = target.fields is not None and target.manifest is None  # an empty collection of someone else's
+        self.probe_first = self.adopted  # its vector field checked against the space before any text is embedded
+        self.schema: list[tuple[str, Any, int | None]] | None = None  # (field, DataType, dim) this run writes
+        self._rows: list[dict[str, Any]] = []
+        self._count = 0  # rows the collection holds (committed)
+        self._saved: str | None = None
+
+    def load_committed(self) -> None:
+        if self.target.fields is None:
+            return
+        rows = dups = 0
+        try:
+            self.client.load_collection(self.target.collection)  # Milvus answers queries on a loaded collection
+        except Exception as exc:
+            raise errors.Unavailable(f"cannot load {self.where} ({_reason(exc)}): Milvus loads a collection whose "
+                                     "vector fields are indexed") from None
+        it = self.client.query_iterator(self.target.collection, batch_size=16_384, output_fields=["id"],
+                                        consistency_level="Strong")
+        try:
+            while batch := it.next():
+                for row in batch:
+                    key = digest(row["id"])
+                    dups += key in self.committed
+                    self.committed.add(key)
+                    rows += 1
+        finally:
+            it.close()
+        if dups:
+            raise errors.OutputMismatch(f"{self.where} holds {dups} ids more than once: it was written outside "
+                                        "embedq index; write to another collection, or pass --overwrite")
+        self._count = rows
+        self.manifest.rows = rows  # the collection's own count (the record's may lag by the last commit)
+        self._saved = self._record()
+
+    # -- Sink's contract ---------------------------------------------------------------------------
+    def accept(self, fingerprint: Fingerprint) -> None:
+        have = self.manifest.fingerprint
+        if have is not None and not have.same_space(fingerprint):
+            raise errors.OutputMismatch(
+                f"{self.where} holds vectors of another embedding space: it has [{have.describe()}], this run makes "
+                f"[{fingerprint.describe()}]. Vectors of different spaces must not share a collection: write to "
+                "another one, or pass --overwrite")
+        if self.adopted and self.schema is None and index_kind(self.target.config.kind, self.format).columns is None:
+            self._compare(self._plan_dense(fingerprint.dimensions))  # a kind's fields: at its first write
+        self.manifest.fingerprint = fingerprint
+
+    def _plan_dense(self, dim: int) -> list[tuple[str, Any, int | None]]:
+        dtype = _pymilvus().DataType
+        return self._with_text([("id", dtype.VARCHAR, None), ("vector", dtype.FLOAT_VECTOR, dim)])
+
+    def _with_text(self, fields: list[tuple[str, Any, int | None]]) -> list[tuple[str, Any, int | None]]:
+        return fields + ([("text", _pymilvus().DataType.VARCHAR, None)] if self.target.config.store_text else [])
+
+    def _plan(self, data: Any) -> list[tuple[str, Any, int | None]]:
+        """The fields this run writes, from its first result."""
+        if isinstance(data, np.ndarray):
+            return self._plan_dense(int(data.shape[1]))
+        dtype = _pymilvus().DataType
+        fields: list[tuple[str, Any, int | None]] = [("id", dtype.VARCHAR, None)]
+        for column, arrays in data:
+            if column.shape == "dense":
+                fields.append((column.name, dtype.FLOAT_VECTOR, int(arrays[0].shape[1])))
+            elif column.shape == "sparse":  # a sparse column's name is a prefix in Parquet (``lexical_``; SPLADE's: "")
+                fields.append((column.name.rstrip("_") or "sparse", dtype.SPARSE_FLOAT_VECTOR, None))
+            else:
+                fields.append((column.name, dtype.DOUBLE, None))
+        return self._with_text(fields)
+
+    def _compare(self, want: list[tuple[str, Any, int | None]]) -> None:
+        have = self.target.fields or {}
+        problems = []
+        for name, ftype, dim in want:
+            if name not in have:
+                problems.append(f"no field {name} ({ftype.name})")
+            elif have[name][0] != ftype or (dim is not None and int(have[name][1] or 0) != dim):
+                got = have[name][0].name + (f"({have[name][1]})" if have[name][1] else "")
+                problems.append(f"{name} is {got}, this run writes {ftype.name}" + (f"({dim})" if dim else ""))
+        problems += [f"field {name} is not written by this run" for name in have if name not in {w[0] for w in want}]
+        if problems:
+            raise errors.OutputMismatch(f"{self.where} has another schema: {'; '.join(problems)}. Write to another "
+                                        "collection, or pass --overwrite to replace it")
+
+    def write(self, ids: list[str], data: Any, texts: list[str] | None = None) -> list[tuple[str, errors.EmbedqError]]:
+        """Buffer the rows; returns those Milvus cannot take, each with its error (they are not written)."""
+        if self.schema is None:
+            self.schema = self._plan(data)
+            if self.adopted:
+                self._compare(self.schema)
+        rows: list[dict[str, Any]] = [{"id": doc_id} for doc_id in ids]
+        columns = [("vector", [data])] if isinstance(data, np.ndarray) else \
+            [(name, arrays) for (name, _, _), (_, arrays) in zip(self.schema[1:], data)]
+        for (name, arrays), (_, ftype, _) in zip(columns, self.schema[1:]):
+            if ftype.name == "SPARSE_FLOAT_VECTOR":
+                offsets, indices, values = arrays
+                for row, a, b in zip(rows, offsets[:-1].tolist(), offsets[1:].tolist()):
+                    row[name] = dict(zip(indices[a:b].tolist(), values[a:b].tolist()))
+            elif ftype.name == "FLOAT_VECTOR":
+                for row, vector in zip(rows, np.asarray(arrays[0], np.float32)):
+                    row[name] = vector
+            else:
+                for row, value in zip(rows, np.asarray(arrays[0]).reshape(-1).tolist()):
+                    row[name] = value
+        if texts is not None:
+            for row, text in zip(rows, texts):
+                row["text"] = text
+        refused, kept = [], []
+        for row in rows:
+            why = self._refuse(row)
+            if why is None:
+                kept.append(row)
+            else:
+                refused.append((row["id"], errors.InvalidRecord(f"{self.where} cannot store this record: {why}")))
+        self._rows += kept
+        self.pending_rows += len(kept)
+        if len(self._rows) >= ROWS_PER_FLUSH:
+            self._send()
+        return refused
+
+    def _refuse(self, row: dict[str, Any]) -> str | None:
+        if len(row["id"].encode("utf-8")) > MAX_VARCHAR:
+            return f"its id is over {MAX_VARCHAR:,} bytes (Milvus's largest VARCHAR)"
+        if "text" in row and len(row["text"].encode("utf-8")) > MAX_VARCHAR:
+            return f"its text is over {MAX_VARCHAR:,} bytes (Milvus's largest VARCHAR; --store-text)"
+        for name, value in row.items():
+            if isinstance(value, dict) and not any(value.values()):
+                return f"its sparse vector {name} has no nonzero weight, and Milvus refuses an empty sparse vector"
+        return None
+
+    def _create(self) -> None:
+        """The collection with this run's fields, its exact indexes and the record, before any row."""
+        assert self.schema is not None
+        pymilvus = _pymilvus()
+        schema = pymilvus.MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
+        params = pymilvus.MilvusClient.prepare_index_params()
+        for name, ftype, dim in self.schema:
+            kwargs: dict[str, Any] = {"is_primary": True} if name == "id" else {}
+            if ftype == pymilvus.DataType.VARCHAR:
+                kwargs["max_length"] = MAX_VARCHAR
+            if dim is not None:
+                kwargs["dim"] = dim
+            schema.add_field(name, ftype, **kwargs)
+            if ftype == pymilvus.DataType.FLOAT_VECTOR:
+                params.add_index(field_name=name, index_name=name, index_type="FLAT", metric_type="COSINE")
+            elif ftype == pymilvus.DataType.SPARSE_FLOAT_VECTOR:
+                params.add_index(field_name=name, index_name=name, index_type="SPARSE_INVERTED_INDEX",
+                                 metric_type="IP")
+        self.manifest.updated = _now()
+        record = self._record()
+        self.client.create_collection(self.target.collection, schema=schema, index_params=params,
+                                      properties={MANIFEST_KEY: record}, consistency_level="Strong")
+        self._saved = record
+        info = self.client.describe_collection(self.target.collection)
+        self.target.fields = {f["name"]: (f["type"], (f.get("params") or {}).get("dim")) for f in info["fields"]}
+
+    def _send(self) -> None:
+        """The buffered rows, upserted in requests of ROWS_PER_REQUEST, then the count checked."""
+        if not self._rows:
+            return
+        n = len(self._rows)
+        try:
+            if self.target.fields is None:
+                self._create()
+            elif self.adopted and self.target.manifest is None:  # the record before the rows: never rows without
+                self._save(force=True)
+                self.target.manifest = self.manifest
+            for i in range(0, n, ROWS_PER_REQUEST):
+                self.client.upsert(self.target.collection, self._rows[i:i + ROWS_PER_REQUEST])
+            count = self.target.count()
+        except errors.EmbedqError:
+            raise
+        except Exception as exc:  # pymilvus's MilvusException, grpc's RpcError
+            raise errors.Unavailable(f"writing to {self.where} failed: {_reason(exc)}; run again to continue from "
+                                     "the last commit") from None
+        self._rows = []
+        if count != self._count + n:
+            raise errors.Unavailable(f"{self.where} holds {count} rows after adding {n} to {self._count}: another "
+                                     "writer went around embedq's lock; stop it, then run again")
+        self._count = count
+
+    def commit(self) -> None:
+        """The rows since the last commit, then the record."""
+        self._send()
+        self.manifest.rows += self.pending_rows
+        self.pending_rows = 0
+        self.save_manifest()
+
+    def _record(self) -> str:
+        return self.manifest.model_dump_json()
+
+    def save_manifest(self) -> None:
+        self._save()
+
+    def _save(self, force: bool = False) -> None:
+        if self.target.fields is None or self.manifest.fingerprint is None:
+            return  # nothing written: no collection, no record
+        same = json.loads(self._saved or "{}") | {"updated": None} == json.loads(self._record()) | {"updated": None}
+        if same and not force:
+            return
+        self.manifest.updated = _now()
+        record = self._record()
+        try:
+            self.client.alter_collection_properties(self.target.collection, properties={MANIFEST_KEY: record})
+        except Exception as exc:
+            raise errors.Unavailable(f"committing to {self.where} failed: {_reason(exc)}; run again to continue "
+                                     "from the last commit") from None
+        self._saved = record
+
+    def close(self) -> None:
+        """Rows not sent yet are dropped (the next run embeds them again); the client stays the target's (the ANN
+        index is built after the run)."""
+        self._rows = []
