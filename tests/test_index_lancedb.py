@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,44 +12,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT_DIR, WorkerHandle
+from conftest import WorkerHandle
+from indexdb import cmd, corpus_texts, env, items_received, kill_after_rows, query_texts, run, write_jsonl
 
 from embedq.settings import Settings
 
 pytestmark = pytest.mark.integration
 lancedb = pytest.importorskip("lancedb")
 pa = pytest.importorskip("pyarrow")
-
-#: acceptance a's 2,000 corpus texts (the pgvector test's: the short ones, under 400 characters, in corpus order)
-N_TEXTS = 2000
-
-
-def _env(settings: Settings, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_") or k.endswith("_CACHE")}
-    return {**env, "EMBEDQ_BROKER_URL": settings.broker_url, "EMBEDQ_QUEUE": settings.queue_name,
-            "PYTHONPATH": str(ROOT_DIR), **extra}
-
-
-def _cmd(src: Path, url: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "embedq", "index", str(src), "-o", url, "-q", "--json", *extra]
-
-
-def _run(settings: Settings, src: Path, url: str, *extra: str, cwd: Path | None = None) -> tuple[int, dict, str]:
-    proc = subprocess.run(_cmd(src, url, *extra), env=_env(settings), capture_output=True, text=True, timeout=900,
-                          cwd=cwd)
-    summary = json.loads(proc.stdout) if proc.stdout.strip() else {}
-    return proc.returncode, summary, proc.stderr + proc.stdout
-
-
-def _write_jsonl(path: Path, texts: list[str]) -> list[str]:
-    ids = [f"doc-{i}" for i in range(len(texts))]
-    path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(ids, texts)))
-    return ids
-
-
-def _items(worker) -> int:
-    return worker.stats()["items_received"]
-
 
 def _url(db: Path, table: str = "docs") -> str:
     return f"lancedb://{db}?table={table}"
@@ -93,23 +61,13 @@ def loaded(worker, corpus, tmp_path_factory):
     --build-index."""
     tmp = tmp_path_factory.mktemp("lance_a")
     db = tmp / "db"
-    texts = [t for t in corpus if len(t) < 400][:N_TEXTS]
-    ids = _write_jsonl(tmp / "in.jsonl", texts)
+    texts = corpus_texts(corpus)
+    ids = write_jsonl(tmp / "in.jsonl", texts)
     args = ("--checkpoint-seconds", "1", "--chunk-size", "16", "--build-index")
     t0 = time.monotonic()
-    proc = subprocess.Popen(_cmd(tmp / "in.jsonl", _url(db), *args), env=_env(worker.settings), cwd=tmp,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while _rows(db) < 200:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "no 200 rows committed"
-            time.sleep(0.1)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    committed = _rows(db)
-    code, summary, out = _run(worker.settings, tmp / "in.jsonl", _url(db), *args, cwd=tmp)
+    committed = kill_after_rows(cmd(tmp / "in.jsonl", _url(db), *args), env(worker.settings), tmp,
+                                lambda: _rows(db))
+    code, summary, out = run(worker.settings, tmp / "in.jsonl", _url(db), *args, cwd=tmp)
     assert code == 0, out
     print(f"\nlancedb acceptance a: {len(texts)} texts, killed at {committed} rows, {time.monotonic() - t0:.1f}s "
           "in all")
@@ -138,7 +96,7 @@ def test_a_nearest_neighbours_through_the_ann_index_match_exact_search(worker, c
     db, _, _, _, summary, out = loaded
     assert summary["ann_index"] == "IVF_HNSW_SQ vector_idx (vector, vector, cosine)", summary
     assert "ann index" in out and summary["ann_index_seconds"] >= 0
-    queries = [t for t in corpus if len(t) < 400][N_TEXTS:N_TEXTS + 20]
+    queries = query_texts(corpus)
     qv = np.asarray(worker.client.embed(queries, timeout=300), dtype=np.float32)
     tbl = _table(db)
     [index] = tbl.list_indices()
@@ -165,10 +123,10 @@ def test_c_other_options_or_kind_are_refused_and_the_table_untouched(worker, loa
     src = tmp_path / "more.jsonl"
     src.write_text('{"id": "new-1", "text": "a new document"}\n{"id": "doc-5", "text": "already there"}\n')
     before = _state(db)
-    items = _items(worker)
-    code, _, out = _run(worker.settings, src, _url(db), *extra, cwd=tmp_path)
+    received = items_received(worker)
+    code, _, out = run(worker.settings, src, _url(db), *extra, cwd=tmp_path)
     assert code == 2 and "[output_mismatch]" in out and "was written with" in out, out
-    assert _state(db) == before and _items(worker) == items  # refused before anything was embedded
+    assert _state(db) == before and items_received(worker) == received  # refused before anything was embedded
 
 
 def test_c_another_pooling_is_refused_before_writing(redis_server, loaded, tmp_path):
@@ -180,7 +138,7 @@ def test_c_another_pooling_is_refused_before_writing(redis_server, loaded, tmp_p
         src = tmp_path / "more.jsonl"
         src.write_text('{"id": "new-1", "text": "a new document"}\n')
         before = _state(db)
-        code, _, out = _run(settings, src, _url(db), cwd=tmp_path)
+        code, _, out = run(settings, src, _url(db), cwd=tmp_path)
     finally:
         other.stop()
     assert code == 2 and "another embedding space" in out and "cls pooling" in out, out
@@ -192,10 +150,10 @@ def test_b_multi_vectors_into_lancedb_equal_the_client(worker, corpus, tmp_path)
     ANN index; a second run continues it (nothing to embed)."""
     texts = [" ".join(t.split()[:12]) for t in corpus[:40]]
     src = tmp_path / "in.jsonl"
-    ids = _write_jsonl(src, texts)
+    ids = write_jsonl(src, texts)
     db = tmp_path / "db"
-    code, summary, out = _run(worker.settings, src, _url(db, "multi"), "--kind", "multi", "--store-text",
-                              "--chunk-size", "8", "--build-index", cwd=tmp_path)
+    code, summary, out = run(worker.settings, src, _url(db, "multi"), "--kind", "multi", "--store-text",
+                             "--chunk-size", "8", "--build-index", cwd=tmp_path)
     assert code == 0 and summary["rows"] == len(texts), out
     assert summary["ann_index"] == "IVF_HNSW_SQ vectors_idx (vectors, multivector, cosine)", summary
     tbl = _table(db, "multi")
@@ -213,8 +171,8 @@ def test_b_multi_vectors_into_lancedb_equal_the_client(worker, corpus, tmp_path)
     hit = tbl.search(want[3], vector_column_name="vectors").limit(1).select(["id"]).to_arrow()
     assert hit.column("id").to_pylist() == [ids[3]]  # a multivector query (MaxSim) through the index
     before = _state(db, "multi")
-    code, summary, out = _run(worker.settings, src, _url(db, "multi"), "--kind", "multi", "--store-text",
-                              cwd=tmp_path)
+    code, summary, out = run(worker.settings, src, _url(db, "multi"), "--kind", "multi", "--store-text",
+                             cwd=tmp_path)
     assert code == 0 and summary["skipped"] == len(texts) and summary["texts"] == 0, out
     assert _state(db, "multi")[1:] == before[1:]  # the same rows (the record gained the run: a new version)
     assert len(_manifest(_table(db, "multi"))["runs"]) == 2
@@ -252,12 +210,12 @@ def test_d_bad_targets_are_refused_before_any_text_is_embedded(worker, corpus, t
         "relative path": ("lancedb://db?table=docs", "absolute path", 0),
     }[case]
     src = tmp_path / "in.jsonl"
-    _write_jsonl(src, corpus[:50])
-    before = _items(worker)
+    write_jsonl(src, corpus[:50])
+    before = items_received(worker)
     states = {t: _state(db, t) for t in ("other_schema", "dim768", "foreign_rows")}
-    code, _, out = _run(worker.settings, src, url, cwd=tmp_path)
+    code, _, out = run(worker.settings, src, url, cwd=tmp_path)
     assert code == 2 and says in out, out
-    assert _items(worker) - before <= probe  # no text of the input was sent (at most the one-text probe)
+    assert items_received(worker) - before <= probe  # no text of the input was sent (at most the one-text probe)
     assert {t: _state(db, t) for t in states} == states
     assert not (tmp_path / "missing").exists() and not Path("/proc/embedq-db").exists()
 
@@ -265,10 +223,10 @@ def test_d_bad_targets_are_refused_before_any_text_is_embedded(worker, corpus, t
 def test_d_a_missing_extra_names_it(worker, tmp_path):
     """lancedb made unimportable in the CLI's own process (the real import path, not a mock of the sink)."""
     src = tmp_path / "in.jsonl"
-    _write_jsonl(src, ["one text"])
+    write_jsonl(src, ["one text"])
     code = ("import sys; sys.modules['lancedb'] = None; from embedq.cli import main; "
             f"sys.exit(main(['index', {str(src)!r}, '-o', {_url(tmp_path / 'db')!r}, '-q']))")
-    proc = subprocess.run([sys.executable, "-c", code], env=_env(worker.settings), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code], env=env(worker.settings), capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "pip install 'embedq[lancedb]'" in proc.stderr and not (tmp_path / "db").exists()
@@ -284,13 +242,13 @@ def test_a_second_writer_is_refused_and_an_adopted_empty_table_gets_the_record(w
     lancedb.connect(str(db)).create_table("docs", schema=pa.schema([("id", pa.string()),
                                                                              ("vector", lancedb.vector(384))]))
     src = tmp_path / "in.jsonl"
-    ids = _write_jsonl(src, [t for t in corpus if len(t) < 200][:30])
+    ids = write_jsonl(src, [t for t in corpus if len(t) < 200][:30])
     target = output_target(_url(db), None, None)
     with target.lock():
-        code, _, out = _run(worker.settings, src, _url(db), cwd=tmp_path)
+        code, _, out = run(worker.settings, src, _url(db), cwd=tmp_path)
         assert code == 2 and "another embedq index is writing" in out, out
     assert (tmp_path / "db.docs.embedq.lock").exists()
-    code, summary, out = _run(worker.settings, src, _url(db), cwd=tmp_path)
+    code, summary, out = run(worker.settings, src, _url(db), cwd=tmp_path)
     assert code == 0 and summary["rows"] == len(ids), out
     tbl = _table(db)
     assert sorted(tbl.to_arrow().column("id").to_pylist()) == sorted(ids)
@@ -312,10 +270,10 @@ def test_b_bge_m3_into_lancedb_dense_sparse_and_colbert_equal_the_client(redis_s
     try:
         texts = [" ".join(t.split()[:20]) for t in corpus[400:430]]
         src = tmp_path / "in.jsonl"
-        ids = _write_jsonl(src, texts)
+        ids = write_jsonl(src, texts)
         db = tmp_path / "db"
-        code, summary, out = _run(settings, src, _url(db, "m3"), "--kind", "bge-m3", "--chunk-size", "8",
-                                  cwd=tmp_path)
+        code, summary, out = run(settings, src, _url(db, "m3"), "--kind", "bge-m3", "--chunk-size", "8",
+                                 cwd=tmp_path)
         assert code == 0 and summary["rows"] == len(texts), out
         data = _table(db, "m3").to_arrow()
         want = m3.client.embed_hybrid(texts)
@@ -340,10 +298,10 @@ def test_b_bge_m3_into_lancedb_dense_sparse_and_colbert_equal_the_client(redis_s
 def test_float16_into_lancedb_is_a_half_vector_with_its_index(worker, corpus, tmp_path):
     texts = [t for t in corpus if len(t) < 200][:40]
     src = tmp_path / "in.jsonl"
-    ids = _write_jsonl(src, texts)
+    ids = write_jsonl(src, texts)
     db = tmp_path / "db"
-    code, summary, out = _run(worker.settings, src, _url(db, "half"), "--vector-dtype", "float16", "--build-index",
-                              cwd=tmp_path)
+    code, summary, out = run(worker.settings, src, _url(db, "half"), "--vector-dtype", "float16", "--build-index",
+                             cwd=tmp_path)
     assert code == 0 and summary["ann_index"].startswith("IVF_HNSW_SQ vector_idx"), out
     data = _table(db, "half").to_arrow()
     assert data.schema.field("vector").type == lancedb.vector(384, pa.float16())

@@ -4,8 +4,6 @@ authentication), a real worker, the real MiniLM model, real kills (issue 40: a, 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT_DIR, WorkerHandle
+from conftest import WorkerHandle
+from indexdb import cmd, corpus_texts, env, items_received, kill_after_rows, query_texts, run, write_jsonl
 
 from embedq.producers.embedded import free_port
 from embedq.settings import Settings
@@ -23,10 +22,6 @@ psycopg = pytest.importorskip("psycopg")
 pytest.importorskip("pgserver")
 pgvector_psycopg = pytest.importorskip("pgvector.psycopg")
 
-#: acceptance a's 2,000 corpus texts; the short ones (under 400 characters, in corpus order) keep CI's time low
-N_TEXTS = 2000
-
-
 @pytest.fixture(scope="session")
 def pg(tmp_path_factory):
     from pgcluster import PgCluster
@@ -34,29 +29,6 @@ def pg(tmp_path_factory):
     cluster = PgCluster(tmp_path_factory.mktemp("pg") / "cluster").start()
     yield cluster
     cluster.stop()
-
-
-def _env(settings: Settings, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBEDQ_", "PG")) or k.endswith("_CACHE")}
-    return {**env, "EMBEDQ_BROKER_URL": settings.broker_url, "EMBEDQ_QUEUE": settings.queue_name,
-            "PYTHONPATH": str(ROOT_DIR), **extra}
-
-
-def _cmd(src: Path, url: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "embedq", "index", str(src), "-o", url, "-q", "--json", *extra]
-
-
-def _run(settings: Settings, src: Path, url: str, *extra: str, cwd: Path | None = None) -> tuple[int, dict, str]:
-    proc = subprocess.run(_cmd(src, url, *extra), env=_env(settings), capture_output=True, text=True, timeout=900,
-                          cwd=cwd)
-    summary = json.loads(proc.stdout) if proc.stdout.strip() else {}
-    return proc.returncode, summary, proc.stderr + proc.stdout
-
-
-def _write_jsonl(path: Path, texts: list[str]) -> list[str]:
-    ids = [f"doc-{i}" for i in range(len(texts))]
-    path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(ids, texts)))
-    return ids
 
 
 def _rows(conn, table: str) -> int:
@@ -71,35 +43,21 @@ def _state(conn, table: str) -> tuple[int, str]:
                         f"'')) FROM {table}").fetchone()
 
 
-def _items(worker) -> int:
-    return worker.stats()["items_received"]
-
-
 @pytest.fixture(scope="module")
 def loaded(worker, corpus, pg, tmp_path_factory):
     """a. N corpus texts into ``docs``: SIGKILL once PostgreSQL holds >= 200 committed rows, resume with
     --build-index."""
     db = pg.create_database("acceptance_a")
     tmp = tmp_path_factory.mktemp("pg_a")
-    texts = [t for t in corpus if len(t) < 400][:N_TEXTS]
-    ids = _write_jsonl(tmp / "in.jsonl", texts)
+    texts = corpus_texts(corpus)
+    ids = write_jsonl(tmp / "in.jsonl", texts)
     url = pg.url(db, table="docs")
     args = ("--checkpoint-seconds", "1", "--chunk-size", "16", "--build-index")
     t0 = time.monotonic()
-    proc = subprocess.Popen(_cmd(tmp / "in.jsonl", url, *args), env=_env(worker.settings), cwd=tmp,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with pg.connect(db) as conn:
-        try:
-            deadline = time.monotonic() + 300
-            while _rows(conn, "docs") < 200:
-                assert proc.poll() is None, proc.communicate()
-                assert time.monotonic() < deadline, "no 200 rows committed"
-                time.sleep(0.1)
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-        committed = _rows(conn, "docs")
-    code, summary, out = _run(worker.settings, tmp / "in.jsonl", url, *args, cwd=tmp)
+        committed = kill_after_rows(cmd(tmp / "in.jsonl", url, *args), env(worker.settings), tmp,
+                                    lambda: _rows(conn, "docs"))
+    code, summary, out = run(worker.settings, tmp / "in.jsonl", url, *args, cwd=tmp)
     assert code == 0, out
     print(f"\npgvector acceptance a: {len(texts)} texts, killed at {committed} rows, {time.monotonic() - t0:.1f}s "
           "in all")
@@ -129,7 +87,7 @@ def test_a_nearest_neighbours_through_the_hnsw_index_match_exact_search(worker, 
     db, _, _, _, summary, out = loaded
     assert "hnsw docs_embedding_hnsw (embedding vector_cosine_ops)" in summary["ann_index"]
     assert "ann index" in out and summary["ann_index_seconds"] >= 0
-    queries = [t for t in corpus if len(t) < 400][N_TEXTS:N_TEXTS + 20]
+    queries = query_texts(corpus)
     qv = np.asarray(worker.client.embed(queries, timeout=300), dtype=np.float32)
     with pg.connect(db) as conn:
         pgvector_psycopg.register_vector(conn)
@@ -156,7 +114,7 @@ def test_c_other_options_or_kind_are_refused_and_the_table_untouched(worker, pg,
     src.write_text('{"id": "new-1", "text": "a new document"}\n{"id": "doc-5", "text": "already there"}\n')
     with pg.connect(db) as conn:
         before = _state(conn, "docs")
-    code, _, out = _run(worker.settings, src, pg.url(db, table="docs"), *extra, cwd=tmp_path)
+    code, _, out = run(worker.settings, src, pg.url(db, table="docs"), *extra, cwd=tmp_path)
     assert code == 2, out
     assert "[output_mismatch]" in out or "multi-vector" in out, out
     with pg.connect(db) as conn:
@@ -173,7 +131,7 @@ def test_c_another_pooling_is_refused_before_writing(redis_server, pg, loaded, t
         src.write_text('{"id": "new-1", "text": "a new document"}\n')
         with pg.connect(db) as conn:
             before = _state(conn, "docs")
-        code, _, out = _run(settings, src, pg.url(db, table="docs"), cwd=tmp_path)
+        code, _, out = run(settings, src, pg.url(db, table="docs"), cwd=tmp_path)
     finally:
         other.stop()
     assert code == 2 and "another embedding space" in out and "cls pooling" in out, out
@@ -183,11 +141,11 @@ def test_c_another_pooling_is_refused_before_writing(redis_server, pg, loaded, t
 
 def test_b_a_sparse_kind_is_refused_on_pgvector_0_6(worker, pg, tmp_path):
     src = tmp_path / "in.jsonl"
-    _write_jsonl(src, ["one text"])
-    before = _items(worker)
-    code, _, out = _run(worker.settings, src, pg.url(table="splade"), "--kind", "sparse", cwd=tmp_path)
+    write_jsonl(src, ["one text"])
+    before = items_received(worker)
+    code, _, out = run(worker.settings, src, pg.url(table="splade"), "--kind", "sparse", cwd=tmp_path)
     assert code == 2 and "need pgvector >= 0.7" in out and "pgvector 0.6.2" in out, out
-    assert _items(worker) == before
+    assert items_received(worker) == before
     with pg.connect() as conn:
         assert conn.execute("SELECT to_regclass('splade')").fetchone()[0] is None
 
@@ -218,12 +176,12 @@ def test_d_bad_targets_are_refused_before_any_text_is_embedded(worker, pg, corpu
                      "NOTHING")
     url, says, probe = _bad_targets(pg)[case]
     src = tmp_path / "in.jsonl"
-    _write_jsonl(src, corpus[:50])
-    before = _items(worker)
-    code, _, out = _run(worker.settings, src, url, cwd=tmp_path)
+    write_jsonl(src, corpus[:50])
+    before = items_received(worker)
+    code, _, out = run(worker.settings, src, url, cwd=tmp_path)
     assert code == 2 and says in out, out
     assert "wrong-pw-5150" not in out
-    assert _items(worker) - before <= probe  # no text of the input was sent (at most the one-text probe)
+    assert items_received(worker) - before <= probe  # no text of the input was sent (at most the one-text probe)
     with pg.connect() as conn:
         assert _rows(conn, "other_schema") == 0 and _rows(conn, "dim768") == 0 and _rows(conn, "foreign_rows") == 1
 
@@ -231,11 +189,11 @@ def test_d_bad_targets_are_refused_before_any_text_is_embedded(worker, pg, corpu
 def test_d_a_missing_extra_names_it(worker, pg, tmp_path):
     """psycopg made unimportable in the CLI's own process (the real import path, not a mock of the sink)."""
     src = tmp_path / "in.jsonl"
-    _write_jsonl(src, ["one text"])
+    write_jsonl(src, ["one text"])
     code = ("import sys; sys.modules['psycopg'] = None; from embedq.cli import main; "
             f"sys.exit(main([{str(src)!r}, '-o', {pg.url(table='t')!r}, '-q']))")
     code = code.replace("main([", "main(['index', ")
-    proc = subprocess.run([sys.executable, "-c", code], env=_env(worker.settings), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code], env=env(worker.settings), capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "pip install 'embedq[pgvector]'" in proc.stderr and pg.PASSWORD not in proc.stderr
@@ -246,12 +204,12 @@ def test_store_text_and_the_errors_file_of_a_database_output(worker, pg, corpus,
     folder; --overwrite replaces the table."""
     texts = [t for t in corpus if len(t) < 200][:20]
     src = tmp_path / "in.jsonl"
-    ids = _write_jsonl(src, texts)
+    ids = write_jsonl(src, texts)
     with src.open("a") as fh:
         fh.write(json.dumps({"id": "empty-1", "text": "   "}) + "\n")
     url = pg.url(table="with_text")
     for extra in ((), ("--overwrite",)):
-        code, summary, out = _run(worker.settings, src, url, "--store-text", *extra, cwd=tmp_path)
+        code, summary, out = run(worker.settings, src, url, "--store-text", *extra, cwd=tmp_path)
         assert code == 1 and summary["rows"] == 20 and summary["failed"] == 1, out
         assert summary["texts"] == 20  # --overwrite: the table was dropped, so every text was embedded again
     errors_file = tmp_path / "with_text.errors.jsonl"
@@ -296,9 +254,9 @@ def test_b_sparse_into_pgvector_0_8_is_a_sparsevec_equal_to_the_client(splade_wo
 
     texts = [" ".join(t.split()[:30]) for t in corpus[:300]]
     src = tmp_path / "in.jsonl"
-    ids = _write_jsonl(src, texts)
-    code, summary, out = _run(splade_worker.settings, src, pg08.url(table="splade"), "--kind", "sparse",
-                              "--build-index", cwd=tmp_path)
+    ids = write_jsonl(src, texts)
+    code, summary, out = run(splade_worker.settings, src, pg08.url(table="splade"), "--kind", "sparse",
+                             "--build-index", cwd=tmp_path)
     assert code == 0 and summary["rows"] == len(texts), out
     assert "(embedding sparsevec_ip_ops)" in summary["ann_index"]
     with pg08.connect() as conn:
@@ -318,9 +276,9 @@ def test_b_sparse_into_pgvector_0_8_is_a_sparsevec_equal_to_the_client(splade_wo
 def test_float16_into_pgvector_0_8_is_a_halfvec(worker, pg08, corpus, tmp_path):
     texts = [t for t in corpus if len(t) < 200][:40]
     src = tmp_path / "in.jsonl"
-    ids = _write_jsonl(src, texts)
-    code, summary, out = _run(worker.settings, src, pg08.url(table="half"), "--vector-dtype", "float16",
-                              "--build-index", cwd=tmp_path)
+    ids = write_jsonl(src, texts)
+    code, summary, out = run(worker.settings, src, pg08.url(table="half"), "--vector-dtype", "float16",
+                             "--build-index", cwd=tmp_path)
     assert code == 0 and "halfvec_cosine_ops" in summary["ann_index"], out
     with pg08.connect() as conn:
         pgvector_psycopg.register_vector(conn)

@@ -1,7 +1,8 @@
 """``embedq index``: embed a file (or stdin) into a resumable Parquet, NPY or JSONL output."""
 
+from embedq.producers.index.manifests import Manifest
 from embedq.producers.index.runner import IndexConfig, Indexer, run_index
-from embedq.producers.index.sinks import OUTPUT_FORMATS, Manifest, open_sink
+from embedq.producers.index.sinks import OUTPUT_FORMATS, open_sink
 from embedq.producers.index.sources import FORMATS, Record, Source
 from embedq.producers.index.summary import Summary
 

@@ -52,7 +52,8 @@ import numpy as np
 from embedq import errors
 from embedq.producers.index.idset import digest
 from embedq.producers.index.kinds import index_kind
-from embedq.producers.index.sinks import Manifest, OutputLock, Sink, _now
+from embedq.producers.index.manifests import Manifest, check_manifest, utc_now
+from embedq.producers.index.sinks import OutputLock, Sink
 from embedq.producers.index.targets import split_param
 from embedq.protocol import Fingerprint
 
@@ -196,14 +197,8 @@ class Target:
             self.tbl, self.manifest = None, None
         manifest = self.manifest
         if manifest is not None:
-            wanted = {"format": self.format, "vector_dtype": vector_dtype, "options": options}
-            for key, value in wanted.items():
-                have = getattr(manifest, key)
-                if have != value:
-                    raise errors.OutputMismatch(
-                        f"table {self.table} of {self.path} was written with {key} {have!r}; this run asks for "
-                        f"{value!r}. Vectors made by different pipelines must not share a table: write to another "
-                        "one, or pass --overwrite")
+            check_manifest(manifest, format=self.format, vector_dtype=vector_dtype, options=options,
+                           where=f"table {self.table} of {self.path}", container="table")
         else:
             manifest = Manifest(format=self.format, vector_dtype=vector_dtype, options=options)
         sink = LanceSink(self, manifest)
@@ -325,7 +320,7 @@ class LanceSink(Sink):
         try:
             if self.target.tbl is None:
                 self.manifest.rows = n
-                self.manifest.updated = _now()
+                self.manifest.updated = utc_now()
                 record = self._record()
                 field = batch.schema.field("id").with_metadata({MANIFEST_KEY: record})
                 schema = batch.schema.set(batch.schema.get_field_index("id"), field)
@@ -367,7 +362,7 @@ class LanceSink(Sink):
             json.loads(self._record()) | {"updated": None}
         if unchanged and not force:
             return  # a LanceDB commit (a new version) only when the record changed
-        self.manifest.updated = _now()
+        self.manifest.updated = utc_now()
         record = self._record()
         try:
             self.target.tbl.update_field_metadata({"path": "id", "metadata": {MANIFEST_KEY.decode(): record}})

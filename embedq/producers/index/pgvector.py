@@ -40,7 +40,8 @@ import numpy as np
 from embedq import errors
 from embedq.producers.index.idset import digest
 from embedq.producers.index.kinds import index_kind
-from embedq.producers.index.sinks import Manifest, Sink
+from embedq.producers.index.manifests import Manifest, check_manifest, utc_now
+from embedq.producers.index.sinks import Sink
 from embedq.producers.index.targets import mask_url, split_param
 from embedq.protocol import Fingerprint
 
@@ -215,14 +216,8 @@ class Target:
             self.manifest, self.table_exists = None, False
         manifest = self.manifest
         if manifest is not None:
-            wanted = {"format": self.format, "vector_dtype": vector_dtype, "options": options}
-            for key, value in wanted.items():
-                have = getattr(manifest, key)
-                if have != value:
-                    raise errors.OutputMismatch(
-                        f"table {self.table} at {self.describe()} was written with {key} {have!r}; this run asks for "
-                        f"{value!r}. Vectors made by different pipelines must not share a table: write to another "
-                        "one, or pass --overwrite")
+            check_manifest(manifest, format=self.format, vector_dtype=vector_dtype, options=options,
+                           where=f"table {self.table} at {self.describe()}", container="table")
         else:
             manifest = Manifest(format=self.format, vector_dtype=vector_dtype, options=options)
         sink = PgvectorSink(self, manifest)
@@ -428,9 +423,7 @@ class PgvectorSink(Sink):
     def save_manifest(self) -> None:
         if self.manifest.fingerprint is None or not self.existing or self.broken:
             return  # nothing written: no table, no record
-        from embedq.producers.index.sinks import _now
-
-        self.manifest.updated = _now()
+        self.manifest.updated = utc_now()
         psycopg = _psycopg()
         try:
             with self.conn.cursor() as cur:

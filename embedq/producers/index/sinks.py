@@ -12,30 +12,30 @@ ids, and embeds only the rest, so the output holds every id exactly once.
   when committed, because a Parquet file is unreadable until its footer is written.
 - **NPY**: one ``.npy`` matrix (its header rewritten at each commit) plus ``<name>.ids.txt``.
 - **JSONL**: one ``{"id": ..., "vector": [...]}`` object per line.
+
+The manifest's model and its check against a run's settings are in ``manifests.py`` (shared with the database
+sinks); ``Manifest`` and ``VectorDtype`` are importable from here too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import json
 import os
 import shutil
 import struct
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
 from embedq import errors
 from embedq.producers.index.idset import IdSet, digest
+from embedq.producers.index.manifests import Manifest, Part, VectorDtype, check_manifest, utc_now
 from embedq.protocol import Fingerprint
 
 OUTPUT_FORMATS = ("parquet", "npy", "jsonl")
-VectorDtype = Literal["float32", "float16"]
 _OUT_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".npy": "npy", ".jsonl": "jsonl", ".ndjson": "jsonl"}
-MANIFEST_VERSION = 1
 
 
 def detect_output_format(path: Path) -> str:
@@ -44,35 +44,6 @@ def detect_output_format(path: Path) -> str:
         raise errors.InvalidOption(f"cannot tell the output format of {str(path)!r}; name it .parquet, .npy or "
                                    ".jsonl, or pass --output-format")
     return fmt
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-
-
-class Part(BaseModel):
-    file: str
-    rows: int
-
-
-class Manifest(BaseModel):
-    """What an output holds and how it was made; replaced atomically at each commit."""
-
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
-
-    embedq_index: int = MANIFEST_VERSION
-    format: str
-    vector_dtype: VectorDtype
-    options: dict[str, Any] = Field(description="Embedding options every row was made with (wire form).")
-    fingerprint: Fingerprint | None = None
-    rows: int = 0
-    parts: list[Part] = Field(default_factory=list)  # parquet
-    data_bytes: int = 0  # npy (header included) / jsonl
-    ids_bytes: int = 0  # npy
-    complete: bool = False
-    created: str = Field(default_factory=_now)
-    updated: str = Field(default_factory=_now)
-    runs: list[dict[str, Any]] = Field(default_factory=list)
 
 
 def sidecar(path: Path, suffix: str) -> Path:
@@ -153,7 +124,7 @@ class Sink:
         self.save_manifest()
 
     def save_manifest(self) -> None:
-        self.manifest.updated = _now()
+        self.manifest.updated = utc_now()
         _atomic_write(self.manifest_path(self.path), self.manifest.model_dump_json(indent=2))
 
     def close(self) -> None:
@@ -446,13 +417,7 @@ def open_sink(path: Path, fmt: str, *, vector_dtype: VectorDtype, options: dict[
         except ValueError as exc:
             raise errors.InvalidOption(f"{mpath} is not a readable embedq manifest ({exc}); pass --overwrite "
                                        "to start the output afresh") from None
-        wanted = {"format": fmt, "vector_dtype": vector_dtype, "options": options}
-        for key, value in wanted.items():
-            have = getattr(manifest, key)
-            if have != value:
-                raise errors.OutputMismatch(
-                    f"{path} was written with {key} {have!r}; this run asks for {value!r}. Vectors made by "
-                    "different pipelines must not share an output: write to another one, or pass --overwrite")
+        check_manifest(manifest, format=fmt, vector_dtype=vector_dtype, options=options, where=str(path))
         sink = cls(path, manifest, shard_rows=shard_rows)
         sink._repair()
         return sink

@@ -1,0 +1,68 @@
+"""The record every ``embedq index`` output keeps beside its rows, and the check a run makes against it.
+
+A :class:`Manifest` says how an output was made (format, vector dtype, embedding options, the embedding-space
+fingerprint) and what it has committed. Each sink stores it in its own place (a JSON file beside or inside the file
+outputs, a table of its own in PostgreSQL, a field's metadata in LanceDB); :func:`check_manifest` is the one
+comparison of a stored record with a new run's settings, made before anything is embedded.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from embedq import errors
+from embedq.protocol import Fingerprint
+
+VectorDtype = Literal["float32", "float16"]
+MANIFEST_VERSION = 1
+
+
+def utc_now() -> str:
+    """The current UTC time in ISO 8601, to the second (the manifest's ``created`` and ``updated``)."""
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+class Part(BaseModel):
+    file: str
+    rows: int
+
+
+class Manifest(BaseModel):
+    """What an output holds and how it was made; replaced atomically at each commit."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    embedq_index: int = MANIFEST_VERSION
+    format: str
+    vector_dtype: VectorDtype
+    options: dict[str, Any] = Field(description="Embedding options every row was made with (wire form).")
+    fingerprint: Fingerprint | None = None
+    rows: int = 0
+    parts: list[Part] = Field(default_factory=list)  # parquet
+    data_bytes: int = 0  # npy (header included) / jsonl
+    ids_bytes: int = 0  # npy
+    complete: bool = False
+    created: str = Field(default_factory=utc_now)
+    updated: str = Field(default_factory=utc_now)
+    runs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+def check_manifest(manifest: Manifest, *, format: str, vector_dtype: str, options: dict[str, Any], where: str,
+                   container: str = "output") -> None:
+    """Raise :class:`~embedq.errors.OutputMismatch` when ``manifest`` was made with another format, vector dtype or
+    options than this run asks for (the first that differs is named).
+
+    ``where`` names the target in the message (a path; ``table docs of /db``); ``container`` is what it is (``output``,
+    ``table``, ``collection``), in "must not share a table".
+    """
+    wanted = {"format": format, "vector_dtype": vector_dtype, "options": options}
+    for key, value in wanted.items():
+        have = getattr(manifest, key)
+        if have != value:
+            article = "an" if container[:1].lower() in "aeiou" else "a"
+            raise errors.OutputMismatch(
+                f"{where} was written with {key} {have!r}; this run asks for {value!r}. Vectors made by different "
+                f"pipelines must not share {article} {container}: write to another one, or pass --overwrite")

@@ -1,0 +1,92 @@
+"""What the database-sink tests of ``embedq index`` share (tests/test_index_pgvector.py, test_index_lancedb.py, ...):
+the indexer's command line and environment, the input file, the acceptance's texts, and the kill-and-resume step.
+
+Plain functions, imported as ``from indexdb import ...`` (tests/ is on the path, as for ``conftest``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from conftest import ROOT_DIR
+
+from embedq.settings import Settings
+
+#: acceptance a's 2,000 corpus texts: the short ones (under 400 characters, in corpus order) keep CI's time low
+N_TEXTS = 2000
+#: the longest text (characters, exclusive) the acceptance takes from the corpus
+SHORT_TEXT = 400
+#: environment variables not handed to the indexer: embedq's own settings (the tests pass theirs) and libpq's (a
+#: PGPASSWORD or PGHOST of the machine must not reach a test's database); ``*_CACHE`` ones are kept (model caches)
+FOREIGN_ENV = ("EMBEDQ_", "PG")
+
+
+def env(settings: Settings, **extra: str) -> dict[str, str]:
+    """The environment of an ``embedq index`` run against ``settings``' broker and queue, this checkout on the path,
+    with ``extra`` added."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(FOREIGN_ENV) or k.endswith("_CACHE")}
+    return {**base, "EMBEDQ_BROKER_URL": settings.broker_url, "EMBEDQ_QUEUE": settings.queue_name,
+            "PYTHONPATH": str(ROOT_DIR), **extra}
+
+
+def cmd(src: Path, url: str, *extra: str) -> list[str]:
+    """``embedq index SRC -o URL -q --json EXTRA...`` as an argument list (the JSON summary on stdout)."""
+    return [sys.executable, "-m", "embedq", "index", str(src), "-o", url, "-q", "--json", *extra]
+
+
+def run(settings: Settings, src: Path, url: str, *extra: str, cwd: Path | None = None) -> tuple[int, dict, str]:
+    """Run :func:`cmd` to its end: exit status, the JSON summary ({} when none was printed), stderr + stdout."""
+    proc = subprocess.run(cmd(src, url, *extra), env=env(settings), capture_output=True, text=True, timeout=900,
+                          cwd=cwd)
+    summary = json.loads(proc.stdout) if proc.stdout.strip() else {}
+    return proc.returncode, summary, proc.stderr + proc.stdout
+
+
+def write_jsonl(path: Path, texts: list[str]) -> list[str]:
+    """Write ``{"id": "doc-N", "text": ...}`` lines, one per text, to ``path``; returns the ids in order."""
+    ids = [f"doc-{i}" for i in range(len(texts))]
+    path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(ids, texts)))
+    return ids
+
+
+def items_received(worker) -> int:
+    """How many texts ``worker`` (a conftest ``WorkerHandle``) has received so far."""
+    return worker.stats()["items_received"]
+
+
+def corpus_texts(corpus: list[str]) -> list[str]:
+    """Acceptance a's texts: the first :data:`N_TEXTS` corpus texts shorter than :data:`SHORT_TEXT` characters."""
+    return [t for t in corpus if len(t) < SHORT_TEXT][:N_TEXTS]
+
+
+def query_texts(corpus: list[str], n: int = 20) -> list[str]:
+    """``n`` short corpus texts that follow :func:`corpus_texts` (none of them indexed): the ANN check's queries."""
+    return [t for t in corpus if len(t) < SHORT_TEXT][N_TEXTS:N_TEXTS + n]
+
+
+def kill_after_rows(command: list[str], environ: dict[str, str], cwd: Path, rows: Callable[[], int],
+                    at_least: int = 200, timeout: float = 300) -> int:
+    """Start ``command``, poll ``rows()`` (the rows the target has committed, read with the database's own client)
+    until it is at least ``at_least``, SIGKILL the indexer, and return ``rows()`` after the kill.
+
+    Fails the test when the indexer exits first (its output in the message) or ``timeout`` seconds pass.
+    """
+    proc = subprocess.Popen(command, env=environ, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while rows() < at_least:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, f"no {at_least} rows committed"
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    return rows()
