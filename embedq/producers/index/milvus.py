@@ -56,7 +56,8 @@ import numpy as np
 from embedq import errors
 from embedq.producers.index.idset import digest
 from embedq.producers.index.kinds import index_kind
-from embedq.producers.index.sinks import Manifest, OutputLock, Sink, _now
+from embedq.producers.index.manifests import Manifest, check_manifest, utc_now
+from embedq.producers.index.sinks import OutputLock, Sink
 from embedq.producers.index.targets import mask_url, split_param
 from embedq.protocol import Fingerprint
 
@@ -211,14 +212,8 @@ class Target:
             self.manifest, self.fields = None, None
         manifest = self.manifest
         if manifest is not None:
-            wanted = {"format": self.format, "vector_dtype": vector_dtype, "options": options}
-            for key, value in wanted.items():
-                have = getattr(manifest, key)
-                if have != value:
-                    raise errors.OutputMismatch(
-                        f"{self.where()} was written with {key} {have!r}; this run asks for {value!r}. Vectors made "
-                        "by different pipelines must not share a collection: write to another one, or pass "
-                        "--overwrite")
+            check_manifest(manifest, format=self.format, vector_dtype=vector_dtype, options=options,
+                           where=self.where(), container="collection")
         else:
             manifest = Manifest(format=self.format, vector_dtype=vector_dtype, options=options)
         sink = MilvusSink(self, manifest)
@@ -402,7 +397,7 @@ class MilvusSink(Sink):
             elif ftype == pymilvus.DataType.SPARSE_FLOAT_VECTOR:
                 params.add_index(field_name=name, index_name=name, index_type="SPARSE_INVERTED_INDEX",
                                  metric_type="IP")
-        self.manifest.updated = _now()
+        self.manifest.updated = utc_now()
         record = self._record()
         self.client.create_collection(self.target.collection, schema=schema, index_params=params,
                                       properties={MANIFEST_KEY: record}, consistency_level="Strong")
@@ -454,7 +449,7 @@ class MilvusSink(Sink):
         same = json.loads(self._saved or "{}") | {"updated": None} == json.loads(self._record()) | {"updated": None}
         if same and not force:
             return
-        self.manifest.updated = _now()
+        self.manifest.updated = utc_now()
         record = self._record()
         try:
             self.client.alter_collection_properties(self.target.collection, properties={MANIFEST_KEY: record})

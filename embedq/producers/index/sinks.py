@@ -113,7 +113,9 @@ class Sink:
                 f"makes [{fingerprint.describe()}]. Vectors of different spaces must not share a collection: "
                 "write to another output, or pass --overwrite to replace it")
 
-    def write(self, ids: list[str], vectors: np.ndarray) -> None:
+    def write(self, ids: list[str], vectors: np.ndarray) -> Any:
+        """Add rows (committed by the next :meth:`commit`). A sink may return the rows its target refuses, as
+        ``[(id, EmbedqError)]`` (Milvus: an empty sparse vector): the runner makes them those records' errors."""
         raise NotImplementedError
 
     def commit(self) -> None:
