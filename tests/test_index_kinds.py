@@ -119,3 +119,33 @@ def test_d_bge_m3_and_multi_vector_columns_equal_the_client(m3_worker, corpus, t
     order = [ids.index(i) for i in table.column("id").to_pylist()]
     for got, mine in zip(table.column("vectors").to_pylist(), client.embed_all([texts[k] for k in order])):
         assert np.abs(np.asarray(got, np.float32) - mine).max() <= tol * max(1.0, float(np.abs(mine).max()))
+
+
+def test_outputs_choose_what_a_kind_makes_and_another_choice_is_refused(m3_worker, corpus, tmp_path):
+    """--outputs dense,lexical: the jobs ask for those alone, the Parquet output has their columns only, the manifest
+    records them, and a second run asking for other outputs is refused before it writes; an unknown output and
+    --outputs on a kind with one output are refused."""
+    texts = _short(corpus, 24, seed=3)
+    ids = _write_jsonl(tmp_path / "in.jsonl", texts)
+    client = m3_worker.client
+    out = tmp_path / "m3.parquet"
+    config = IndexConfig(kind="bge-m3", outputs=["lexical", "dense"], chunk_size=8, progress=False)
+    summary = run_index(client, str(tmp_path / "in.jsonl"), out, config=config)
+    assert summary.rows == len(texts) and summary.fingerprint.pooling == "m3:dense+lexical"
+    table = pq.read_table(out)
+    assert table.column_names == ["id", "dense", "lexical_indices", "lexical_values"]
+    order = [ids.index(i) for i in table.column("id").to_pylist()]
+    want = client.embed_hybrid([texts[k] for k in order], outputs=["dense", "lexical"])
+    assert np.abs(np.stack(_lists(table, "dense")) - want.dense).max() <= 1e-6
+    for refused in (["dense", "lexical", "colbert"], ["dense"]):
+        with pytest.raises(errors.OutputMismatch, match="was written with options"):
+            run_index(client, str(tmp_path / "in.jsonl"), out,
+                      config=IndexConfig(kind="bge-m3", outputs=refused, progress=False))
+    assert pq.read_table(out).equals(table)
+    with pytest.raises(errors.InvalidOption, match="bge-m3's outputs are dense, lexical, colbert"):
+        run_index(client, str(tmp_path / "in.jsonl"), tmp_path / "x.parquet",
+                  config=IndexConfig(kind="bge-m3", outputs=["sparse"], progress=False))
+    with pytest.raises(errors.InvalidOption, match="--outputs is for a kind with several outputs"):
+        run_index(client, str(tmp_path / "in.jsonl"), tmp_path / "y.parquet",
+                  config=IndexConfig(kind="multi", outputs=["vectors"], progress=False))
+    assert not (tmp_path / "x.parquet").exists() and not (tmp_path / "y.parquet").exists()

@@ -63,6 +63,8 @@ from embedq.protocol import Fingerprint
 
 MANIFEST_KEY = "embedq.manifest"
 MAX_VARCHAR = 65_535  # bytes: Milvus's largest VARCHAR (the id and the text)
+CONNECT_TIMEOUT = 10.0  # seconds to reach the server (and the default of quick calls: describe, has_collection)
+WORK_TIMEOUT = 3_600.0  # seconds for the calls that do work: upsert, count, load, index builds
 ROWS_PER_REQUEST = 2_000  # rows per upsert (a gRPC message stays far under Milvus's 64 MiB)
 ROWS_PER_FLUSH = 65_536  # rows buffered before they are sent even between checkpoints (bounds this process's memory)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,254}$")  # Milvus's collection names
@@ -174,7 +176,7 @@ class Target:
             return
         pymilvus = _pymilvus()
         try:
-            self.client = pymilvus.MilvusClient(**self.connect, timeout=10)
+            self.client = pymilvus.MilvusClient(**self.connect, timeout=CONNECT_TIMEOUT)
         except Exception as exc:  # pymilvus raises MilvusException, grpc's errors and plain ones alike
             reason = _reason(exc)
             if not self.lite and _AUTH.search(reason):
@@ -186,7 +188,8 @@ class Target:
 
     def count(self) -> int:
         """The rows the collection holds now (strong consistency: every acknowledged write)."""
-        rows = self.client.query(self.collection, filter="", output_fields=["count(*)"], consistency_level="Strong")
+        rows = self.client.query(self.collection, filter="", output_fields=["count(*)"], consistency_level="Strong",
+                                 timeout=WORK_TIMEOUT)
         return int(rows[0]["count(*)"])
 
     def lock(self) -> OutputLock:
@@ -208,7 +211,7 @@ class Target:
         self._checked = False  # read again under the lock
         self.check()
         if overwrite and self.fields is not None:
-            self.client.drop_collection(self.collection)
+            self.client.drop_collection(self.collection, timeout=WORK_TIMEOUT)
             self.manifest, self.fields = None, None
         manifest = self.manifest
         if manifest is not None:
@@ -227,14 +230,14 @@ class Target:
             return "none (no collection)", 0.0
         dense = [name for name, (ftype, _) in self.fields.items() if ftype == pymilvus.DataType.FLOAT_VECTOR]
         t0 = time.perf_counter()
-        self.client.release_collection(self.collection)
+        self.client.release_collection(self.collection, timeout=WORK_TIMEOUT)
         params = self.client.prepare_index_params()
         for name in dense:
-            self.client.drop_index(self.collection, index_name=name)
+            self.client.drop_index(self.collection, index_name=name, timeout=WORK_TIMEOUT)
             params.add_index(field_name=name, index_name=name, index_type="HNSW", metric_type="COSINE",
                              params={"M": 16, "efConstruction": 200})
-        self.client.create_index(self.collection, params)
-        self.client.load_collection(self.collection)
+        self.client.create_index(self.collection, params, timeout=WORK_TIMEOUT)
+        self.client.load_collection(self.collection, timeout=WORK_TIMEOUT)
         built = [f"HNSW {name} (COSINE, M=16, efConstruction=200)" for name in dense]
         return "; ".join(built) or "none (no dense field)", time.perf_counter() - t0
 
@@ -263,12 +266,13 @@ class MilvusSink(Sink):
             return
         rows = dups = 0
         try:
-            self.client.load_collection(self.target.collection)  # Milvus answers queries on a loaded collection
+            # Milvus answers queries on a loaded collection only
+            self.client.load_collection(self.target.collection, timeout=WORK_TIMEOUT)
         except Exception as exc:
             raise errors.Unavailable(f"cannot load {self.where} ({_reason(exc)}): Milvus loads a collection whose "
                                      "vector fields are indexed") from None
         it = self.client.query_iterator(self.target.collection, batch_size=16_384, output_fields=["id"],
-                                        consistency_level="Strong")
+                                        consistency_level="Strong", timeout=WORK_TIMEOUT)
         try:
             while batch := it.next():
                 for row in batch:
@@ -400,7 +404,8 @@ class MilvusSink(Sink):
         self.manifest.updated = utc_now()
         record = self._record()
         self.client.create_collection(self.target.collection, schema=schema, index_params=params,
-                                      properties={MANIFEST_KEY: record}, consistency_level="Strong")
+                                      properties={MANIFEST_KEY: record}, consistency_level="Strong",
+                                      timeout=WORK_TIMEOUT)
         self._saved = record
         info = self.client.describe_collection(self.target.collection)
         self.target.fields = {f["name"]: (f["type"], (f.get("params") or {}).get("dim")) for f in info["fields"]}
@@ -417,7 +422,7 @@ class MilvusSink(Sink):
                 self._save(force=True)
                 self.target.manifest = self.manifest
             for i in range(0, n, ROWS_PER_REQUEST):
-                self.client.upsert(self.target.collection, self._rows[i:i + ROWS_PER_REQUEST])
+                self.client.upsert(self.target.collection, self._rows[i:i + ROWS_PER_REQUEST], timeout=WORK_TIMEOUT)
             count = self.target.count()
         except errors.EmbedqError:
             raise
@@ -452,7 +457,8 @@ class MilvusSink(Sink):
         self.manifest.updated = utc_now()
         record = self._record()
         try:
-            self.client.alter_collection_properties(self.target.collection, properties={MANIFEST_KEY: record})
+            self.client.alter_collection_properties(self.target.collection, properties={MANIFEST_KEY: record},
+                                                    timeout=WORK_TIMEOUT)
         except Exception as exc:
             raise errors.Unavailable(f"committing to {self.where} failed: {_reason(exc)}; run again to continue "
                                      "from the last commit") from None
