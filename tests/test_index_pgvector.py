@@ -286,3 +286,50 @@ def test_float16_into_pgvector_0_8_is_a_halfvec(worker, pg08, corpus, tmp_path):
     got = np.stack([rows[i].to_numpy().astype(np.float32) for i in ids])
     want = np.asarray(worker.client.embed(texts, timeout=300, traffic_class="bulk"), dtype=np.float32)
     assert np.abs(got - want).max() <= 1e-3  # float16's rounding of values under 1
+
+
+def test_b_bge_m3_into_pgvector_0_8_is_dense_and_lexical_equal_to_the_client(redis_server, corpus, pg08, tmp_path):
+    """--kind bge-m3 (a tiny BGE-M3): ``dense vector(D)`` and ``lexical sparsevec(V)``, V the model's vocabulary
+    size (the result's ``lexical_dimensions``), each with its HNSW index; ColBERT left out with a note."""
+    import uuid
+
+    import tiny_models
+    from conftest import sparse_delta
+    from transformers import AutoConfig
+
+    folder = tiny_models.bge_m3(tmp_path / "bge-m3", corpus[:400])
+    vocab = AutoConfig.from_pretrained(folder).vocab_size
+    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.pg-m3.{uuid.uuid4().hex[:8]}",
+                        model=str(folder), linear_kernel="torch")
+    m3 = WorkerHandle(settings, tmp_path / "worker.log")
+    try:
+        # the short ones: some have no positive lexical weight (an empty sparsevec)
+        texts = [" ".join(t.split()[:20]) for t in corpus[400:440]] + [".", ",", "!", "?", "a"]
+        src = tmp_path / "in.jsonl"
+        ids = write_jsonl(src, texts)
+        url = pg08.url(table="m3")
+        code, summary, out = run(settings, src, url, "--kind", "bge-m3", "--chunk-size", "8", "--build-index",
+                                 cwd=tmp_path)
+        assert code == 0 and summary["rows"] == len(texts), out
+        want = m3.client.embed_hybrid(texts, outputs=["dense", "lexical"])
+    finally:
+        m3.stop()
+    assert len(summary["notes"]) == 1 and summary["notes"][0].startswith("colbert is not written to ")
+    assert "(dense vector_cosine_ops)" in summary["ann_index"]
+    assert "(lexical sparsevec_ip_ops)" in summary["ann_index"]
+    with pg08.connect() as conn:
+        pgvector_psycopg.register_vector(conn)
+        columns = conn.execute("SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = "
+                               "'m3'::regclass AND attnum > 0 AND NOT attisdropped ORDER BY attnum").fetchall()
+        rows = {i: (d, s) for i, d, s in conn.execute("SELECT id, dense, lexical FROM m3").fetchall()}
+        indexes = [r[0] for r in conn.execute("SELECT indexdef FROM pg_indexes WHERE tablename = 'm3'").fetchall()]
+    assert columns == [("id", "text"), ("dense", f"vector({want.dense.shape[1]})"), ("lexical", f"sparsevec({vocab})")]
+    assert sum("USING hnsw (lexical sparsevec_ip_ops)" in d for d in indexes) == 1, indexes
+    assert sorted(rows) == sorted(ids)
+    assert any(len(want.lexical[k]) == 0 for k in range(len(texts)))  # an empty sparsevec is stored too
+    for k, doc in enumerate(ids):
+        dense, lexical = rows[doc]
+        assert np.abs(dense.to_numpy() - want.dense[k]).max() <= 1e-6
+        assert lexical.dimensions() == vocab
+        mine = want.lexical[k]
+        assert sparse_delta(lexical.indices(), lexical.values(), mine.indices, mine.values) <= 1e-5

@@ -6,7 +6,8 @@ A folder in FlagEmbedding's layout: the transformer (XLM-RoBERTa for BGE-M3) plu
 
 * ``dense``: the CLS token's hidden state, L2-normalised;
 * ``lexical``: ReLU(sparse_linear(hidden)) per token, the largest weight per token id, positive weights only,
-  CLS/EOS/PAD/UNK left out; a row is (ids ascending, weights);
+  CLS/EOS/PAD/UNK left out; a row is (ids ascending, weights); the result's ``lexical_dimensions`` is the
+  vocabulary size (config.json's ``vocab_size``), which bounds every id (a database's ``sparsevec(V)``);
 * ``colbert``: colbert_linear over every real token but CLS, each vector L2-normalised.
 
 A job names the outputs it wants; each combination is a head of its own (``m3:dense+colbert``), so jobs asking
@@ -65,6 +66,8 @@ class M3Weights:
                               if i is not None})
         self.colbert_dim = self.colbert.out_features
         self.hidden = hidden
+        # every lexical id is below it (the embedding matrix's rows): a database's sparse column's dimension
+        self.vocab = int(getattr(encoder.config, "vocab_size", 0) or len(tok))
 
 
 class M3Head(Head):
@@ -132,6 +135,8 @@ class M3Head(Head):
                                   pooling="m3:" + "+".join(wanted), normalize=True, dimensions=self.weights.hidden,
                                   dtype=info.dtype, prompt=prepared.state.get("prompt"), embedq_version=__version__)
         extra: dict[str, Any] = {"outputs": wanted}
+        if "lexical" in wanted:
+            extra["lexical_dimensions"] = self.weights.vocab
         if options.return_tokens and "lexical" in wanted:
             extra["lexical_tokens"] = self.encoder.tokenizer.convert_ids_to_tokens(
                 arrays["lexical_indices"].tolist())

@@ -19,7 +19,7 @@ refuses the others: ``pgvector.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -54,6 +54,28 @@ def _column(pa: Any, column: Column, payload: dict[str, Any], dtype: str) -> dic
     if column.shape == "ragged":
         return {column.name: _ragged(pa, arrays[0], _vectors(pa, arrays[1], dtype))}
     return {column.name: pa.array(arrays[0])}
+
+
+class ColumnArrays(NamedTuple):
+    """One column of a result, as a database sink takes it."""
+
+    column: Column
+    arrays: list[np.ndarray]  # in the order :attr:`Column.arrays` names them
+    dimensions: int | None  # a dense column's width, a sparse one's id bound (a vocabulary size); None: unknown
+
+
+def _dimensions(column: Column, arrays: list[np.ndarray], payload: dict[str, Any], fingerprint: Fingerprint,
+                n_columns: int) -> int | None:
+    """A column's dimension: a dense one's width; for a sparse one, the result's ``<name>dimensions`` (BGE-M3's
+    ``lexical_dimensions``), else the fingerprint's when it is the kind's only column (SPLADE: the vocabulary)."""
+    if column.shape in ("dense", "ragged"):
+        return int(arrays[-1].shape[1]) if arrays[-1].ndim == 2 else None
+    if column.shape != "sparse":
+        return None
+    named = payload.get(f"{column.name}dimensions")
+    if named is not None:
+        return int(named)
+    return int(fingerprint.dimensions) if n_columns == 1 else None
 
 
 @dataclass(frozen=True)
@@ -117,12 +139,16 @@ class IndexKind:
             wire["encoding"] = vector_dtype
         return wire
 
-    def arrays(self, payload: dict[str, Any]) -> tuple[Fingerprint, list[tuple[Column, list[np.ndarray]]]]:
+    def arrays(self, payload: dict[str, Any]) -> tuple[Fingerprint, list[ColumnArrays]]:
         """A non-dense result as (its fingerprint, each column with its decoded arrays, in the order
-        :attr:`Column.arrays` names them): what a database sink maps by shape."""
+        :attr:`Column.arrays` names them, and its dimension): what a database sink maps by shape."""
         assert self.columns is not None
-        return (Fingerprint.model_validate(payload["fingerprint"]),
-                [(c, [decode_array(payload[name]) for name in c.arrays]) for c in self.columns])
+        fingerprint = Fingerprint.model_validate(payload["fingerprint"])
+        out = []
+        for c in self.columns:
+            arrays = [decode_array(payload[name]) for name in c.arrays]
+            out.append(ColumnArrays(c, arrays, _dimensions(c, arrays, payload, fingerprint, len(self.columns))))
+        return fingerprint, out
 
     def table(self, payload: dict[str, Any], vector_dtype: str) -> tuple[Fingerprint, Any]:
         """A non-dense result as (its fingerprint, a pyarrow table of its columns, one row per text)."""

@@ -314,7 +314,7 @@ class MilvusSink(Sink):
             return self._plan_dense(int(data.shape[1]))
         dtype = _pymilvus().DataType
         fields: list[tuple[str, Any, int | None]] = [("id", dtype.VARCHAR, None)]
-        for column, arrays in data:
+        for column, arrays, _ in data:
             if column.shape == "dense":
                 fields.append((column.name, dtype.FLOAT_VECTOR, int(arrays[0].shape[1])))
             elif column.shape == "sparse":  # a sparse column's name is a prefix in Parquet (``lexical_``; SPLADE's: "")
@@ -345,7 +345,7 @@ class MilvusSink(Sink):
                 self._compare(self.schema)
         rows: list[dict[str, Any]] = [{"id": doc_id} for doc_id in ids]
         columns = [("vector", [data])] if isinstance(data, np.ndarray) else \
-            [(name, arrays) for (name, _, _), (_, arrays) in zip(self.schema[1:], data)]
+            [(name, arrays) for (name, _, _), (_, arrays, _) in zip(self.schema[1:], data)]
         for (name, arrays), (_, ftype, _) in zip(columns, self.schema[1:]):
             if ftype.name == "SPARSE_FLOAT_VECTOR":
                 offsets, indices, values = arrays

@@ -9,8 +9,9 @@ the URL with ``***``.
 per output of the kind, by its shape (``embedq/kinds.py`` :class:`~embedq.kinds.Column`; no kind is named here):
 ``dense`` -> ``vector(dim)`` (``halfvec(dim)`` for ``--vector-dtype float16``, pgvector >= 0.7), named ``embedding``
 for the plain ``embed`` kind and by the kind's column name otherwise (an unnamed one, a SPLADE kind's: ``embedding``);
-``sparse`` -> ``sparsevec(dim)`` (pgvector >= 0.7:
-an older server refuses a sparse kind before anything is embedded); ``scalar`` -> ``double precision``; ``ragged`` (a
+``sparse`` -> ``sparsevec(dim)``, ``dim`` the vocabulary size the result gives (``IndexKind.arrays``: SPLADE's
+fingerprint dimensions, BGE-M3's ``lexical_dimensions``; pgvector >= 0.7: an older server refuses a sparse kind
+before anything is embedded); ``scalar`` -> ``double precision``; ``ragged`` (a
 list of vectors per text) is refused: pgvector has no multi-vector type that an index can use. ``--store-text`` adds
 ``text``. An existing table without embedq's record is used only when it is empty and its columns are exactly
 these (types and dimensions); otherwise it is refused before anything is embedded.
@@ -24,7 +25,7 @@ rest. One writer per table: a session advisory lock, which the server drops when
 **The ANN index** (``--build-index``): HNSW (pgvector >= 0.5) on each vector column after the load, with
 ``vector_cosine_ops`` (``halfvec_cosine_ops``): embedq's models score by cosine (normalized vectors: cosine ranks as
 inner product does), so ``ORDER BY embedding <=> $query LIMIT k`` uses it; on a sparse column ``sparsevec_ip_ops``
-(SPLADE scores by inner product: ``ORDER BY embedding <#> $query``).
+(SPLADE and BGE-M3's lexical weights score by inner product: ``ORDER BY embedding <#> $query``).
 """
 
 from __future__ import annotations
@@ -140,12 +141,8 @@ class Target:
     def _plan_check(self) -> None:
         """The kind's columns against what this server's pgvector stores (before any text is embedded)."""
         have = ".".join(map(str, self.version))
-        kind, _ = index_kind(self.config.kind, self.format).fit(self.config.outputs, self.refused_shapes(),
-                                                                "PostgreSQL")
-        shapes = {c.shape: c.name for c in kind.columns or ()}
-        if "sparse" in shapes and "dense" in shapes:  # the fingerprint's dimensions are the dense column's
-            raise errors.InvalidOption(f"--kind {self.config.kind}: the vocabulary size of its sparse column "
-                                       f"({shapes['sparse']}) is not known before the first result; write Parquet")
+        # a column shape this server cannot store (or an --outputs naming one) is refused here (IndexKind.fit)
+        index_kind(self.config.kind, self.format).fit(self.config.outputs, self.refused_shapes(), "PostgreSQL")
         if self.config.vector_dtype == "float16" and self.version < (0, 7):
             raise errors.InvalidOption(f"--vector-dtype float16 needs pgvector >= 0.7 (halfvec); this server has "
                                        f"pgvector {have}")
@@ -351,21 +348,22 @@ class PgvectorSink(Sink):
                                         "table, or pass --overwrite to replace it")
 
     def _plan(self, ids: list[str], data: Any, texts: list[str] | None) -> None:
-        fp = self.manifest.fingerprint
-        assert fp is not None
         dtype = self.manifest.vector_dtype
         if isinstance(data, np.ndarray):
             self.cols = [_dense("embedding", data, dtype)]
         else:
             self.cols = []
-            for column, arrays in data:
+            for column, arrays, dim in data:
                 # a sparse column's name is a prefix in Parquet (``lexical_`` -> lexical_indices, lexical_values; a
                 # SPLADE kind's is empty): here it names one column, the kind's only output being ``embedding``
                 name = column.name.rstrip("_") or "embedding"
                 if column.shape == "dense":
                     self.cols.append(_dense(name, arrays[0], dtype))
                 elif column.shape == "sparse":
-                    self.cols.append(_sparse(name, fp.dimensions))
+                    if dim is None:  # sparsevec's dimension bounds the ids (and HNSW needs it)
+                        raise errors.InvalidOption(f"{self.where}: the result does not say the id range of its "
+                                                   f"sparse column {name} (a worker older than this indexer?)")
+                    self.cols.append(_sparse(name, dim))
                 else:
                     self.cols.append(_scalar(name))
         want = [("id", "text")] + [(c.name, c.pgtype) for c in self.cols]
@@ -389,7 +387,7 @@ class PgvectorSink(Sink):
             fields = [self.cols[0].encode(data)]
         else:
             fields = [col.encode(arrays[0] if col.pgtype.startswith(("vector", "halfvec")) else arrays)
-                      for col, (_, arrays) in zip(self.cols, data)]
+                      for col, (_, arrays, _) in zip(self.cols, data)]
         names = [e.encode("utf-8") for e in ids]
         count = struct.pack("!h", 1 + len(fields) + (texts is not None))
         rows = []
