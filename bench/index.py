@@ -5,6 +5,7 @@
     python bench/index.py --device cuda:0 --dtype float16
     python bench/index.py --sink           # the same texts into Parquet and into pgvector (a private pgserver)
     python bench/index.py --sink 'postgresql://user@host/db?table=bench'   # into that server instead
+    python bench/index.py --sink --also lancedb,milvus   # and into LanceDB and Milvus Lite (local files)
 
 Runs, in this one process tree:
   1. core: the throughput benchmark's embedq run (``bench/throughput.py``: the 4,000 corpus texts as
@@ -18,7 +19,9 @@ With ``--sink`` (issue 40 e) it runs instead, on one private redis-server and on
 (default 4,000: the corpus) through ``embedq index`` into Parquet and into PostgreSQL + pgvector, alternating
 (Parquet, pgvector, pgvector, Parquet, ... for ``--rounds``), each into a fresh output, no ANN index (its build is
 timed apart, once, after the last run). Without a URL it starts its own cluster from the pgserver wheel
-(tests/pgcluster.py). The last line is the headline ratio: pgvector seconds / Parquet seconds (summed over rounds).
+(tests/pgcluster.py). ``--also lancedb,milvus`` adds LanceDB and Milvus Lite (a fresh local database per run) to the
+rotation, each with its ratio to Parquet. The last line is the headline ratio: pgvector seconds / Parquet seconds
+(summed over rounds).
 """
 
 from __future__ import annotations
@@ -156,13 +159,17 @@ def sink_main(args: argparse.Namespace, base: dict) -> None:
         wait_for_worker(client.app, proc, log_path=logdir / "worker-sink.log")
         client.embed(["warm up"] * 64, timeout=300)
         extra = args.index_args.split()
-        times: dict[str, list[float]] = {"parquet": [], "pgvector": []}
-        order = [("parquet", "pgvector"), ("pgvector", "parquet")]
+        sinks = ["parquet", "pgvector", *args.also]
+        times: dict[str, list[float]] = {sink: [] for sink in sinks}
         last_table = None
         for r in range(args.rounds):
-            for sink in order[r % 2]:
+            for sink in sinks[r % len(sinks):] + sinks[:r % len(sinks)]:  # each sink first in turn
                 if sink == "parquet":
                     out = str(tmp / f"out-{r}.parquet")
+                elif sink == "lancedb":
+                    out = f"lancedb://{tmp}/lance-{r}?table=bench"
+                elif sink == "milvus":
+                    out = f"milvus://{tmp}/milvus-{r}.db?collection=bench"
                 else:
                     last_table = f"bench_{os.getpid()}_{r}"
                     out = f"{base_url}{sep}table={last_table}"
@@ -179,14 +186,15 @@ def sink_main(args: argparse.Namespace, base: dict) -> None:
             for r in range(args.rounds):
                 conn.execute(f"DROP TABLE IF EXISTS bench_{os.getpid()}_{r}")
             conn.execute("DELETE FROM embedq_index WHERE name LIKE %s", (f"bench_{os.getpid()}_%",))
-    pq_s, pg_s = sum(times["parquet"]), sum(times["pgvector"])
+    seconds = {sink: sum(t) for sink, t in times.items()}
+    pq_s, pg_s = seconds["parquet"], seconds["pgvector"]
     print(f"# embedq index --sink  {time.strftime('%Y-%m-%d')}  {platform.node()}  {cpu_summary()}"
           f"  cpus={os.cpu_count()}  device={args.device}  dtype={args.dtype}")
     print(f"# {n} texts JSONL (the corpus{' repeated' if n > 4000 else ''}), {args.rounds} rounds alternating, "
           f"args: {args.index_args or '(defaults)'}; pgvector: {where}")
-    print(f"{'sink':<10} {'runs':>4} {'seconds':>9} {'texts/s':>8}")
-    for sink, s in (("parquet", pq_s), ("pgvector", pg_s)):
-        print(f"{sink:<10} {len(times[sink]):>4} {s:>9.1f} {n * len(times[sink]) / s:>8.1f}")
+    print(f"{'sink':<10} {'runs':>4} {'seconds':>9} {'texts/s':>8} {'/ Parquet':>9}")
+    for sink, s in seconds.items():
+        print(f"{sink:<10} {len(times[sink]):>4} {s:>9.1f} {n * len(times[sink]) / s:>8.1f} {s / pq_s:>8.3f}x")
     print(f"HNSW index build on {n} rows (vector_cosine_ops, not in the times above): {index_s:.1f}s")
     print(f"pgvector / Parquet (seconds, same texts, same worker): {pg_s / pq_s:.3f}x")
 
@@ -198,12 +206,16 @@ def main() -> None:
     p.add_argument("--sink", nargs="?", const="auto", metavar="URL",
                    help="Parquet against pgvector (issue 40 e); URL: postgresql://... (default: a private pgserver)")
     p.add_argument("--rounds", type=int, default=2, help="--sink: alternating rounds of each sink (default 2)")
+    p.add_argument("--also", type=lambda text: [x for x in text.split(",") if x], default=[],
+                   help="--sink: also these local databases, comma-separated: lancedb, milvus")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--index-args", default="", help="extra `embedq index` arguments, e.g. '--chunk-size 128'")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
     args.n_given = args.n is not None
+    if set(args.also) - {"lancedb", "milvus"}:
+        p.error(f"--also takes lancedb and milvus, not {','.join(sorted(set(args.also) - {'lancedb', 'milvus'}))}")
     if args.sink:
         sink_main(args, {"device": args.device, "dtype": args.dtype})
         return
