@@ -13,7 +13,7 @@ Each of the four column shapes maps to Parquet here (dense: fixed-size list; spa
 fixed-size lists; scalar: one value), so a kind from a plugin is indexed with no edit of this module. The kind and
 its outputs are in every result's fingerprint and in the output's manifest, so an output is never continued with
 another kind. Kinds other than ``embed`` write Parquet or a database (whose sink maps the shapes it can store and
-refuses the others: ``pgvector.py``).
+leaves out or refuses the others: :meth:`IndexKind.fit`, ``pgvector.py``, ``milvus.py``).
 """
 
 from __future__ import annotations
