@@ -49,6 +49,17 @@ def run(settings: Settings, src: Path, url: str, *extra: str, cwd: Path | None =
     return proc.returncode, summary, proc.stderr + proc.stdout
 
 
+def run_without(module: str, settings: Settings, url: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``embedq index`` of a one-text input into ``url`` with ``module`` made unimportable in the CLI's own process
+    (the real import path of a missing extra, not a mock of the sink)."""
+    src = cwd / "one.jsonl"
+    write_jsonl(src, ["one text"])
+    code = (f"import sys; sys.modules[{module!r}] = None; from embedq.cli import main; "
+            f"sys.exit(main(['index', {str(src)!r}, '-o', {url!r}, '-q']))")
+    return subprocess.run([sys.executable, "-c", code], env=env(settings), capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
 def write_jsonl(path: Path, texts: list[str]) -> list[str]:
     """Write ``{"id": "doc-N", "text": ...}`` lines, one per text, to ``path``; returns the ids in order."""
     ids = [f"doc-{i}" for i in range(len(texts))]

@@ -4,7 +4,6 @@ authentication), a real worker, the real MiniLM model, real kills (issue 40: a, 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import WorkerHandle
-from indexdb import cmd, corpus_texts, env, items_received, kill_after_rows, query_texts, run, write_jsonl
+from indexdb import cmd, corpus_texts, env, items_received, kill_after_rows, query_texts, run, run_without, write_jsonl
 
 from embedq.producers.embedded import free_port
 from embedq.settings import Settings
@@ -187,14 +186,8 @@ def test_d_bad_targets_are_refused_before_any_text_is_embedded(worker, pg, corpu
 
 
 def test_d_a_missing_extra_names_it(worker, pg, tmp_path):
-    """psycopg made unimportable in the CLI's own process (the real import path, not a mock of the sink)."""
-    src = tmp_path / "in.jsonl"
-    write_jsonl(src, ["one text"])
-    code = ("import sys; sys.modules['psycopg'] = None; from embedq.cli import main; "
-            f"sys.exit(main([{str(src)!r}, '-o', {pg.url(table='t')!r}, '-q']))")
-    code = code.replace("main([", "main(['index', ")
-    proc = subprocess.run([sys.executable, "-c", code], env=env(worker.settings), capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
+    """psycopg made unimportable in the CLI's own process: the run is refused naming the extra."""
+    proc = run_without("psycopg", worker.settings, pg.url(table="t"), tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "pip install 'embedq[pgvector]'" in proc.stderr and pg.PASSWORD not in proc.stderr
 

@@ -39,7 +39,6 @@ multivector) after the load (LanceDB's defaults: one IVF partition per ~1M vecto
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import tempfile
 import time
@@ -52,7 +51,7 @@ import numpy as np
 from embedq import errors
 from embedq.producers.index.idset import digest
 from embedq.producers.index.kinds import index_kind
-from embedq.producers.index.manifests import Manifest, check_manifest, utc_now
+from embedq.producers.index.manifests import KeptRecord, Manifest, check_manifest, utc_now
 from embedq.producers.index.sinks import OutputLock, Sink
 from embedq.producers.index.targets import split_param
 from embedq.protocol import Fingerprint
@@ -225,7 +224,7 @@ class Target:
         return "; ".join(built) or "none (no vector column)", time.perf_counter() - t0
 
 
-class LanceSink(Sink):
+class LanceSink(KeptRecord, Sink):
     """Rows appended to a LanceDB table at each commit, the record in its id field's metadata (the module's
     docstring)."""
 
@@ -243,7 +242,6 @@ class LanceSink(Sink):
         self._buffer: list[Any] = []
         self._buffered = 0
         self._table_rows = 0  # rows the table holds (committed)
-        self._saved: str | None = None
 
     def load_committed(self) -> None:
         tbl = self.target.tbl
@@ -342,34 +340,19 @@ class LanceSink(Sink):
                                      "another writer went around embedq's lock; stop it, then run again")
         self._table_rows = count
 
-    def commit(self) -> None:
-        """The rows since the last commit (one append), then the record."""
+    def _flush_data(self) -> None:
+        """At a commit: the rows since the last one as one append (then the base class stores the record)."""
         self._append()
-        self.manifest.rows += self.pending_rows
-        self.pending_rows = 0
-        self.save_manifest()
 
-    def _record(self) -> str:
-        return self.manifest.model_dump_json()
+    def _record_target(self) -> bool:
+        return self.target.tbl is not None
 
-    def save_manifest(self) -> None:
-        self._save()
-
-    def _save(self, force: bool = False) -> None:
-        if self.target.tbl is None or self.manifest.fingerprint is None:
-            return  # nothing written: no table, no record
-        unchanged = json.loads(self._saved or "{}") | {"updated": None} == \
-            json.loads(self._record()) | {"updated": None}
-        if unchanged and not force:
-            return  # a LanceDB commit (a new version) only when the record changed
-        self.manifest.updated = utc_now()
-        record = self._record()
+    def _store_record(self, record: str) -> None:
         try:
             self.target.tbl.update_field_metadata({"path": "id", "metadata": {MANIFEST_KEY.decode(): record}})
         except (OSError, RuntimeError, ValueError) as exc:
             raise errors.Unavailable(f"committing to {self.where} failed: {exc}; run again to continue from the "
                                      "last commit") from None
-        self._saved = record
 
     def close(self) -> None:
         """Rows not appended yet are dropped (the next run embeds them again)."""

@@ -2,13 +2,15 @@
 
 A :class:`Manifest` says how an output was made (format, vector dtype, embedding options, the embedding-space
 fingerprint) and what it has committed. Each sink stores it in its own place (a JSON file beside or inside the file
-outputs, a table of its own in PostgreSQL, a field's metadata in LanceDB); :func:`check_manifest` is the one
-comparison of a stored record with a new run's settings, made before anything is embedded.
+outputs, a table of its own in PostgreSQL, a field's metadata in LanceDB, a collection's properties in Milvus;
+:class:`KeptRecord` for the last two); :func:`check_manifest` is the one comparison of a stored record with a new
+run's settings, made before anything is embedded.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -66,3 +68,37 @@ def check_manifest(manifest: Manifest, *, format: str, vector_dtype: str, option
             raise errors.OutputMismatch(
                 f"{where} was written with {key} {have!r}; this run asks for {value!r}. Vectors made by different "
                 f"pipelines must not share {article} {container}: write to another one, or pass --overwrite")
+
+
+class KeptRecord:
+    """For a database sink whose record lives in the database's own metadata (LanceDB's ``id`` field metadata,
+    Milvus's collection properties): the record as the last commit stored it (``_saved``), and :meth:`_save`, which
+    stores it again only when it changed beyond its timestamp (each store is a database write: a table version, an
+    RPC). A sink says where by :meth:`_store_record` and whether the target exists yet by :meth:`_record_target`."""
+
+    manifest: Manifest
+    _saved: str | None = None
+
+    def _record(self) -> str:
+        return self.manifest.model_dump_json()
+
+    def _record_target(self) -> bool:
+        raise NotImplementedError
+
+    def _store_record(self, record: str) -> None:
+        raise NotImplementedError
+
+    def save_manifest(self) -> None:
+        self._save()
+
+    def _save(self, force: bool = False) -> None:
+        if not self._record_target() or self.manifest.fingerprint is None:
+            return  # nothing written: no table, no record
+        unchanged = json.loads(self._saved or "{}") | {"updated": None} == \
+            json.loads(self._record()) | {"updated": None}
+        if unchanged and not force:
+            return
+        self.manifest.updated = utc_now()
+        record = self._record()
+        self._store_record(record)
+        self._saved = record

@@ -41,7 +41,6 @@ are indexed, so the collection is created with exact ones: ``FLAT`` (cosine) on 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
@@ -56,7 +55,7 @@ import numpy as np
 from embedq import errors
 from embedq.producers.index.idset import digest
 from embedq.producers.index.kinds import index_kind
-from embedq.producers.index.manifests import Manifest, check_manifest, utc_now
+from embedq.producers.index.manifests import KeptRecord, Manifest, check_manifest, utc_now
 from embedq.producers.index.sinks import OutputLock, Sink
 from embedq.producers.index.targets import mask_url, split_param
 from embedq.protocol import Fingerprint
@@ -242,7 +241,7 @@ class Target:
         return "; ".join(built) or "none (no dense field)", time.perf_counter() - t0
 
 
-class MilvusSink(Sink):
+class MilvusSink(KeptRecord, Sink):
     """Rows upserted into a Milvus collection at each commit, the record in its properties (the module's
     docstring)."""
 
@@ -259,7 +258,6 @@ class MilvusSink(Sink):
         self.schema: list[tuple[str, Any, int | None]] | None = None  # (field, DataType, dim) this run writes
         self._rows: list[dict[str, Any]] = []
         self._count = 0  # rows the collection holds (committed)
-        self._saved: str | None = None
 
     def load_committed(self) -> None:
         if self.target.fields is None:
@@ -435,34 +433,20 @@ class MilvusSink(Sink):
                                      "writer went around embedq's lock; stop it, then run again")
         self._count = count
 
-    def commit(self) -> None:
-        """The rows since the last commit, then the record."""
+    def _flush_data(self) -> None:
+        """At a commit: the rows since the last one (then the base class stores the record)."""
         self._send()
-        self.manifest.rows += self.pending_rows
-        self.pending_rows = 0
-        self.save_manifest()
 
-    def _record(self) -> str:
-        return self.manifest.model_dump_json()
+    def _record_target(self) -> bool:
+        return self.target.fields is not None
 
-    def save_manifest(self) -> None:
-        self._save()
-
-    def _save(self, force: bool = False) -> None:
-        if self.target.fields is None or self.manifest.fingerprint is None:
-            return  # nothing written: no collection, no record
-        same = json.loads(self._saved or "{}") | {"updated": None} == json.loads(self._record()) | {"updated": None}
-        if same and not force:
-            return
-        self.manifest.updated = utc_now()
-        record = self._record()
+    def _store_record(self, record: str) -> None:
         try:
             self.client.alter_collection_properties(self.target.collection, properties={MANIFEST_KEY: record},
                                                     timeout=WORK_TIMEOUT)
         except Exception as exc:
             raise errors.Unavailable(f"committing to {self.where} failed: {_reason(exc)}; run again to continue "
                                      "from the last commit") from None
-        self._saved = record
 
     def close(self) -> None:
         """Rows not sent yet are dropped (the next run embeds them again); the client stays the target's (the ANN
