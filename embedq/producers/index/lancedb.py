@@ -49,9 +49,8 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import numpy as np
 
 from embedq import errors
-from embedq.producers.index.idset import digest
 from embedq.producers.index.kinds import index_kind
-from embedq.producers.index.manifests import KeptRecord, Manifest, check_manifest, utc_now
+from embedq.producers.index.manifests import KeptRecord, Manifest, check_manifest, check_space, utc_now
 from embedq.producers.index.sinks import OutputLock, Sink
 from embedq.producers.index.targets import split_param
 from embedq.protocol import Fingerprint
@@ -247,28 +246,14 @@ class LanceSink(KeptRecord, Sink):
         tbl = self.target.tbl
         if tbl is None:
             return
-        rows = dups = 0
-        for batch in tbl.search().select(["id"]).to_batches():
-            for doc_id in batch.column("id").to_pylist():
-                key = digest(doc_id)
-                dups += key in self.committed
-                self.committed.add(key)
-                rows += 1
-        if dups:
-            raise errors.OutputMismatch(f"{self.where} holds {dups} ids more than once: it was written outside "
-                                        "embedq index; write to another table, or pass --overwrite")
-        self._table_rows = rows
-        self.manifest.rows = rows  # the table's own count (the record's may lag by the last commit)
-        self._saved = self._record()
+        batches = tbl.search().select(["id"]).to_batches()
+        ids = (doc_id for batch in batches for doc_id in batch.column("id").to_pylist())
+        self._table_rows = self._take_committed(ids, "table")
 
     # -- Sink's contract ---------------------------------------------------------------------------
     def accept(self, fingerprint: Fingerprint) -> None:
         have = self.manifest.fingerprint
-        if have is not None and not have.same_space(fingerprint):
-            raise errors.OutputMismatch(
-                f"{self.where} holds vectors of another embedding space: it has [{have.describe()}], this run makes "
-                f"[{fingerprint.describe()}]. Vectors of different spaces must not share a table: write to another "
-                "one, or pass --overwrite")
+        check_space(have, fingerprint, where=self.where, container="table")
         if self.adopted and have is None and index_kind(self.target.config.kind, self.format).columns is None:
             # the plain dense path: its columns are known now (a kind's are compared at its first write)
             pa = _pa()

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from embedq import errors
+from embedq.producers.index.idset import digest
 from embedq.protocol import Fingerprint
 
 VectorDtype = Literal["float32", "float16"]
@@ -70,6 +72,17 @@ def check_manifest(manifest: Manifest, *, format: str, vector_dtype: str, option
                 f"pipelines must not share {article} {container}: write to another one, or pass --overwrite")
 
 
+def check_space(have: Fingerprint | None, fingerprint: Fingerprint, *, where: str, container: str = "output") -> None:
+    """Raise :class:`~embedq.errors.OutputMismatch` when ``where`` holds vectors of another embedding space than a
+    result's (``have``: the record's fingerprint, None before the first result)."""
+    if have is not None and not have.same_space(fingerprint):
+        article = "an" if container[:1].lower() in "aeiou" else "a"
+        raise errors.OutputMismatch(
+            f"{where} holds vectors of another embedding space: it has [{have.describe()}], this run makes "
+            f"[{fingerprint.describe()}]. Vectors of different spaces must not share {article} {container}: write to "
+            "another one, or pass --overwrite")
+
+
 class KeptRecord:
     """For a database sink whose record lives in the database's own metadata (LanceDB's ``id`` field metadata,
     Milvus's collection properties): the record as the last commit stored it (``_saved``), and :meth:`_save`, which
@@ -77,7 +90,25 @@ class KeptRecord:
     RPC). A sink says where by :meth:`_store_record` and whether the target exists yet by :meth:`_record_target`."""
 
     manifest: Manifest
+    committed: Any  # Sink's IdSet
+    where: str
     _saved: str | None = None
+
+    def _take_committed(self, ids: Iterable[str], container: str) -> int:
+        """The ids the target holds into ``committed``, and their count as the record's rows (the record's own may
+        lag by the last commit); refused when an id is there twice (written outside embedq index)."""
+        rows = dups = 0
+        for doc_id in ids:
+            key = digest(doc_id)
+            dups += key in self.committed
+            self.committed.add(key)
+            rows += 1
+        if dups:
+            raise errors.OutputMismatch(f"{self.where} holds {dups} ids more than once: it was written outside "
+                                        f"embedq index; write to another {container}, or pass --overwrite")
+        self.manifest.rows = rows
+        self._saved = self._record()
+        return rows
 
     def _record(self) -> str:
         return self.manifest.model_dump_json()

@@ -46,6 +46,7 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -53,9 +54,8 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import numpy as np
 
 from embedq import errors
-from embedq.producers.index.idset import digest
 from embedq.producers.index.kinds import index_kind
-from embedq.producers.index.manifests import KeptRecord, Manifest, check_manifest, utc_now
+from embedq.producers.index.manifests import KeptRecord, Manifest, check_manifest, check_space, utc_now
 from embedq.producers.index.sinks import OutputLock, Sink
 from embedq.producers.index.targets import mask_url, split_param
 from embedq.protocol import Fingerprint
@@ -262,7 +262,6 @@ class MilvusSink(KeptRecord, Sink):
     def load_committed(self) -> None:
         if self.target.fields is None:
             return
-        rows = dups = 0
         try:
             # Milvus answers queries on a loaded collection only
             self.client.load_collection(self.target.collection, timeout=WORK_TIMEOUT)
@@ -271,30 +270,20 @@ class MilvusSink(KeptRecord, Sink):
                                      "vector fields are indexed") from None
         it = self.client.query_iterator(self.target.collection, batch_size=16_384, output_fields=["id"],
                                         consistency_level="Strong", timeout=WORK_TIMEOUT)
-        try:
+
+        def ids() -> Iterator[str]:
             while batch := it.next():
                 for row in batch:
-                    key = digest(row["id"])
-                    dups += key in self.committed
-                    self.committed.add(key)
-                    rows += 1
+                    yield row["id"]
+
+        try:
+            self._count = self._take_committed(ids(), "collection")
         finally:
             it.close()
-        if dups:
-            raise errors.OutputMismatch(f"{self.where} holds {dups} ids more than once: it was written outside "
-                                        "embedq index; write to another collection, or pass --overwrite")
-        self._count = rows
-        self.manifest.rows = rows  # the collection's own count (the record's may lag by the last commit)
-        self._saved = self._record()
 
     # -- Sink's contract ---------------------------------------------------------------------------
     def accept(self, fingerprint: Fingerprint) -> None:
-        have = self.manifest.fingerprint
-        if have is not None and not have.same_space(fingerprint):
-            raise errors.OutputMismatch(
-                f"{self.where} holds vectors of another embedding space: it has [{have.describe()}], this run makes "
-                f"[{fingerprint.describe()}]. Vectors of different spaces must not share a collection: write to "
-                "another one, or pass --overwrite")
+        check_space(self.manifest.fingerprint, fingerprint, where=self.where, container="collection")
         if self.adopted and self.schema is None and index_kind(self.target.config.kind, self.format).columns is None:
             self._compare(self._plan_dense(fingerprint.dimensions))  # a kind's fields: at its first write
         self.manifest.fingerprint = fingerprint

@@ -41,7 +41,7 @@ import numpy as np
 from embedq import errors
 from embedq.producers.index.idset import digest
 from embedq.producers.index.kinds import index_kind
-from embedq.producers.index.manifests import Manifest, check_manifest, utc_now
+from embedq.producers.index.manifests import Manifest, check_manifest, check_space, utc_now
 from embedq.producers.index.sinks import Sink
 from embedq.producers.index.targets import mask_url, split_param
 from embedq.protocol import Fingerprint
@@ -323,12 +323,7 @@ class PgvectorSink(Sink):
 
     # -- Sink's contract ---------------------------------------------------------------------------
     def accept(self, fingerprint: Fingerprint) -> None:
-        have = self.manifest.fingerprint
-        if have is not None and not have.same_space(fingerprint):
-            raise errors.OutputMismatch(
-                f"{self.where} holds vectors of another embedding space: it has [{have.describe()}], this run makes "
-                f"[{fingerprint.describe()}]. Vectors of different spaces must not share a table: write to another "
-                "one, or pass --overwrite")
+        check_space(self.manifest.fingerprint, fingerprint, where=self.where, container="table")
         if self.existing and self.cols is None and index_kind(self.target.config.kind, self.format).columns is None:
             want = [("id", "text"), ("embedding", self._vector_type(fingerprint.dimensions))]
             self._compare(want + ([("text", "text")] if self.target.config.store_text else []))

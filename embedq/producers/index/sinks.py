@@ -31,7 +31,7 @@ import numpy as np
 
 from embedq import errors
 from embedq.producers.index.idset import IdSet, digest
-from embedq.producers.index.manifests import Manifest, Part, VectorDtype, check_manifest, utc_now
+from embedq.producers.index.manifests import Manifest, Part, VectorDtype, check_manifest, check_space, utc_now
 from embedq.protocol import Fingerprint
 
 OUTPUT_FORMATS = ("parquet", "npy", "jsonl")
@@ -104,14 +104,8 @@ class Sink:
     # -- life cycle --------------------------------------------------------------------------------
     def accept(self, fingerprint: Fingerprint) -> None:
         """Check a result's embedding space against the output's before anything is written."""
-        have = self.manifest.fingerprint
-        if have is None:
-            self.manifest.fingerprint = fingerprint
-        elif not have.same_space(fingerprint):
-            raise errors.OutputMismatch(
-                f"{self.path} holds vectors of another embedding space: it has [{have.describe()}], this run "
-                f"makes [{fingerprint.describe()}]. Vectors of different spaces must not share a collection: "
-                "write to another output, or pass --overwrite to replace it")
+        check_space(self.manifest.fingerprint, fingerprint, where=str(self.path))
+        self.manifest.fingerprint = fingerprint
 
     def write(self, ids: list[str], vectors: np.ndarray) -> Any:
         """Add rows (committed by the next :meth:`commit`). A sink may return the rows its target refuses, as
