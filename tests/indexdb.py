@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from conftest import ROOT_DIR
+from conftest import ROOT_DIR, WorkerHandle
 
 from embedq.settings import Settings
 
@@ -58,6 +58,24 @@ def run_without(module: str, settings: Settings, url: str, cwd: Path) -> subproc
             f"sys.exit(main(['index', {str(src)!r}, '-o', {url!r}, '-q']))")
     return subprocess.run([sys.executable, "-c", code], env=env(settings), capture_output=True, text=True,
                           timeout=300, cwd=cwd)
+
+
+def tiny_worker(broker_url: str, root: Path, model: str, corpus: list[str] | None = None) -> WorkerHandle:
+    """A real worker, on its own queue, of a tiny random model built under ``root`` (tests/tiny_models.py): ``splade``
+    (a masked-LM with SPLADE max pooling) or ``bge-m3`` (its vocabulary from ``corpus``'s first 400 texts). Its
+    settings' ``model`` is the model's folder. Stop it with ``.stop()``."""
+    import uuid
+
+    import tiny_models
+
+    if model == "splade":
+        folder = tiny_models.splade(root / "splade", tiny_models.bert_mlm(root / "mlm"), "max")
+    else:
+        assert model == "bge-m3" and corpus is not None, model
+        folder = tiny_models.bge_m3(root / "bge-m3", corpus[:400])
+    settings = Settings(broker_url=broker_url, queue=f"embedq.test.{model}.{uuid.uuid4().hex[:8]}",
+                        model=str(folder), linear_kernel="torch")
+    return WorkerHandle(settings, root / f"{model}-worker.log")
 
 
 def write_jsonl(path: Path, texts: list[str]) -> list[str]:

@@ -11,7 +11,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import WorkerHandle
-from indexdb import cmd, corpus_texts, env, items_received, kill_after_rows, query_texts, run, run_without, write_jsonl
+from indexdb import (
+    cmd,
+    corpus_texts,
+    env,
+    items_received,
+    kill_after_rows,
+    query_texts,
+    run,
+    run_without,
+    tiny_worker,
+    write_jsonl,
+)
 
 from embedq.settings import Settings
 
@@ -251,15 +262,10 @@ def test_a_second_writer_is_refused_and_an_adopted_empty_table_gets_the_record(w
 def test_b_bge_m3_into_lancedb_dense_sparse_and_colbert_equal_the_client(redis_server, corpus, tmp_path):
     """--kind bge-m3 (a tiny BGE-M3, tests/tiny_models.py): ``dense`` a vector column, ``lexical_indices`` /
     ``lexical_values`` plain lists, ``colbert`` a multivector column, each equal to Client.embed_hybrid."""
-    import uuid
-
-    import tiny_models
     from conftest import sparse_delta
 
-    folder = tiny_models.bge_m3(tmp_path / "bge-m3", corpus[:400])
-    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.lance-m3.{uuid.uuid4().hex[:8]}",
-                        model=str(folder), linear_kernel="torch")
-    m3 = WorkerHandle(settings, tmp_path / "worker.log")
+    m3 = tiny_worker(redis_server.url, tmp_path, "bge-m3", corpus)
+    settings = m3.settings
     try:
         texts = [" ".join(t.split()[:20]) for t in corpus[400:430]]
         src = tmp_path / "in.jsonl"

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from indexdb import (
     query_texts,
     run,
     run_without,
+    tiny_worker,
     write_jsonl,
 )
 
@@ -214,13 +214,7 @@ def _lite(path: Path, collection: str) -> str:
 
 @pytest.fixture(scope="module")
 def splade_worker(redis_server, tmp_path_factory):
-    import tiny_models
-
-    root = tmp_path_factory.mktemp("splade-milvus")
-    folder = tiny_models.splade(root / "splade", tiny_models.bert_mlm(root / "mlm"), "max")
-    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.mv-splade.{uuid.uuid4().hex[:8]}",
-                        model=str(folder), linear_kernel="torch")
-    handle = WorkerHandle(settings, root / "worker.log")
+    handle = tiny_worker(redis_server.url, tmp_path_factory.mktemp("splade-milvus"), "splade")
     yield handle
     handle.stop()
 
@@ -261,13 +255,10 @@ def test_b_sparse_into_milvus_lite_is_a_sparse_float_vector_equal_to_the_client(
 def test_b_bge_m3_into_milvus_is_dense_and_lexical_equal_to_the_client(redis_server, corpus, tmp_path):
     """--kind bge-m3 (a tiny BGE-M3): ``dense`` FLOAT_VECTOR and ``lexical`` SPARSE_FLOAT_VECTOR in one collection
     (a hybrid search), equal to Client.embed_hybrid; ColBERT is left out with a note, and asked for it is refused."""
-    import tiny_models
     from conftest import sparse_delta
 
-    folder = tiny_models.bge_m3(tmp_path / "bge-m3", corpus[:400])
-    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.mv-m3.{uuid.uuid4().hex[:8]}",
-                        model=str(folder), linear_kernel="torch")
-    m3 = WorkerHandle(settings, tmp_path / "worker.log")
+    m3 = tiny_worker(redis_server.url, tmp_path, "bge-m3", corpus)
+    settings = m3.settings
     try:
         texts = [" ".join(t.split()[:20]) for t in corpus[400:430]]
         src = tmp_path / "in.jsonl"

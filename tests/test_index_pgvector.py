@@ -11,7 +11,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import WorkerHandle
-from indexdb import cmd, corpus_texts, env, items_received, kill_after_rows, query_texts, run, run_without, write_jsonl
+from indexdb import (
+    cmd,
+    corpus_texts,
+    env,
+    items_received,
+    kill_after_rows,
+    query_texts,
+    run,
+    run_without,
+    tiny_worker,
+    write_jsonl,
+)
 
 from embedq.producers.embedded import free_port
 from embedq.settings import Settings
@@ -229,15 +240,7 @@ def pg08(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def splade_worker(redis_server, tmp_path_factory):
-    import uuid
-
-    import tiny_models
-
-    root = tmp_path_factory.mktemp("splade-pg")
-    folder = tiny_models.splade(root / "splade", tiny_models.bert_mlm(root / "mlm"), "max")
-    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.pg-splade.{uuid.uuid4().hex[:8]}",
-                        model=str(folder), linear_kernel="torch")
-    handle = WorkerHandle(settings, root / "worker.log")
+    handle = tiny_worker(redis_server.url, tmp_path_factory.mktemp("splade-pg"), "splade")
     yield handle
     handle.stop()
 
@@ -284,17 +287,12 @@ def test_float16_into_pgvector_0_8_is_a_halfvec(worker, pg08, corpus, tmp_path):
 def test_b_bge_m3_into_pgvector_0_8_is_dense_and_lexical_equal_to_the_client(redis_server, corpus, pg08, tmp_path):
     """--kind bge-m3 (a tiny BGE-M3): ``dense vector(D)`` and ``lexical sparsevec(V)``, V the model's vocabulary
     size (the result's ``lexical_dimensions``), each with its HNSW index; ColBERT left out with a note."""
-    import uuid
-
-    import tiny_models
     from conftest import sparse_delta
     from transformers import AutoConfig
 
-    folder = tiny_models.bge_m3(tmp_path / "bge-m3", corpus[:400])
-    vocab = AutoConfig.from_pretrained(folder).vocab_size
-    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.pg-m3.{uuid.uuid4().hex[:8]}",
-                        model=str(folder), linear_kernel="torch")
-    m3 = WorkerHandle(settings, tmp_path / "worker.log")
+    m3 = tiny_worker(redis_server.url, tmp_path, "bge-m3", corpus)
+    settings = m3.settings
+    vocab = AutoConfig.from_pretrained(settings.model).vocab_size
     try:
         # the short ones: some have no positive lexical weight (an empty sparsevec)
         texts = [" ".join(t.split()[:20]) for t in corpus[400:440]] + [".", ",", "!", "?", "a"]
