@@ -241,10 +241,14 @@ class UnsupportedModel(EmbedqError):
 
 
 class Overloaded(EmbedqError):
+    """Refused at once, nothing sent: the queue is full or the job would wait too long (embedq/admission.py).
+    ``retry_after``: seconds after which trying again may succeed (the gateway's ``Retry-After``)."""
+
     code = "overloaded"
     retryable = True
     http_status = 429
     error_type = "Overloaded"
+    retry_after: float = 1.0
 
 
 class Expired(EmbedqError):

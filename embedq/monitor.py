@@ -7,9 +7,10 @@ straight from Redis (no torch, no remote-control broadcast).
   a server-side script that reads only the tail of each entry (its routing key), so a scrape moves a few
   bytes, not the buffered texts.
 * **Live workers** publish a small JSON record under :data:`WORKER_KEY` every
-  :data:`REPORT_INTERVAL` seconds with a TTL of three intervals, so a worker that died disappears
-  within :data:`WORKER_TTL` seconds. The record carries the model, device, dtype, queues, counters and
-  recent rates. Reading it never depends on a worker answering a broadcast, so ``embedq status``
+  :data:`REPORT_INTERVAL` seconds with a TTL of :data:`WORKER_TTL` seconds, so a worker that died disappears
+  within that time. The record carries the model, device, dtype, queues, counters, recent rates, the texts
+  buffered and not started (``backlog``) and the texts/s it runs while busy (``throughput``). Reading it
+  never depends on a worker answering a broadcast, so ``embedq status``
   cannot hang on a dead worker's mailbox.
 
 Keys are declared here once.
@@ -27,8 +28,9 @@ from typing import Any
 from embedq.keys import DEAD_LETTERS, DEPTHS_KEY, KOMBU_BINDINGS, KOMBU_SEP, KOMBU_UNACKED, WORKER_KEY
 
 DEPTHS_TTL = 5.0
-REPORT_INTERVAL = 5.0  # seconds between two records of a worker
-WORKER_TTL = int(3 * REPORT_INTERVAL)
+#: Seconds between two records of a worker: often, as producers admit online jobs by the backlog it carries.
+REPORT_INTERVAL = 1.0
+WORKER_TTL = 15  # seconds a record lives: a loaded worker that misses a few reports stays registered
 #: Celery's own exchanges (remote control, replies, events): their queues are not job queues.
 CELERY_EXCHANGES = frozenset({"celery.pidbox", "reply.celery.pidbox", "celeryev"})
 KOMBU_PRIORITY_STEPS = (3, 6, 9)  # kombu keeps priority messages in lists "<queue>\x06\x16<n>"
@@ -219,6 +221,10 @@ class Registry:
         """The records read within ``max_age`` seconds, or None (an event loop reads Redis in a thread only then)."""
         at, records = self._read
         return records if time.monotonic() - at <= self.max_age else None
+
+    def last(self) -> list[dict[str, Any]]:
+        """The records of the last read, however old (none before the first)."""
+        return self._read[1]
 
     def records(self, client: Any) -> list[dict[str, Any]]:
         records = self.fresh()

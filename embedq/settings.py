@@ -85,8 +85,9 @@ class Settings(BaseSettings):
     )
     online_queue_limit: int = Field(
         default=1000, ge=0,
-        description="Online jobs waiting in a queue beyond which producers refuse new online jobs at once "
-        "with `overloaded` (HTTP 429); 0: no limit.",
+        description="Deprecated (issue 50): online admission is by texts and expected wait (online_max_wait, "
+        "online_queue_texts). Kept as a last cap on online jobs (messages) waiting in a queue's Redis list, "
+        "beyond which producers refuse new online jobs with `overloaded` (HTTP 429); 0: no limit.",
     )
     bulk_queue_limit: int = Field(
         default=10_000, ge=0,
@@ -279,6 +280,18 @@ class Settings(BaseSettings):
         default=None, min_length=1, max_length=128,
         description="Producers: the identity a Client puts on every job it sends (message header embedq_client), "
         "what a worker shares its model time out by between clients; default <hostname>:<pid>.",
+    )
+    # -- admission (issue 50)
+    online_max_wait: float = Field(
+        default=2.0, ge=0, description="Seconds an online job may be expected to wait before it starts (the texts "
+        "ahead of it, as its client's fair share sees them, over the live workers' measured texts/s): past it the "
+        "producer refuses the job at once with `overloaded` (HTTP 429 with Retry-After), nothing sent. 0: off. "
+        "Unknown throughput (workers that have not run under load yet): only online_queue_texts applies.",
+    )
+    online_queue_texts: int = Field(
+        default=16_384, ge=0, description="Online texts waiting (buffered by the workers or queued) beyond which "
+        "producers refuse new online jobs at once with `overloaded` (HTTP 429), whatever the throughput; a job "
+        "that finds nothing ahead of it is always admitted. 0: no cap.",
     )
 
     @field_validator("pooling", mode="before")

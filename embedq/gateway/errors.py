@@ -6,6 +6,7 @@ body that does not validate, no such route) and an unreachable Redis are rendere
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,7 +19,8 @@ from embedq.gateway.schemas import JSONResponse
 
 log = logging.getLogger(__name__)
 
-#: Seconds an overloaded client is told to wait (``Retry-After``).
+#: Seconds a client is told to wait (``Retry-After``) where the error gives none (an Overloaded refusal gives its
+#: own ``retry_after``: embedq/admission.py).
 RETRY_AFTER = 1
 #: The OpenAI routes (their error body is OpenAI's).
 OPENAI_PATHS = frozenset({"/v1/embeddings", "/embeddings", "/v1/models", "/models"})
@@ -29,33 +31,36 @@ def http_status(exc: errors.EmbedqError) -> tuple[int, str]:
     return exc.http_status, exc.error_type
 
 
-def _headers(status: int) -> dict[str, str]:
+def _headers(status: int, retry_after: float | None = None) -> dict[str, str]:
     if status in (429, 503):
-        return {"Retry-After": str(RETRY_AFTER)}
+        seconds = RETRY_AFTER if retry_after is None else max(1, math.ceil(retry_after))
+        return {"Retry-After": str(seconds)}
     if status >= 500:
         return {"x-should-retry": "false"}
     return {}
 
 
-def tei_error(status: int, error_type: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": message, "error_type": error_type}, status_code=status, headers=_headers(status))
+def tei_error(status: int, error_type: str, message: str, retry_after: float | None = None) -> JSONResponse:
+    return JSONResponse({"error": message, "error_type": error_type}, status_code=status,
+                        headers=_headers(status, retry_after))
 
 
-def openai_error(status: int, error_type: str, message: str) -> JSONResponse:
+def openai_error(status: int, error_type: str, message: str, retry_after: float | None = None) -> JSONResponse:
     """TEI's OpenAI-route body plus OpenAI's nested ``error`` object (the openai SDK reads the latter)."""
     body = {"message": message, "code": status, "type": error_type,
             "error": {"message": message, "type": error_type, "param": None, "code": str(status)}}
-    return JSONResponse(body, status_code=status, headers=_headers(status))
+    return JSONResponse(body, status_code=status, headers=_headers(status, retry_after))
 
 
-def error_response(request: Request, status: int, error_type: str, message: str) -> JSONResponse:
+def error_response(request: Request, status: int, error_type: str, message: str,
+                   retry_after: float | None = None) -> JSONResponse:
     """The error body of ``request``'s route: OpenAI's on the OpenAI routes, else TEI's."""
-    return (openai_error if request.url.path in OPENAI_PATHS else tei_error)(status, error_type, message)
+    return (openai_error if request.url.path in OPENAI_PATHS else tei_error)(status, error_type, message, retry_after)
 
 
 async def embedq_error(request: Request, exc: errors.EmbedqError) -> JSONResponse:
     status, error_type = http_status(exc)
-    return error_response(request, status, error_type, str(exc))
+    return error_response(request, status, error_type, str(exc), getattr(exc, "retry_after", None))
 
 
 async def redis_error(request: Request, exc: RedisError) -> JSONResponse:  # the broker is away or refusing

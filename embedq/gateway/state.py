@@ -12,9 +12,10 @@ from typing import Any
 
 from fastapi import Request
 
-from embedq import errors, monitor
+from embedq import admission, errors, monitor
 from embedq.batching.traffic import BULK, ONLINE
 from embedq.broker import tls_options
+from embedq.gateway.admit import GatewayAdmission, identity
 from embedq.gateway.middleware import GatewayMetrics
 from embedq.gateway.plans import Plan
 from embedq.gateway.results import AsyncResults
@@ -51,6 +52,7 @@ class Gateway:
         self.client = Client(settings, follow_results=False)
         self.results: AsyncResults | None = None
         self.meter = GatewayMetrics()
+        self.admission = GatewayAdmission(self.client)  # per-identity texts in flight; the fast 429
         self._cancelling: set[asyncio.Future[Any]] = set()  # cancels of jobs sent for requests gone meanwhile
         self._watch: asyncio.Task[None] | None = None
 
@@ -111,12 +113,15 @@ class Gateway:
         return monitor.serving(records, (target or self.settings).queue_name).ready
 
     async def send(self, request: Request, plan: Plan, model: str | None = None, *,
-                   require_worker: bool = False) -> list[Any]:
+                   require_worker: bool = False, held: list[tuple[str, str, int]] | None = None) -> list[Any]:
         """``plan``'s items as jobs of at most ``max_texts_per_job`` items, sent to the queue of the request's
         model (:meth:`target`) together (``Client.submit_many``: one round trip, nothing sent unless every job
         is valid and admitted): their handles, in order. ``require_worker``: refuse them with
         :class:`~embedq.errors.NoWorker` (503) when no live worker serves that queue (the registry the client
-        re-reads at most once a second), after they are found valid."""
+        re-reads at most once a second), after they are found valid. Every job carries the request's identity
+        (:func:`~embedq.gateway.admit.identity`). ``held``: online jobs are admitted here, on the event loop
+        (:class:`~embedq.gateway.admit.GatewayAdmission`: Overloaded at once, nothing sent), their texts reserved
+        as the identity's in flight and ``(queue, identity, texts)`` appended for the caller to release."""
         if not plan.items:
             raise errors.EmptyInput("Input validation error: `inputs` cannot be empty")
         cap = self.settings.max_client_batch_size
@@ -128,9 +133,15 @@ class Gateway:
         queue = self.target(request, model)[1].queue_for(traffic_class)
         size = self.settings.max_texts_per_job
         jobs = [plan.job(plan.items[i:i + size]) for i in range(0, len(plan.items), size)]
-        sending = asyncio.ensure_future(asyncio.to_thread(
-            self.client.submit_many, jobs, kind=plan.kind, queue=queue, traffic_class=traffic_class,
-            deadline=deadline, require_worker=require_worker, **plan.options))
+        who = identity(request)
+        with contextlib.ExitStack() as stack:
+            if held is not None and traffic_class == ONLINE:
+                await self.admission.admit(queue, len(jobs), len(plan.items), who)
+                held.append((queue, who, len(plan.items)))
+                stack.enter_context(admission.admitted())  # the Client's own check passes: admitted here
+            sending = asyncio.ensure_future(asyncio.to_thread(
+                self.client.submit_many, jobs, kind=plan.kind, queue=queue, traffic_class=traffic_class,
+                deadline=deadline, require_worker=require_worker, client=who, **plan.options))
         try:
             return await asyncio.shield(sending)
         except asyncio.CancelledError:
@@ -149,7 +160,16 @@ class Gateway:
         """``plan`` sent and awaited: its answer; 503 at once when no live worker serves its queue
         (``gateway_require_worker``), where the request would wait for a worker with nobody to say so."""
         assert self.results is not None
-        handles = await self.send(request, plan, model, require_worker=self.settings.gateway_require_worker)
+        held: list[tuple[str, str, int]] = []
+        try:
+            return await self._run(request, plan, model, held)
+        finally:  # answered, failed or abandoned: its texts are no longer in flight
+            for reservation in held:
+                self.admission.release(*reservation)
+
+    async def _run(self, request: Request, plan: Plan, model: str | None, held: list[tuple[str, str, int]]) -> Any:
+        handles = await self.send(request, plan, model, require_worker=self.settings.gateway_require_worker,
+                                  held=held)
         deadline = _deadline(request)
         # past its deadline (and a grace for a job that started just in time) no result will come
         timeout = DEFAULT_RESULT_TIMEOUT if deadline is None else deadline + DEADLINE_GRACE

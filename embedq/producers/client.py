@@ -36,6 +36,7 @@ from celery import Celery, states
 from kombu.utils.url import maybe_sanitize_url
 
 from embedq import cancellation, errors, monitor
+from embedq.admission import Admission
 from embedq.batching.traffic import BULK, ONLINE, TRAFFIC_CLASSES
 from embedq.broker import BROKER_ERRORS, make_app, redis_client
 from embedq.keys import EPOCH_KEY
@@ -121,8 +122,11 @@ class Client(DirectWrites, Collecting):
         self.resend_after = settings.resend_after or 2.0 * settings.visibility_timeout
         self._epoch: str | None = None
         self._epoch_read = 0.0
-        #: queue -> (when its depth was read, the depth read plus the jobs admitted since): see _admit
+        #: bulk queue -> (when its depth was read, the depth read plus the jobs admitted since): see _admit
         self._depths: dict[str, tuple[float, int]] = {}
+        #: online admission by expected wait (its own texts outstanding: this client's uncollected online handles;
+        #: the gateway replaces ``admission.outstanding`` by its exact in-flight table)
+        self.admission = Admission(settings, self.registry, self.outstanding)
         self.bulk_waits = 0  # bulk submits that waited for room in a full queue, and for how long in all
         self.bulk_waited_seconds = 0.0
         #: Called on every look at a full bulk queue with (queue, jobs waiting, seconds waited); may raise to
@@ -247,9 +251,10 @@ class Client(DirectWrites, Collecting):
         client = self.client_id if client is None else check_client_id(client)
         expires = job_expiry(deadline)
         limits = self.settings
+        texts = 0  # items in all: what online admission counts
         for i, args in enumerate(argses):  # validation at the edge, every job before any is sent
             try:
-                spec.items(args, limits.max_texts_per_job, limits.max_chars)
+                texts += len(spec.items(args, limits.max_texts_per_job, limits.max_chars))
             except errors.EmbedqError as exc:
                 if len(argses) > 1 and hasattr(exc, "add_note"):
                     exc.add_note(f"job {i} of the {len(argses)} submitted together; none was sent")
@@ -264,7 +269,7 @@ class Client(DirectWrites, Collecting):
         try:
             if self.require_worker if require_worker is None else require_worker:
                 self.check_worker(queue)
-            self._admit(queue, traffic_class, len(argses))
+            self._admit(queue, traffic_class, len(argses), texts=texts, client=client)
             epoch = self.epoch()
             if bodies is not None and route is not None and self._direct_now():
                 ids = self._push(route, spec, argses, bodies, wire, expires, epoch, client)
@@ -291,10 +296,14 @@ class Client(DirectWrites, Collecting):
                            **task_reprs(spec, args, wire))
         return job_id
 
-    def _admit(self, queue: str, traffic_class: str, count: int = 1) -> None:
-        """Backpressure, once for ``count`` jobs sent together: refuse online jobs at once when their queue is
-        full; wait for room for bulk ones."""
-        limit = self.settings.bulk_queue_limit if traffic_class == BULK else self.settings.online_queue_limit
+    def _admit(self, queue: str, traffic_class: str, count: int = 1, *, texts: int = 0, client: str = "") -> None:
+        """Backpressure, once for ``count`` jobs of ``texts`` items in all sent together: refuse online jobs at once
+        (:class:`~embedq.errors.Overloaded` with ``retry_after``) when they would wait too long or their queue holds
+        too many texts (:mod:`embedq.admission`); wait for room for bulk ones."""
+        if traffic_class != BULK:
+            self.admission.check(self.redis(), queue, count, max(texts, count), client or self.client_id)
+            return
+        limit = self.settings.bulk_queue_limit
         if not limit:
             return
         # A depth read less than DEPTH_REUSE seconds ago, plus the jobs this client admitted since, stands in
@@ -309,9 +318,6 @@ class Client(DirectWrites, Collecting):
         self._depths[queue] = (now, depth + count)
         if depth < limit:
             return
-        if traffic_class != BULK:
-            raise errors.Overloaded(f"queue {queue} has {depth} online jobs waiting (limit {limit}, "
-                                    "EMBEDQ_ONLINE_QUEUE_LIMIT); try again shortly")
         started = time.monotonic()
         pause = 0.05
         log.info("bulk queue %s is full (%d jobs waiting, limit %d): waiting for room", queue, depth, limit)
@@ -329,6 +335,19 @@ class Client(DirectWrites, Collecting):
         self._depths[queue] = (time.monotonic(), depth + count)
         self.bulk_waits += 1
         self.bulk_waited_seconds += time.monotonic() - started
+
+    def outstanding(self, queue: str) -> dict[str, int]:
+        """Texts of this client's online jobs on ``queue`` not collected yet, by client identity (what online
+        admission counts as each identity's own backlog)."""
+        out: dict[str, int] = {}
+        with self._resend_lock:
+            handles = list(self.pending)
+        for handle in handles:
+            args, _options, sent_to = handle._resend_args
+            if sent_to == queue and handle.traffic_class == ONLINE and not handle._collected and args is not None:
+                who = handle._client_id or self.client_id
+                out[who] = out.get(who, 0) + handle.spec.size(args)
+        return out
 
     def serving(self, queue: str) -> monitor.Serving:
         """Which live workers serve ``queue`` (the registry, re-read at most once a second)."""

@@ -38,6 +38,8 @@ RATE_WINDOW = 60.0  # seconds of history behind the "recent" rates
 #: workers (and replicas) of one machine need no per-worker setting; ops/'s Prometheus configurations scrape them all.
 DEFAULT_PORTS = range(9808, 9840)
 QUEUE_CACHE_SECONDS = 2.0
+#: Seconds after which an interval's weight in the measured throughput (:class:`Throughput`) has halved.
+THROUGHPUT_HALF_LIFE = 15.0
 
 #: name (without ``embedq_``) -> (type, help). Counters are exposed with a ``_total`` suffix; they are the
 #: service's (declared once in workers/stats.py).
@@ -118,6 +120,29 @@ class Rates:
                 "tokens_per_s": (r1 - r0) / dt, "padding_ratio": (1 - (r1 - r0) / padded) if padded else 0.0}
 
 
+class Throughput:
+    """Texts/s this worker runs while busy: a decaying average of the intervals between two samples in which texts
+    waited in its scheduler at both ends (so it was running flat out between them); None before the first such
+    interval. Producers divide the texts ahead of an online job by it (``embedq/admission.py``). An interval with
+    texts waiting and none run (a stalled model) counts: it is this worker's speed then."""
+
+    def __init__(self, half_life: float = THROUGHPUT_HALF_LIFE) -> None:
+        self.half_life = half_life
+        self.rate: float | None = None
+        self._last: tuple[float, int, int] | None = None
+
+    def sample(self, items_run: int, waiting: int, now: float | None = None) -> float | None:
+        """``items_run``: the texts run through the model so far (the counter); ``waiting``: texts buffered now."""
+        now = time.monotonic() if now is None else now
+        last, self._last = self._last, (now, items_run, waiting)
+        if last is not None and now > last[0] and last[2] and waiting:
+            seconds = now - last[0]
+            seen = max(items_run - last[1], 0) / seconds
+            weight = 1.0 - 0.5 ** (seconds / self.half_life)
+            self.rate = seen if self.rate is None else self.rate + weight * (seen - self.rate)
+        return self.rate
+
+
 class WorkerMetrics:
     """The histograms a worker observes, and a collector for everything read at scrape time.
 
@@ -132,6 +157,7 @@ class WorkerMetrics:
                      for name in BUCKETS}
         self._children: dict[tuple[str, str], Any] = {}  # (name, class) -> the histogram (child) to observe
         self.rates = Rates()
+        self.throughput = Throughput()
         self.model_load_seconds = 0.0
         self.service: Any = None
         self.window_state: Callable[[], dict[str, int]] = dict
@@ -260,6 +286,7 @@ class Reporter(threading.Thread):
         service = self.metrics.service
         if service is not None:
             self.metrics.rates.sample(service.stats)
+            self.metrics.throughput.sample(service.stats.items, len(service.scheduler))
         record = self.record()
         self.hostname = record["hostname"]
         monitor.publish_worker(self.redis, record)

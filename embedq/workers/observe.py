@@ -16,6 +16,7 @@ from celery import bootsteps
 from celery.worker.control import inspect_command
 from celery.worker.request import Request
 
+from embedq.batching.traffic import BULK, ONLINE
 from embedq.kinds import TASKS
 from embedq.protocol import short_options
 from embedq.settings import Settings
@@ -132,8 +133,13 @@ def worker_record(worker: Worker) -> dict[str, Any]:
         record["jobs_by_class"] = st["jobs_by_class"]
         record["jobs_by_kind"] = st["jobs_by_kind"]
         record["timers"] = {k: round(st[k], 3) for k in TIMERS}
+        # what producers admit online jobs by (embedq/admission.py): texts buffered and not started, per class
+        # (unlocked reads of two lengths: the reporter thread must not wait on the inference thread's lock)
+        record["backlog"] = {ONLINE: service.scheduler.waiting(ONLINE), BULK: service.scheduler.waiting(BULK)}
     if worker.metrics is not None:
         record["rates"] = worker.metrics.rates.current()
+        rate = worker.metrics.throughput.rate
+        record["throughput"] = None if rate is None else round(rate, 2)
     return record
 
 
