@@ -159,7 +159,8 @@ def main() -> None:
     st_padded = st_padded_tokens(lengths, texts, 32)
 
     with RedisServer() as redis_server:
-        overrides = {"broker_url": redis_server.url, "device": args.device, "dtype": args.dtype}
+        # the whole corpus is sent online at once and collected after: no admission by expected wait (issue 50)
+        overrides = {"broker_url": redis_server.url, "device": args.device, "dtype": args.dtype, "online_max_wait": 0}
         if args.max_batch_tokens:
             overrides["max_batch_tokens"] = args.max_batch_tokens
         settings = Settings().model_copy(update=overrides)
