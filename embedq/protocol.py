@@ -25,6 +25,10 @@ TASK_NAME = "embedq.embed"  # the embedding task (kept by that name since protoc
 RESENT_HEADER = "embedq_resent"
 #: Message header: when the producer sent the job (Unix time), for the worker's time-in-queue metric.
 SENT_HEADER = "embedq_sent_at"
+#: Message header: the producer's identity (a client id, the gateway's per-key or per-peer identity), what the
+#: worker shares its model time out by between clients (issue 50). At most :data:`MAX_CLIENT_CHARS` characters.
+CLIENT_HEADER = "embedq_client"
+MAX_CLIENT_CHARS = 128
 PROTOCOL_VERSION = 1
 #: The longest deadline a job may carry, in seconds from when it is sent (one week). Producers and the gateway
 #: refuse a longer one (422); a worker clamps any ``expires`` further out than this to it, so no value a client
@@ -147,6 +151,29 @@ class DecodeOptions(JobOptions):
     """``embedq.decode``: token ids back to text by the model's tokenizer (TEI's ``/decode``)."""
 
     skip_special_tokens: bool = Field(default=True, description="False: special tokens ([CLS], </s>) are kept.")
+
+
+def check_client_id(value: Any) -> str:
+    """A producer identity as the client sends it (:data:`CLIENT_HEADER`): a non-empty string of at most
+    :data:`MAX_CLIENT_CHARS` printable characters; anything else is :class:`~embedq.errors.InvalidOption`."""
+    if not isinstance(value, str) or not value or len(value) > MAX_CLIENT_CHARS or not value.isprintable():
+        shown = repr(value)[:40] if isinstance(value, str) else type(value).__name__
+        raise errors.InvalidOption(f"a client id must be a non-empty printable string of at most "
+                                   f"{MAX_CLIENT_CHARS} characters, got {shown}")
+    return value
+
+
+def client_of(headers: Any) -> str:
+    """The producer identity a message carries (worker side): its :data:`CLIENT_HEADER`, else Celery's ``origin``
+    header (the sending process's node name), else ``""``. Whatever a header holds, this returns a string of at
+    most :data:`MAX_CLIENT_CHARS` characters: a value that is not a usable identity is passed over, never raised."""
+    if not isinstance(headers, dict):
+        return ""
+    for name in (CLIENT_HEADER, "origin"):
+        value = headers.get(name)
+        if isinstance(value, str) and value and len(value) <= MAX_CLIENT_CHARS and value.isprintable():
+            return value
+    return ""
 
 
 def short_options(options: Any) -> str:

@@ -274,6 +274,12 @@ class Settings(BaseSettings):
     malloc_trim_interval: float = Field(
         default=5.0, gt=0, description="Seconds of work between two malloc_trim calls (memory_policy=trim).",
     )
+    # -- fair share (issue 50)
+    client_id: str | None = Field(
+        default=None, min_length=1, max_length=128,
+        description="Producers: the identity a Client puts on every job it sends (message header embedq_client), "
+        "what a worker shares its model time out by between clients; default <hostname>:<pid>.",
+    )
 
     @field_validator("pooling", mode="before")
     @classmethod

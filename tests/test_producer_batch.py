@@ -25,7 +25,7 @@ from embedq.producers import client as client_module
 from embedq.producers import direct as direct_module
 from embedq.producers import handle as handle_module
 from embedq.producers.client import Client
-from embedq.protocol import SENT_HEADER, Fingerprint, encode_result
+from embedq.protocol import CLIENT_HEADER, SENT_HEADER, Fingerprint, encode_result
 from embedq.results import ResultStore
 from embedq.settings import Settings
 
@@ -49,7 +49,8 @@ def _send_task_copy(client: Client, message: dict, *, kind: str, args: list, opt
     name = message["headers"]["task"]
     client.app.send_task(name, args=args, kwargs=options, queue=queue, task_id=message["headers"]["id"],
                          expires=deadline, ignore_result=not client.follow_results,
-                         headers={SENT_HEADER: message["headers"][SENT_HEADER]},
+                         headers={SENT_HEADER: message["headers"][SENT_HEADER],
+                                  CLIENT_HEADER: message["headers"][CLIENT_HEADER]},
                          **task_reprs(KINDS[kind], args, options))
 
 
@@ -80,6 +81,7 @@ def test_submit_many_writes_the_message_send_task_would(redis_server, serializer
             handles = client.submit_many(jobs, kind=kind, deadline=deadline, **options)
             ours = [json.loads(raw) for raw in reversed(r.lrange(queue, 0, -1))]  # oldest first
             assert [m["headers"]["id"] for m in ours] == [h.id for h in handles]
+            assert {m["headers"][CLIENT_HEADER] for m in ours} == {client.client_id}
             r.delete(queue)
             for message, handle in zip(ours, handles):
                 args, wire = handle._resend_args[0], handle._resend_args[1]

@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import os
+import socket
 import threading
 import time
 import uuid
@@ -57,7 +59,10 @@ from embedq.producers.handle import DEFAULT_RESULT_TIMEOUT, JobHandle, job_expir
 
 __all__ = ["BROKER_ERRORS", "Client", "JobHandle", "worker_stats"]  # what producers import from here
 from embedq.protocol import (
+    CLIENT_HEADER,
+    MAX_CLIENT_CHARS,
     SENT_HEADER,
+    check_client_id,
     check_message_size,
 )
 from embedq.results import ResultStore
@@ -82,7 +87,8 @@ class Client(DirectWrites, Collecting):
     """Send embedding jobs to embedq workers and collect their results."""
 
     def __init__(self, settings: Settings | None = None, *, broker_url: str | None = None,
-                 app: Celery | None = None, follow_results: bool = True, require_worker: bool = False) -> None:
+                 app: Celery | None = None, follow_results: bool = True, require_worker: bool = False,
+                 client_id: str | None = None) -> None:
         """``require_worker``: refuse a job with :class:`~embedq.errors.NoWorker` (503, retryable) at once, nothing
         sent, when no live worker serves its queue (the registry, read at most once a second), instead of leaving
         it queued until a worker comes; also per call (``submit(..., require_worker=True)``). Off by default: a job
@@ -91,7 +97,11 @@ class Client(DirectWrites, Collecting):
         ``follow_results``: the ``ignore_result`` header of the jobs' messages: False for a caller that reads
         results itself (the gateway's asyncio waiter). Either way no job's result channel is subscribed when it
         is sent (a round trip per job): ``JobHandle.result`` subscribes when it first waits, after reading the
-        stored record, and :meth:`collect` reads many records per round trip."""
+        stored record, and :meth:`collect` reads many records per round trip.
+
+        ``client_id``: the identity every job of this client carries (message header ``embedq_client``), by which
+        a worker shares its model time fairly between clients; default ``EMBEDQ_CLIENT_ID``, else
+        ``<hostname>:<pid>``. A submit's ``client=`` overrides it for that call (the gateway: one per API key)."""
         settings = settings or Settings()
         if broker_url is not None:
             settings = settings.model_copy(update={"broker_url": broker_url})
@@ -99,6 +109,8 @@ class Client(DirectWrites, Collecting):
         self.app = app or make_app(settings)
         self.follow_results = follow_results
         self.require_worker = require_worker
+        default_id = f"{socket.gethostname()}:{os.getpid()}"[-MAX_CLIENT_CHARS:]
+        self.client_id = check_client_id(client_id or settings.client_id or default_id)
         self.registry = monitor.Registry(max_age=1.0)
         self._redis: Any = None
         self._redis_lock = threading.Lock()
@@ -123,7 +135,7 @@ class Client(DirectWrites, Collecting):
 
     def submit_job(self, kind: str | TaskSpec, job: Any, *, queue: str | None = None, traffic_class: str = ONLINE,
                    deadline: float | dt.datetime | None = None, return_text: bool = False,
-                   require_worker: bool | None = None, **options: Any) -> JobHandle:
+                   require_worker: bool | None = None, client: str | None = None, **options: Any) -> JobHandle:
         """Validate and enqueue one job of any kind (its name, an alias, or its :class:`~embedq.kinds.TaskSpec`,
         a plugin's included): ``job`` is what the kind takes (texts; a ``(query, texts)`` pair for rerank; inputs
         for predict; token ids for decode), ``options`` its options. Every named submit below is this call.
@@ -135,10 +147,12 @@ class Client(DirectWrites, Collecting):
         an online job is refused at once with :class:`~embedq.errors.Overloaded`; a bulk job waits for
         room under ``bulk_queue_limit`` instead (up to ``bulk_wait_timeout``). ``return_text``: the result
         carries each text (rerank; from this handle, not through Redis). ``require_worker``: this call's choice
-        over the client's (see :class:`Client`)."""
+        over the client's (see :class:`Client`). ``client``: the identity this job carries instead of the client's
+        ``client_id`` (workers share their time fairly between identities)."""
         spec = kind if isinstance(kind, TaskSpec) else kind_spec(kind)
         return self._submit(spec, [spec.job_args(job)], options, queue=queue, traffic_class=traffic_class,
-                            deadline=deadline, return_text=return_text, require_worker=require_worker)[0]
+                            deadline=deadline, return_text=return_text, require_worker=require_worker,
+                            client=client)[0]
 
     def submit(self, texts: str | Sequence[str], **options: Any) -> JobHandle:
         """Enqueue one embedding job (``embed``); returns a :class:`JobHandle` at once. Options: ``normalize``,
@@ -196,7 +210,8 @@ class Client(DirectWrites, Collecting):
 
     def submit_many(self, jobs: Iterable[Any], *, kind: str | TaskSpec = "embed", queue: str | None = None,
                     traffic_class: str = ONLINE, deadline: float | dt.datetime | None = None,
-                    return_text: bool = False, require_worker: bool | None = None, **options: Any) -> list[JobHandle]:
+                    return_text: bool = False, require_worker: bool | None = None, client: str | None = None,
+                    **options: Any) -> list[JobHandle]:
         """Validate and enqueue many jobs of one kind with the same options: their handles, in order, sent to
         Redis in one round trip (a pipeline; one backpressure check for the batch).
 
@@ -205,7 +220,8 @@ class Client(DirectWrites, Collecting):
         ``(query, texts)`` pair for ``rerank``; inputs (texts or text pairs) for ``predict``; token ids for
         ``decode``. ``options`` are the kind's options, the single submits' keywords included (``top_k``,
         ``return_tokens``, ``outputs``, ``raw_scores``, ``skip_special_tokens``; ``return_text`` for rerank);
-        ``queue``, ``traffic_class``, ``deadline`` and ``require_worker`` as for :meth:`submit_job`, for every job.
+        ``queue``, ``traffic_class``, ``deadline``, ``require_worker`` and ``client`` as for :meth:`submit_job`, for
+        every job.
 
         Every job is checked before any is sent: the first invalid one raises the error its single submit would
         raise (a note names its index) and nothing is sent. An online batch is refused with
@@ -219,15 +235,16 @@ class Client(DirectWrites, Collecting):
         if not argses:
             return []
         return self._submit(spec, argses, options, queue=queue, traffic_class=traffic_class, deadline=deadline,
-                            return_text=return_text, require_worker=require_worker)
+                            return_text=return_text, require_worker=require_worker, client=client)
 
     def _submit(self, spec: TaskSpec, argses: list[list[Any]], options: dict[str, Any], *, queue: str | None,
                 traffic_class: str, deadline: float | dt.datetime | None, return_text: bool,
-                require_worker: bool | None = None) -> list[JobHandle]:
+                require_worker: bool | None = None, client: str | None = None) -> list[JobHandle]:
         """Jobs of one kind and options (``argses``: each job's task arguments): checked, admitted, sent."""
         if traffic_class not in TRAFFIC_CLASSES:
             raise errors.InvalidOption(f"traffic_class must be one of {', '.join(TRAFFIC_CLASSES)}, "
                                        f"got {traffic_class!r}")
+        client = self.client_id if client is None else check_client_id(client)
         expires = job_expiry(deadline)
         limits = self.settings
         for i, args in enumerate(argses):  # validation at the edge, every job before any is sent
@@ -250,13 +267,14 @@ class Client(DirectWrites, Collecting):
             self._admit(queue, traffic_class, len(argses))
             epoch = self.epoch()
             if bodies is not None and route is not None and self._direct_now():
-                ids = self._push(route, spec, argses, bodies, wire, expires, epoch)
+                ids = self._push(route, spec, argses, bodies, wire, expires, epoch, client)
             else:
-                ids = [self._send_task(spec, args, wire, queue, expires) for args in argses]
+                ids = [self._send_task(spec, args, wire, queue, expires, client) for args in argses]
         except BROKER_ERRORS as exc:
             raise self._unreachable(exc) from None
         handles = [JobHandle(None, self, job_id=job_id, texts=args, options=wire, queue=queue, epoch=epoch,
-                             traffic_class=traffic_class, deadline=expires, spec=spec, return_text=return_text)
+                             traffic_class=traffic_class, deadline=expires, spec=spec, return_text=return_text,
+                             client_id=client)
                    for job_id, args in zip(ids, argses)]
         with self._resend_lock:
             for handle in handles:
@@ -264,11 +282,12 @@ class Client(DirectWrites, Collecting):
         return handles
 
     def _send_task(self, spec: TaskSpec, args: list[Any], wire: dict[str, Any], queue: str,
-                   expires: dt.datetime | None) -> str:
+                   expires: dt.datetime | None, client: str) -> str:
         """One job through ``app.send_task`` (where :meth:`_route` finds no direct route): its id."""
         job_id = str(uuid.uuid4())  # random: job ids cannot be guessed
         self.app.send_task(spec.name, args=args, kwargs=wire, queue=queue, task_id=job_id, expires=expires,
-                           ignore_result=not self.follow_results, headers={SENT_HEADER: time.time()},
+                           ignore_result=not self.follow_results,
+                           headers={SENT_HEADER: time.time(), CLIENT_HEADER: client},
                            **task_reprs(spec, args, wire))
         return job_id
 

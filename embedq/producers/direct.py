@@ -15,7 +15,7 @@ from celery import Celery
 
 from embedq import errors
 from embedq.kinds import TaskSpec, task_reprs
-from embedq.protocol import SENT_HEADER, check_message_size
+from embedq.protocol import CLIENT_HEADER, SENT_HEADER, check_message_size
 
 #: Messages per LPUSH command of a batch, and the bytes after which a command is closed: one round trip sends
 #: many jobs, and no single command grows past what Redis reads comfortably at once.
@@ -129,12 +129,12 @@ class DirectWrites:
         return content_type, encoding, base64.b64encode(raw)
 
     def _push(self, route: Route, spec: TaskSpec, argses: list[list[Any]], bodies: list[tuple[str, str, bytes]],
-              wire: dict[str, Any], expires: dt.datetime | None, epoch: str) -> list[str]:
+              wire: dict[str, Any], expires: dt.datetime | None, epoch: str, client: str) -> list[str]:
         """Write the jobs' messages into their queue's Redis list, in one pipeline: the messages
         ``app.send_task`` would publish (Celery's protocol 2 on kombu's Redis transport: headers, properties,
         base64 body; see ``celery.app.amqp.AMQP.as_task_v2`` and ``kombu.transport.redis.Channel._put``), and
-        the queue's binding as kombu declares it before its first publish (again after Redis lost its data).
-        Returns the job ids."""
+        the queue's binding as kombu declares it before its first publish (again after Redis lost its data), each
+        with the producer identity ``client`` (``embedq_client``). Returns the job ids."""
         from celery.utils.nodenames import anon_nodename
         from kombu.utils.json import dumps
 
@@ -158,7 +158,8 @@ class DirectWrites:
                        "expires": expires_at, "group": None, "group_index": None, "retries": 0,
                        "timelimit": [None, None], "root_id": job_id, "parent_id": None, "argsrepr": argsrepr,
                        "kwargsrepr": kwargsrepr, "origin": origin, "ignore_result": ignore_result,
-                       "replaced_task_nesting": 0, "stamped_headers": None, "stamps": {}, SENT_HEADER: sent_at}
+                       "replaced_task_nesting": 0, "stamped_headers": None, "stamps": {}, SENT_HEADER: sent_at,
+                       CLIENT_HEADER: client}
             properties: dict[str, Any] = {"correlation_id": job_id, "reply_to": reply_to, "argsrepr": argsrepr,
                                           "kwargsrepr": kwargsrepr, "delivery_mode": route.delivery_mode}
             if expiration is not None:

@@ -16,7 +16,7 @@ from embedq import errors
 from embedq.batching.traffic import ONLINE
 from embedq.broker import BROKER_ERRORS
 from embedq.kinds import EMBED, TaskSpec, task_reprs
-from embedq.protocol import MAX_DEADLINE_SECONDS, RESENT_HEADER, SENT_HEADER, Fingerprint
+from embedq.protocol import CLIENT_HEADER, MAX_DEADLINE_SECONDS, RESENT_HEADER, SENT_HEADER, Fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class JobHandle:
     def __init__(self, result: AsyncResult | None, client: Any = None, *, job_id: str | None = None,
                  texts: list[Any] | None = None, options: dict[str, Any] | None = None, queue: str | None = None,
                  epoch: str | None = None, traffic_class: str = ONLINE, deadline: dt.datetime | None = None,
-                 spec: TaskSpec = EMBED, return_text: bool = False) -> None:
+                 spec: TaskSpec = EMBED, return_text: bool = False, client_id: str | None = None) -> None:
         """``result``: Celery's handle of the job, or None with ``job_id`` (it is then made on first use, so a
         batch of handles costs no Celery object each)."""
         if result is None and (job_id is None or client is None):
@@ -55,6 +55,7 @@ class JobHandle:
         self.spec = spec
         self._return_text = return_text
         self._resend_args = (texts, options, queue)  # texts: the task's positional arguments
+        self._client_id = client_id  # the producer identity its message carries (sent again with it)
         self._epoch = epoch
         self.traffic_class = traffic_class
         #: When the job expires (an aware UTC datetime; None: never). A worker that meets it later drops it.
@@ -210,7 +211,8 @@ class JobHandle:
         assert self._client is not None
         self._client.app.send_task(self.spec.name, args=args, kwargs=options, queue=queue, task_id=self.id,
                                    expires=self.deadline, ignore_result=not self._client.follow_results,
-                                   headers={RESENT_HEADER: self.resent + 1, SENT_HEADER: time.time()},
+                                   headers={RESENT_HEADER: self.resent + 1, SENT_HEADER: time.time(),
+                                            **({CLIENT_HEADER: self._client_id} if self._client_id else {})},
                                    **task_reprs(self.spec, args, options))
         self._epoch = epoch
         self._sent_at = time.monotonic()

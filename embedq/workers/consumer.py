@@ -41,7 +41,7 @@ from embedq.batching.traffic import BULK, ONLINE, TrafficClass
 from embedq.broker import BROKER_ERRORS, lease_interval, redis_client
 from embedq.cancellation import CancelFeed
 from embedq.kinds import TASKS, TaskSpec, load_plugins
-from embedq.protocol import RESENT_HEADER, SENT_HEADER, TASK_NAME
+from embedq.protocol import RESENT_HEADER, SENT_HEADER, TASK_NAME, client_of
 from embedq.settings import Settings
 from embedq.workers import memory, transport
 from embedq.workers.acks import ALREADY_STORED, Acks, routing_key_of
@@ -278,11 +278,12 @@ class Worker(Messages, Acks, Stopping):
             service.stats.add(duplicates=1)
             return
         req.send_event("task-received", **event)
+        headers = req._request_dict or {}
         job = Job(id=req.id, texts=args, options=kwargs, context=Delivery([(req, size)]), size=size, spec=spec,
-                  traffic_class=klass, deadline=deadline_of(req.expires), canvas=canvas_of(req))
+                  traffic_class=klass, deadline=deadline_of(req.expires), canvas=canvas_of(req),
+                  client=client_of(headers))
         self.held[job.id] = job
         verdict = Verdict()
-        headers = req._request_dict or {}
         sent_at = headers.get(SENT_HEADER)
         if isinstance(sent_at, (int, float)) and self.metrics is not None:
             self.metrics.observe("queue_seconds", max(time.time() - sent_at, 0.0), klass)

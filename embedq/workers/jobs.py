@@ -43,6 +43,7 @@ class Job:
     traffic_class: TrafficClass = ONLINE  # from the queue it came from
     deadline: float | None = None  # monotonic time after which it is dropped unless it has started
     canvas: Any = None  # the Celery canvas work its message carries (workers/canvas.py), None for most jobs
+    client: str = ""  # the producer identity its message carries (protocol.client_of): its fair share is per client
 
     @property
     def kind(self) -> str:
