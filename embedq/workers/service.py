@@ -197,7 +197,8 @@ class EmbeddingService(MicroBatches):
                     # items then feed it like a length-sorted sweep (bench/peers.py: 4.0 % padding instead of 5.5 %
                     # on 32-text jobs). Order within a job changes nothing else: its result waits for all of them.
                     order = sorted(range(job.n_items), key=job.cost, reverse=True)
-                    self.scheduler.add_many([((job, i), job.cost(i)) for i in order], job.traffic_class)
+                    self.scheduler.add_many([((job, i), job.cost(i)) for i in order], job.traffic_class,
+                                            job.client)
                 if job.deadline is not None:
                     self.deadlines.add(job.deadline, job)
             self._cond.notify()
