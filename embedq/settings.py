@@ -280,6 +280,12 @@ class Settings(BaseSettings):
         description="Producers: the identity a Client puts on every job it sends (message header embedq_client), "
         "what a worker shares its model time out by between clients; default <hostname>:<pid>.",
     )
+    online_overflow_texts: int = Field(
+        default=24576, ge=0,
+        description="Workers: texts of online jobs a worker may hold beyond prefetch_texts, so that a small online "
+        "job queued behind one client's flood reaches the worker, whose fair share runs it in the next "
+        "micro-batch (0: none; bulk jobs never use it).",
+    )
 
     @field_validator("pooling", mode="before")
     @classmethod

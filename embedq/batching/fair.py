@@ -20,7 +20,7 @@ thread-safe (the worker guards it with its lock).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Collection, Hashable, Iterable
 
 from embedq.batching.items import Item
 from embedq.batching.scheduler import Scheduler
@@ -90,21 +90,25 @@ class FairScheduler:
                 del self.clients[client]
         self._size -= len(items)
 
-    def next_batch(self, *, max_tokens: int | None = None, max_items: int | None = None) -> list[Item]:
+    def next_batch(self, *, max_tokens: int | None = None, max_items: int | None = None,
+                   exclude: Collection[str] = ()) -> list[Item]:
         """Remove and return the next micro-batch (empty when nothing is buffered); see the module's docstring.
 
-        ``max_tokens``/``max_items`` narrow this one batch, as for :meth:`Scheduler.next_batch`."""
-        if not self.clients:
+        ``max_tokens``/``max_items`` narrow this one batch, as for :meth:`Scheduler.next_batch`; ``exclude``: clients
+        left out of it (those of a running micro-batch this one preempts)."""
+        names = [c for c in self.clients if c not in exclude] if exclude else list(self.clients)
+        if not names:
             return []
-        if len(self.clients) == 1:  # one client: exactly its own scheduler's batch
-            batch = next(iter(self.clients.values())).next_batch(max_tokens=max_tokens, max_items=max_items)
+        if len(names) == 1:  # one client: exactly its own scheduler's batch
+            batch = self.clients[names[0]].next_batch(max_tokens=max_tokens, max_items=max_items)
             self._taken(batch)
+            self._rotate(names[0])
             return batch
         budget = self.max_tokens if max_tokens is None else max_tokens
         cap = self.max_items if max_items is None else max_items
         # At most ``cap`` clients can have an item in one batch: the others wait their turn in the order.
-        order = list(self.clients.values())[:cap]
-        quota = max(budget // len(self.clients), 1)
+        order = [self.clients[c] for c in names[:cap]]
+        quota = max(budget // len(names), 1)
         batch = order[0].next_batch(max_tokens=quota, max_items=cap)
         for i, s in enumerate(order[1:], start=2):
             s.fill(batch, max_tokens=min(quota * i, budget), max_items=cap)
@@ -112,11 +116,14 @@ class FairScheduler:
             if len(batch) >= cap:
                 break
             s.fill(batch, max_tokens=budget, max_items=cap)
-        head = next(iter(self.clients))
         self._taken(batch)
-        if head in self.clients:  # the head had its turn
-            self.clients.move_to_end(head)
+        self._rotate(names[0])
         return batch
+
+    def _rotate(self, head: str) -> None:
+        """The head had its turn: to the end of the order (if it still has items)."""
+        if head in self.clients:
+            self.clients.move_to_end(head)
 
     def fill(self, batch: list[Item], *, max_tokens: int | None = None, max_items: int | None = None) -> list[Item]:
         """Add this scheduler's items to ``batch`` (taken from another scheduler) while they fit, client by client in

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from typing import Any, Literal
 
 from embedq.batching.fair import FairScheduler
@@ -105,13 +105,14 @@ class TrafficScheduler:
         total = self.served[ONLINE] + self.served[BULK]
         return bool(total) and self.served[BULK] < self.bulk_share * total
 
-    def next_online_batch(self) -> list[Item]:
-        """A micro-batch of online items alone, to run between two layers of a running bulk batch (counted as
-        contention); empty when no online item waits or bulk is owed its share."""
+    def next_online_batch(self, exclude: Collection[str] = ()) -> list[Item]:
+        """A micro-batch of online items alone, to run between two layers of a running batch (counted as
+        contention); empty when no online item waits or bulk is owed its share. ``exclude``: the clients of a
+        running online batch (their items wait for it; only other clients' items preempt it)."""
         online = self.classes[ONLINE]
         if not online or self.bulk_owed():
             return []
-        batch = online.next_batch()
+        batch = online.next_batch(exclude=exclude)
         self.served[ONLINE] += sum(item.length for item in batch)
         return batch
 
