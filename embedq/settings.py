@@ -281,6 +281,12 @@ class Settings(BaseSettings):
         description="Producers: the identity a Client puts on every job it sends (message header embedq_client), "
         "what a worker shares its model time out by between clients; default <hostname>:<pid>.",
     )
+    online_overflow_texts: int = Field(
+        default=24576, ge=0,
+        description="Workers: texts of online jobs a worker may hold beyond prefetch_texts, so that a small online "
+        "job queued behind one client's flood reaches the worker, whose fair share runs it in the next "
+        "micro-batch (0: none; bulk jobs never use it).",
+    )
     # -- admission (issue 50)
     online_max_wait: float = Field(
         default=2.0, ge=0, description="Seconds an online job may be expected to wait before it starts (the texts "

@@ -83,7 +83,7 @@ def test_worker_window_in_texts(redis_server, tmp_path, corpus):
     from tests.conftest import gated_handle
 
     queue = "embedq.test.window"
-    settings = Settings(broker_url=redis_server.url, queue=queue, prefetch_texts=300)
+    settings = Settings(broker_url=redis_server.url, queue=queue, prefetch_texts=300, online_overflow_texts=0)
     worker = gated_handle(settings, tmp_path / "worker.log")  # its gate holds the model back: see below
     r = redis.Redis.from_url(redis_server.url)
     try:

@@ -208,6 +208,20 @@ def test_the_prefetch_window_keeps_a_share_for_online_jobs():
     assert w.admits(bulk=True) and w.admits(bulk=False)  # (the transport asks the online queue first)
 
 
+def test_online_jobs_may_overflow_the_text_window_by_a_bound_and_bulk_jobs_never():
+    w = PrefetchWindow(max_messages=100, max_texts=1000, online_overflow=500)
+    for _ in range(10):
+        w.received(100)  # the window's texts are full
+    assert not w.admits(bulk=True) and w.fetch_room(bulk=True, most=10) == 0
+    assert w.admits(bulk=False) and w.fetch_room(bulk=False, most=10) == 5
+    assert w.limit() == 10 + 90  # the channel may deliver what the overflow has room for
+    for _ in range(5):
+        w.received(100)
+    assert not w.admits(bulk=False) and w.limit() == w.messages == 15  # the overflow is a hard bound too
+    with pytest.raises(ValueError):
+        PrefetchWindow(max_messages=1, max_texts=1, online_overflow=-1)
+
+
 def test_window_reserve_is_validated():
     with pytest.raises(ValueError):
         PrefetchWindow(max_messages=1, max_texts=1, online_reserve=1.0)

@@ -21,6 +21,9 @@ of one class, bulk batches always take the full ``max_tokens`` (their efficient 
 never lengthened with bulk items. The bulk share still holds: while bulk is owed its share, no online batch
 is handed out for a preemption and the next batch is bulk's.
 
+Within each class the model's time is shared between clients (:class:`~embedq.batching.fair.FairScheduler`,
+issue 50): a caller's one-text job is not held behind another caller's flood, nor one indexer behind another.
+
 :class:`Deadlines` orders buffered jobs by deadline so expired ones are dropped before they cost compute.
 Pure logic: no Celery, Redis or torch; the clock is injected.
 """
@@ -29,11 +32,11 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from typing import Any, Literal
 
+from embedq.batching.fair import FairScheduler
 from embedq.batching.items import Item
-from embedq.batching.scheduler import Scheduler
 
 TrafficClass = Literal["online", "bulk"]
 ONLINE: TrafficClass = "online"
@@ -56,8 +59,8 @@ class TrafficScheduler:
         self.bulk_share = bulk_share
         self.online_hold = online_hold
         self.clock = clock
-        self.classes: dict[TrafficClass, Scheduler] = {
-            name: Scheduler(max_tokens=max_tokens, max_items=max_items, padded=padded) for name in TRAFFIC_CLASSES}
+        self.classes: dict[TrafficClass, FairScheduler] = {
+            name: FairScheduler(max_tokens=max_tokens, max_items=max_items, padded=padded) for name in TRAFFIC_CLASSES}
         self.served: dict[TrafficClass, int] = dict.fromkeys(TRAFFIC_CLASSES, 0)
         self._last_online = float("-inf")
         #: bulk batches can be interrupted between layers: one class per batch, bulk at the full budget
@@ -69,15 +72,20 @@ class TrafficScheduler:
     def waiting(self, traffic_class: TrafficClass) -> int:
         return len(self.classes[traffic_class])
 
-    def add(self, key: Hashable, length: int, traffic_class: TrafficClass = ONLINE) -> Item:
-        if traffic_class == ONLINE:
-            self._last_online = self.clock()
-        return self.classes[traffic_class].add(key, length)
+    def waiting_by_client(self, traffic_class: TrafficClass) -> dict[str, int]:
+        """Items of this class waiting, per client (round-robin order: the first starts the next batch)."""
+        return self.classes[traffic_class].waiting_by_client()
 
-    def add_many(self, pairs: Iterable[tuple[Hashable, int]], traffic_class: TrafficClass = ONLINE) -> None:
+    def add(self, key: Hashable, length: int, traffic_class: TrafficClass = ONLINE, client: str = "") -> Item:
         if traffic_class == ONLINE:
             self._last_online = self.clock()
-        self.classes[traffic_class].add_many(pairs)
+        return self.classes[traffic_class].add(key, length, client)
+
+    def add_many(self, pairs: Iterable[tuple[Hashable, int]], traffic_class: TrafficClass = ONLINE,
+                 client: str = "") -> None:
+        if traffic_class == ONLINE:
+            self._last_online = self.clock()
+        self.classes[traffic_class].add_many(pairs, client)
 
     def discard(self, keys: Iterable[Hashable]) -> int:
         keys = list(keys)
@@ -97,13 +105,14 @@ class TrafficScheduler:
         total = self.served[ONLINE] + self.served[BULK]
         return bool(total) and self.served[BULK] < self.bulk_share * total
 
-    def next_online_batch(self) -> list[Item]:
-        """A micro-batch of online items alone, to run between two layers of a running bulk batch (counted as
-        contention); empty when no online item waits or bulk is owed its share."""
+    def next_online_batch(self, exclude: Collection[str] = ()) -> list[Item]:
+        """A micro-batch of online items alone, to run between two layers of a running batch (counted as
+        contention); empty when no online item waits or bulk is owed its share. ``exclude``: the clients of a
+        running online batch (their items wait for it; only other clients' items preempt it)."""
         online = self.classes[ONLINE]
         if not online or self.bulk_owed():
             return []
-        batch = online.next_batch()
+        batch = online.next_batch(exclude=exclude)
         self.served[ONLINE] += sum(item.length for item in batch)
         return batch
 

@@ -10,6 +10,12 @@ done. The worker turns :meth:`PrefetchWindow.limit` into the channel's prefetch 
 With traffic classes, a share of the window (``online_reserve``) is kept for online jobs: bulk jobs may
 fill the rest, so a saturating bulk run never leaves an online job waiting in Redis for room. The
 worker's transport asks :meth:`PrefetchWindow.admits` which queues to fetch from, online first.
+
+Online jobs may also go past ``max_texts``, by up to ``online_overflow`` texts (issue 50): a small online job that
+waits in Redis behind one client's flood is then fetched, and the worker's fair scheduler puts its texts in the
+next micro-batch, instead of leaving it in the queue until the flood's jobs are done. The overflow is a hard bound
+like the rest (what reaches past it waits in Redis); what keeps a queue from holding more than that is admission
+at the producers.
 """
 
 from __future__ import annotations
@@ -22,13 +28,17 @@ SIZE_FADE = 0.98
 class PrefetchWindow:
     """Texts and messages held by a worker; not thread-safe (the consumer thread owns it)."""
 
-    def __init__(self, *, max_messages: int, max_texts: int, online_reserve: float = 0.0) -> None:
+    def __init__(self, *, max_messages: int, max_texts: int, online_reserve: float = 0.0,
+                 online_overflow: int = 0) -> None:
         if max_messages < 1 or max_texts < 1:
             raise ValueError("max_messages and max_texts must be positive")
+        if online_overflow < 0:
+            raise ValueError("online_overflow must not be negative")
         if not 0.0 <= online_reserve < 1.0:
             raise ValueError("online_reserve must be at least 0 and less than 1")
         self.max_messages = max_messages
         self.max_texts = max_texts
+        self.online_texts = max_texts + online_overflow  # what online jobs may fill
         # What bulk jobs may hold at most (at least one message, so bulk always makes progress).
         self.bulk_messages = max(int(max_messages * (1 - online_reserve)), 1)
         self.bulk_texts = max(int(max_texts * (1 - online_reserve)), 1)
@@ -59,11 +69,14 @@ class PrefetchWindow:
             self.bulk_held[1] = max(self.bulk_held[1] - max(texts, 1), 0)
 
     def admits(self, *, bulk: bool) -> bool:
-        """May one more job of this class be fetched now? Online may use the whole window; bulk only
-        its share (counting the bulk jobs held)."""
-        if self.messages >= self.max_messages or self.texts >= self.max_texts:
+        """May one more job of this class be fetched now? Online may use the whole window and its overflow; bulk
+        only its share of the window (counting the bulk jobs held)."""
+        if self.messages >= self.max_messages:
             return False
-        return not bulk or (self.bulk_held[0] < self.bulk_messages and self.bulk_held[1] < self.bulk_texts)
+        if not bulk:
+            return self.texts < self.online_texts
+        return (self.texts < self.max_texts and self.bulk_held[0] < self.bulk_messages
+                and self.bulk_held[1] < self.bulk_texts)
 
     def fetch_room(self, *, bulk: bool, most: int) -> int:
         """How many messages of this class one fetch may take at once now (at most ``most``): the messages the
@@ -72,8 +85,9 @@ class PrefetchWindow:
         no (see ``workers/transport.py``), so the window's bounds hold whatever the messages hold."""
         if not self.admits(bulk=bulk):
             return 0
-        messages, texts = self.max_messages - self.messages, self.max_texts - self.texts
+        messages, texts = self.max_messages - self.messages, self.online_texts - self.texts
         if bulk:
+            texts = self.max_texts - self.texts
             messages = min(messages, self.bulk_messages - self.bulk_held[0])
             texts = min(texts, self.bulk_texts - self.bulk_held[1])
         return max(min(most, messages, int(texts / self._large[bulk])), 1)
@@ -81,9 +95,9 @@ class PrefetchWindow:
     def limit(self) -> int:
         """The prefetch count to apply now: messages held plus those that may still come (≥ 1).
 
-        Each new message brings at least one text, so ``max_texts - texts`` more may come; while the
-        text budget is spent, the limit equals what is held and nothing new is delivered. A message
+        Each new message brings at least one text, so ``max_texts - texts`` more may come (plus the online
+        overflow); while the text budget is spent, the limit equals what is held and nothing new is delivered. A message
         can overshoot the text budget by its own size less one (bounded by the texts-per-job cap).
         """
-        room = min(self.max_messages - self.messages, self.max_texts - self.texts)
+        room = min(self.max_messages - self.messages, self.online_texts - self.texts)
         return max(self.messages + max(room, 0), 1)

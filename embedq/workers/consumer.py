@@ -224,7 +224,8 @@ class Worker(Messages, Acks, Stopping):
         Req = create_request_cls(symbol_by_name(task.Request), task, consumer.pool, hostname, eventer, app=app)
         if self.window is None:
             self.window = PrefetchWindow(max_messages=settings.prefetch_window, max_texts=settings.prefetch_texts,
-                                         online_reserve=settings.online_reserve)
+                                         online_reserve=settings.online_reserve,
+                                         online_overflow=settings.online_overflow_texts)
         if self.ledger is None:
             self.ledger = Ledger(task.backend, max_attempts=settings.max_attempts)
         if self.cancels is None and settings.broker_url:

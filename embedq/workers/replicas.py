@@ -81,7 +81,8 @@ def replica_env(settings: Settings, index: int, count: int, cpus: int | None = N
            # The machine holds what one worker would: each replica a share of the prefetch window, so a burst is
            # spread over all of them (not taken whole by the first) and none finishes long after the others.
            "EMBEDQ_PREFETCH_TEXTS": str(max(1, settings.prefetch_texts // count)),
-           "EMBEDQ_PREFETCH_WINDOW": str(max(1, settings.prefetch_window // count))}
+           "EMBEDQ_PREFETCH_WINDOW": str(max(1, settings.prefetch_window // count)),
+           "EMBEDQ_ONLINE_OVERFLOW_TEXTS": str(settings.online_overflow_texts // count)}
     if settings.metrics_port and index:  # unset (None): nothing to pass, each replica picks a free default port
         env["EMBEDQ_METRICS_PORT"] = str(settings.metrics_port + METRICS_PORT_STEP * index)
     if settings.torch_threads is None and not settings.device.startswith("cuda"):

@@ -36,7 +36,7 @@ from typing import Any
 
 from embedq import errors
 from embedq.backends.base import Backend
-from embedq.batching import Scheduler
+from embedq.batching import Scheduler, batch_cost
 from embedq.batching.traffic import BULK, ONLINE, Deadlines, TrafficScheduler
 from embedq.settings import Settings
 from embedq.workers import memory
@@ -85,6 +85,7 @@ class EmbeddingService(MicroBatches):
                         self.info.model_id, self.preemption_blocker, self.scheduler.online_tokens)
         # The running bulk micro-batch (inference thread only): seconds paused so far, preemption points met.
         self._paused, self._layer = 0.0, 0
+        self._preempt_exclude: frozenset[str] = frozenset()  # clients of the running preemptible online batch
         # Liveness (read by the worker's watchdog, see health()): when the inference thread last showed progress,
         # and the jobs of the micro-batch(es) it has in the model now.
         self.beat = time.monotonic()
@@ -197,7 +198,8 @@ class EmbeddingService(MicroBatches):
                     # items then feed it like a length-sorted sweep (bench/peers.py: 4.0 % padding instead of 5.5 %
                     # on 32-text jobs). Order within a job changes nothing else: its result waits for all of them.
                     order = sorted(range(job.n_items), key=job.cost, reverse=True)
-                    self.scheduler.add_many([((job, i), job.cost(i)) for i in order], job.traffic_class)
+                    self.scheduler.add_many([((job, i), job.cost(i)) for i in order], job.traffic_class,
+                                            job.client)
                 if job.deadline is not None:
                     self.deadlines.add(job.deadline, job)
             self._cond.notify()
@@ -271,7 +273,7 @@ class EmbeddingService(MicroBatches):
                     self._run_alone(suspect)
                 elif batch is not None:
                     keys = [item.key for item in batch]
-                    flight = self._launch(keys, self.preemptive and all(j.traffic_class == BULK for j, _ in keys))
+                    flight = self._launch(keys, self._preemptible(batch))
                     if self.backend.launches_async:  # the last one lands now, this one after the next launch
                         flight, pending = pending, flight
                     if flight is not None:
@@ -288,6 +290,25 @@ class EmbeddingService(MicroBatches):
                     self._trimmer.after_batch()
                 else:
                     self._trimmer.idle()
+
+    def _preemptible(self, batch: list[Any]) -> bool:
+        """Whether online micro-batches may pause this one between two layers, and whose items they may hold (set
+        in ``_preempt_exclude``): a bulk batch, by anyone's; a large online batch (costing more than the online
+        budget: a short one is over before a pause would help), by clients with nothing in it (issue 50: a flood of
+        one client does not hold another's one-text job for a whole micro-batch)."""
+        self._preempt_exclude = frozenset()
+        if not self.preemptive:
+            return False
+        jobs = [job for job, _ in (item.key for item in batch)]
+        if all(job.traffic_class == BULK for job in jobs):
+            return True
+        if any(job.traffic_class == BULK for job in jobs):
+            return False
+        lengths = [item.length for item in batch]
+        if batch_cost(lengths, padded=self.backend.is_padded) <= self.scheduler.online_tokens:
+            return False
+        self._preempt_exclude = frozenset(job.client for job in jobs)
+        return True
 
     def _start(self, jobs: Any) -> list[Job]:
         """Under the lock: mark the jobs among ``jobs`` whose first micro-batch starts now; returns them."""
@@ -317,9 +338,13 @@ class EmbeddingService(MicroBatches):
         self._preempt()
 
     def _preempt(self) -> None:
-        """Inference thread, at a preemption point: if online items wait, run micro-batches of them to completion,
-        then return (the bulk batch goes on). Never raises into the model."""
+        """Inference thread, at a preemption point: if online items wait (of clients other than the running online
+        batch's), run micro-batches of them to completion, then return (the paused batch goes on). Never raises into
+        the model."""
         if not self.scheduler.waiting(ONLINE) or self._stopping:  # unlocked read: the common case costs nothing
+            return
+        exclude = self._preempt_exclude
+        if exclude and not self._others_wait(exclude):
             return
         t0 = time.perf_counter()
         ran = 0
@@ -329,7 +354,7 @@ class EmbeddingService(MicroBatches):
                     if self._stopping:
                         break
                     self._expire(time.monotonic())
-                    batch = self.scheduler.next_online_batch()
+                    batch = self.scheduler.next_online_batch(exclude)
                     if not batch:
                         break
                     starting = self._start(item.key[0] for item in batch)
@@ -341,12 +366,20 @@ class EmbeddingService(MicroBatches):
         if ran:
             paused = time.perf_counter() - t0
             self._paused += paused
-            log.info("bulk micro-batch paused at preemption point %d: %d online micro-batch(es) in %.1f ms",
-                     self._layer, ran, paused * 1e3)
+            log.info("%s micro-batch paused at preemption point %d: %d online micro-batch(es) in %.1f ms",
+                     "an online" if exclude else "a bulk", self._layer, ran, paused * 1e3)
             self.stats.add(preemptions=1, preempting_batches=ran)
             self.stats.time("bulk_paused_seconds", paused)
             if self.metrics is not None:
                 self.metrics.observe("preempt_seconds", paused)
+
+    def _others_wait(self, exclude: frozenset[str]) -> bool:
+        """Unlocked: do online items of clients outside ``exclude`` wait? (A read racing an arrival may say no: the
+        next preemption point sees it.)"""
+        try:
+            return any(client not in exclude for client in list(self.scheduler.classes[ONLINE].clients))
+        except RuntimeError:  # the order changed while it was read: the locked path decides
+            return True
 
     def _expire(self, now: float) -> None:
         """Under the lock: fail every buffered job whose deadline has passed and that has not started."""

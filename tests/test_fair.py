@@ -1,0 +1,166 @@
+"""Fair share between clients as pure logic (issue 50): :class:`~embedq.batching.fair.FairScheduler` against the
+plain :class:`~embedq.batching.Scheduler` it must equal with one client, and its promises with several: no client
+starves, a one-item client lands in the very next micro-batch, shares are even, every item runs exactly once."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embedq.batching import Scheduler, batch_cost
+from embedq.batching.fair import FairScheduler
+from embedq.batching.traffic import BULK, ONLINE, TrafficScheduler
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 400), min_size=1, max_size=200), max_tokens=st.integers(1, 2048),
+       max_items=st.integers(1, 64), padded=st.booleans(), data=st.data())
+def test_one_client_batches_exactly_as_the_plain_scheduler(lengths, max_tokens, max_items, padded, data):
+    plain = Scheduler(max_tokens=max_tokens, max_items=max_items, padded=padded)
+    fair = FairScheduler(max_tokens=max_tokens, max_items=max_items, padded=padded)
+    other = Scheduler(max_tokens=max_tokens, max_items=max_items, padded=padded)  # fill()'s starting batches
+    pending = list(enumerate(lengths))
+    while pending or len(plain):
+        action = data.draw(st.sampled_from(["add", "batch", "fill", "discard"]))
+        if action == "add" and pending:
+            count = data.draw(st.integers(1, 20))
+            plain.add_many(pending[:count])
+            fair.add_many(pending[:count], "only")
+            pending = pending[count:]
+        elif action == "discard" and len(plain):
+            victim = data.draw(st.sampled_from([key for key, _ in enumerate(lengths)]))
+            assert plain.discard([victim]) == fair.discard([victim])
+        elif action == "fill" and len(plain):
+            n = data.draw(st.integers(1, 400))
+            other.add(("o", len(pending), n, data.draw(st.integers())), n)
+            start = other.next_batch()
+            a, b = list(start), list(start)
+            assert [i.key for i in plain.fill(a)] == [i.key for i in fair.fill(b)]
+        else:
+            budget = data.draw(st.none() | st.integers(1, max_tokens))
+            assert [i.key for i in plain.next_batch(max_tokens=budget)] == [
+                i.key for i in fair.next_batch(max_tokens=budget)]
+        assert len(plain) == len(fair)
+    assert fair.next_batch() == [] and not fair.clients
+
+
+def _flood(s: FairScheduler, client: str, lengths: list[int]) -> None:
+    s.add_many([((client, i), n) for i, n in enumerate(lengths)], client)
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**32), max_tokens=st.integers(64, 4096), max_items=st.integers(2, 64),
+       padded=st.booleans(), new_length=st.integers(1, 512), taken=st.integers(0, 5))
+def test_a_one_item_client_lands_in_the_very_next_batch(seed, max_tokens, max_items, padded, new_length, taken):
+    rng = random.Random(seed)
+    s = FairScheduler(max_tokens=max_tokens, max_items=max_items, padded=padded)
+    _flood(s, "a", [rng.randint(5, 400) for _ in range(2000)])
+    _flood(s, "c", [rng.randint(5, 400) for _ in range(500)])
+    for _ in range(taken):
+        s.next_batch()
+    s.add("b's text", new_length, "b")
+    assert "b's text" in [item.key for item in s.next_batch()]
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**32), clients=st.integers(2, 8), max_tokens=st.integers(32, 4096),
+       max_items=st.integers(8, 64), padded=st.booleans())
+def test_no_client_waits_more_batches_than_there_are_clients(seed, clients, max_tokens, max_items, padded):
+    rng = random.Random(seed)
+    s = FairScheduler(max_tokens=max_tokens, max_items=max_items, padded=padded)
+    for c in range(clients):
+        _flood(s, f"c{c}", [rng.randint(1, 600) for _ in range(300)])
+    since = dict.fromkeys(s.clients, 0)  # batches since each client last had an item in one
+    while len(s):
+        batch = s.next_batch()
+        assert batch and len(batch) <= max_items
+        assert batch_cost([i.length for i in batch], padded=padded) <= max_tokens or len(batch) == 1
+        served = {item.key[0] for item in batch}
+        for client in since:
+            since[client] = 0 if client in served else since[client] + 1
+            assert since[client] < clients or client not in s.clients
+
+
+@pytest.mark.parametrize("padded", [True, False])
+@pytest.mark.parametrize("clients", [2, 3, 5])
+def test_clients_that_flood_alike_get_even_shares(padded, clients):
+    rng = random.Random(clients)
+    s = FairScheduler(max_tokens=2048, max_items=256, padded=padded)
+    for c in range(clients):
+        _flood(s, f"c{c}", [rng.randint(5, 120) for _ in range(20_000)])
+    tokens = dict.fromkeys(s.clients, 0)
+    for _ in range(300):
+        for item in s.next_batch():
+            tokens[item.key[0]] += item.length
+    mean = sum(tokens.values()) / clients
+    assert all(abs(t - mean) <= 0.1 * mean for t in tokens.values()), tokens
+
+
+def test_a_flood_leaves_a_small_client_its_share_and_fills_the_rest():
+    """One client with 20,480 texts, another with one: the small one's text runs in the next batch, and the batch is
+    still full (the share never idles the model)."""
+    s = FairScheduler(max_tokens=2048, max_items=256)
+    _flood(s, "a", [32] * 20_480)
+    first = s.next_batch()
+    assert len(first) == 64  # a alone: its own full batch
+    s.add("b", 20, "b")
+    batch = s.next_batch()
+    assert batch[0].key == "b" and len(batch) == 64  # b first, a fills the budget
+    assert list(s.clients) == ["a"]  # b had nothing left: dropped
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths=st.lists(st.tuples(st.integers(0, 4), st.integers(1, 300)), min_size=1, max_size=200),
+       max_tokens=st.integers(1, 2048), max_items=st.integers(1, 64), data=st.data())
+def test_every_item_of_every_client_runs_exactly_once(lengths, max_tokens, max_items, data):
+    s = FairScheduler(max_tokens=max_tokens, max_items=max_items)
+    pending = [(key, client, n) for key, (client, n) in enumerate(lengths)]
+    live: set[int] = set()
+    dropped: set[int] = set()
+    ran: list[int] = []
+    while pending or live:
+        action = data.draw(st.sampled_from(["add", "batch", "discard"]))
+        if action == "add" and pending:
+            for key, client, n in pending[:data.draw(st.integers(1, 10))]:
+                s.add(key, n, f"c{client}")
+                live.add(key)
+                pending.pop(0)
+        elif action == "discard" and live:
+            victim = data.draw(st.sampled_from(sorted(live)))
+            assert s.discard([victim, "not-buffered"]) == 1
+            live.discard(victim)
+            dropped.add(victim)
+        elif live:
+            batch = s.next_batch()
+            assert batch and len(batch) <= max_items
+            assert batch_cost([i.length for i in batch]) <= max_tokens or len(batch) == 1
+            live.difference_update(i.key for i in batch)
+            ran.extend(i.key for i in batch)
+        assert len(s) == len(live) == sum(s.waiting_by_client().values())
+        with pytest.raises(KeyError):
+            if live:
+                s.add(min(live), 1, "another client")
+                raise AssertionError("a buffered key was added again")
+            raise KeyError
+    assert s.next_batch() == [] and not s.clients
+    assert len(ran) == len(set(ran)) and not dropped & set(ran)
+    assert sorted(ran + sorted(dropped)) == list(range(len(lengths)))
+
+
+def test_the_traffic_classes_share_each_class_between_its_clients():
+    """Within each class a newcomer's item comes first: online between callers, bulk between indexers."""
+    s = TrafficScheduler(max_tokens=1024, max_items=64, online_tokens=256, bulk_share=0.0)
+    s.add_many([(("a", i), 16) for i in range(1000)], ONLINE, client="a")
+    s.add_many([(("x", i), 16) for i in range(1000)], BULK, client="indexer-x")
+    s.next_batch()
+    s.add(("b", 0), 16, ONLINE, client="b")
+    assert s.next_batch()[0].key == ("b", 0)
+    assert s.waiting_by_client(ONLINE) == {"a": 1000 - 64 - 63}
+    bulk = TrafficScheduler(max_tokens=1024, max_items=64)
+    bulk.add_many([(("x", i), 16) for i in range(1000)], BULK, client="indexer-x")
+    bulk.next_batch()
+    bulk.add(("y", 0), 16, BULK, client="indexer-y")
+    assert bulk.next_batch()[0].key == ("y", 0)
