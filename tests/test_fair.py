@@ -164,3 +164,21 @@ def test_the_traffic_classes_share_each_class_between_its_clients():
     bulk.next_batch()
     bulk.add(("y", 0), 16, BULK, client="indexer-y")
     assert bulk.next_batch()[0].key == ("y", 0)
+
+
+def test_another_online_client_is_seen_while_it_waits_or_sent_within_the_hold():
+    """A large online micro-batch is made preemptible only while another client is about (service._preemptible):
+    one client alone keeps the unlayered runtime."""
+    now = [0.0]
+    s = TrafficScheduler(max_tokens=64, max_items=8, online_hold=1.0, clock=lambda: now[0])
+    s.add("a1", 8, ONLINE, "a")
+    assert not s.other_online_clients(frozenset({"a"}))
+    s.add("b1", 8, ONLINE, "b")
+    assert s.other_online_clients(frozenset({"a"}))
+    s.discard(["b1"])
+    now[0] = 0.5  # b has nothing waiting, but sent within the hold
+    assert s.other_online_clients(frozenset({"a"}))
+    now[0] = 1.6
+    assert not s.other_online_clients(frozenset({"a"}))
+    s.add("c1", 8, BULK, "c")  # bulk clients do not count
+    assert not s.other_online_clients(frozenset({"a"}))

@@ -42,6 +42,8 @@ TrafficClass = Literal["online", "bulk"]
 ONLINE: TrafficClass = "online"
 BULK: TrafficClass = "bulk"
 TRAFFIC_CLASSES: tuple[TrafficClass, ...] = (ONLINE, BULK)
+#: Online clients remembered by when they last sent (see TrafficScheduler.other_online_clients) before stale ones go.
+SEEN_LIMIT = 1024
 
 
 class TrafficScheduler:
@@ -63,6 +65,8 @@ class TrafficScheduler:
             name: FairScheduler(max_tokens=max_tokens, max_items=max_items, padded=padded) for name in TRAFFIC_CLASSES}
         self.served: dict[TrafficClass, int] = dict.fromkeys(TRAFFIC_CLASSES, 0)
         self._last_online = float("-inf")
+        #: online client -> when it last added an item (bounded: stale entries are dropped past SEEN_LIMIT)
+        self._online_seen: dict[str, float] = {}
         #: bulk batches can be interrupted between layers: one class per batch, bulk at the full budget
         self.preemptive = False
 
@@ -78,14 +82,32 @@ class TrafficScheduler:
 
     def add(self, key: Hashable, length: int, traffic_class: TrafficClass = ONLINE, client: str = "") -> Item:
         if traffic_class == ONLINE:
-            self._last_online = self.clock()
+            self._saw_online(client)
         return self.classes[traffic_class].add(key, length, client)
 
     def add_many(self, pairs: Iterable[tuple[Hashable, int]], traffic_class: TrafficClass = ONLINE,
                  client: str = "") -> None:
         if traffic_class == ONLINE:
-            self._last_online = self.clock()
+            self._saw_online(client)
         self.classes[traffic_class].add_many(pairs, client)
+
+    def _saw_online(self, client: str) -> None:
+        now = self._last_online = self.clock()
+        seen = self._online_seen
+        seen[client] = now
+        if len(seen) > SEEN_LIMIT:  # many clients: forget those not seen within online_hold
+            for name in [name for name, at in seen.items() if now - at >= self.online_hold]:
+                del seen[name]
+
+    def other_online_clients(self, clients: frozenset[str]) -> bool:
+        """Whether an online client outside ``clients`` has work waiting, or added some within ``online_hold``
+        seconds: a large online micro-batch of ``clients`` is then worth making preemptible (issue 50), at the cost
+        of the runtime a layered run takes; with one client alone it runs as before."""
+        if any(client not in clients for client in list(self.classes[ONLINE].clients)):
+            return True
+        now = self.clock()
+        return any(now - at < self.online_hold for name, at in list(self._online_seen.items())
+                   if name not in clients)
 
     def discard(self, keys: Iterable[Hashable]) -> int:
         keys = list(keys)

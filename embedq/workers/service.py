@@ -294,8 +294,9 @@ class EmbeddingService(MicroBatches):
     def _preemptible(self, batch: list[Any]) -> bool:
         """Whether online micro-batches may pause this one between two layers, and whose items they may hold (set
         in ``_preempt_exclude``): a bulk batch, by anyone's; a large online batch (costing more than the online
-        budget: a short one is over before a pause would help), by clients with nothing in it (issue 50: a flood of
-        one client does not hold another's one-text job for a whole micro-batch)."""
+        budget: a short one is over before a pause would help), by clients with nothing in it, while another client has
+        online work waiting or sent some within ``online_hold`` (issue 50: a flood of one client does not hold
+        another's one-text job for a whole micro-batch; one client alone keeps the faster unlayered runtime)."""
         self._preempt_exclude = frozenset()
         if not self.preemptive:
             return False
@@ -307,7 +308,10 @@ class EmbeddingService(MicroBatches):
         lengths = [item.length for item in batch]
         if batch_cost(lengths, padded=self.backend.is_padded) <= self.scheduler.online_tokens:
             return False
-        self._preempt_exclude = frozenset(job.client for job in jobs)
+        clients = frozenset(job.client for job in jobs)
+        if not self.scheduler.other_online_clients(clients):  # one client alone: nobody to let in, keep its runtime
+            return False
+        self._preempt_exclude = clients
         return True
 
     def _start(self, jobs: Any) -> list[Job]:
