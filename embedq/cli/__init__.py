@@ -291,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "that scale up from zero (default 10)")
     i.add_argument("--overwrite", action="store_true", help="delete an existing output and start afresh")
     i.add_argument("--errors", metavar="FILE", help="where the failed records go (default: OUTPUT.errors.jsonl "
-                   "beside a file output; TABLE.errors.jsonl in the current folder for a database)")
+                   "beside a file output; for a database, in the current folder, named after the table and a hash "
+                   "of the URL)")
     i.add_argument("--build-index", action="store_true", help="a database output: build its ANN index (pgvector: HNSW; "
                    "LanceDB: IVF_HNSW_SQ; cosine) after the load; its time is reported on its own line")
     i.add_argument("--store-text", action="store_true", help="a database output: store each text beside its vectors")
