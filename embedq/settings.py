@@ -168,6 +168,8 @@ class Settings(BaseSettings):
     flower_basic_auth: SecretStr | None = Field(
         default=None, description="user:password[,user:password] for `embedq flower` (HTTP basic auth).",
     )
+    flower_address: str = Field(default="127.0.0.1", description="Address `embedq flower` listens on (its "
+                                "--address wins); any but a loopback address needs flower_basic_auth.")
     api_key: SecretStr | None = Field(
         default=None, description="`embedq serve`: every route but /health, /ping, /metrics, /docs and /redoc then "
         "needs `Authorization: Bearer <key>` (exact match).",

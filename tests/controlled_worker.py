@@ -8,7 +8,8 @@ nothing else differs from ``python -m embedq worker``.
   no ``except Exception`` catches, so the inference thread dies there (as a bug in the service's own bookkeeping
   would kill it); with ``EMBEDQ_TEST_FAULT=stall`` it blocks in the model for good (a hung kernel).
   tests/faults/test_liveness.py: the worker notices, hands the other messages back and exits.
-- Gate: while the Redis key named by ``EMBEDQ_TEST_GATE`` exists, no micro-batch starts; the worker goes on
+- Gate: while the Redis key named by ``EMBEDQ_TEST_GATE`` exists, no micro-batch starts (none at all: a batch, a
+  crash suspect's run alone, an online batch at a preemption point; the service's ``_before_pick``); the worker goes on
   receiving and buffering jobs up to its prefetch window, as it would behind a long micro-batch. Tests of
   coalescing and of the window so control what is buffered when the model runs, whatever the speed of the
   machine, the model or the producer: they wait until the worker's counters show the jobs held, then delete the key.
@@ -40,7 +41,7 @@ class InjectedDeath(BaseException):
 HOLD_AT = 20  # of MiniLM's 54 points: inside the fourth of its six layers
 _prepare, _forward = model.ModelBackend.prepare, model.ModelBackend.forward
 _prepare_many = model.ModelBackend.prepare_many
-_between_layers, _init = EmbeddingService._between_layers, EmbeddingService.__init__
+_between_layers, _before_pick = EmbeddingService._between_layers, EmbeddingService._before_pick
 
 
 def _prepare_marked(self, kind, items, options):
@@ -85,19 +86,16 @@ def _between_layers_or_hold(self):
         time.sleep(0.005)
 
 
-def _init_gated(self, *args, **kwargs):
-    _init(self, *args, **kwargs)
+def _before_pick_gated(self):
+    # The service calls this under its lock before it picks any micro-batch: a batch, a crash suspect's run alone,
+    # an online batch at a preemption point. Waiting on its condition lets jobs arrive meanwhile.
+    _before_pick(self)
     key = os.environ.get("EMBEDQ_TEST_GATE")
     if not key:
         return
-    redis, next_batch = _redis(), self.scheduler.next_batch
-
-    def gated(*a, **kw):  # called under the service's lock: waiting on its condition lets jobs arrive meanwhile
-        while redis.exists(key) and not self._stopping:
-            self._cond.wait(0.01)
-        return next_batch(*a, **kw)
-
-    self.scheduler.next_batch = gated
+    redis = _redis()
+    while redis.exists(key) and not self._stopping:
+        self._cond.wait(0.01)
 
 
 @functools.cache
@@ -110,7 +108,7 @@ def _redis():  # one client for the process: the hold asks at every bulk micro-b
 model.ModelBackend.prepare, model.ModelBackend.forward = _prepare_marked, _forward_or_fail
 model.ModelBackend.prepare_many = _prepare_many_marked
 EmbeddingService._between_layers = _between_layers_or_hold
-EmbeddingService.__init__ = _init_gated
+EmbeddingService._before_pick = _before_pick_gated
 
 if __name__ == "__main__":
     sys.exit(main(["worker"]))

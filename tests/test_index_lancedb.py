@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -227,6 +228,24 @@ def test_d_bad_targets_are_refused_before_any_text_is_embedded(worker, corpus, t
     assert items_received(worker) - before <= probe  # no text of the input was sent (at most the one-text probe)
     assert {t: _state(db, t) for t in states} == states
     assert not (tmp_path / "missing").exists() and not Path("/proc/embedq-db").exists()
+
+
+@pytest.mark.parametrize("table", ["..", ".", "a" * 129, "a%20b"])
+def test_d_an_invalid_table_name_is_refused_before_anything_is_sent(redis_server, tmp_path, table):
+    """Issue 50 item 6: a table name LanceDB cannot take is an invalid target (exit 2, named), not an [unavailable]
+    '... run again' after a batch was embedded. No worker is needed to show that no job was sent: none listens, and
+    --wait-for-worker 0 would make a run that got past the check stop on that instead."""
+    import redis
+
+    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.lancenames.{uuid.uuid4().hex[:8]}")
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, ["one text", "another text"])
+    db = tmp_path / "db"
+    code, _, out = run(settings, src, _url(db, table), "--wait-for-worker", "0", cwd=tmp_path)
+    assert code == 2 and "invalid table name" in out and "[unavailable]" not in out, out
+    assert "Traceback" not in out
+    assert not redis.Redis.from_url(redis_server.url).exists(settings.queue_name, settings.bulk_queue_name)
+    assert not db.exists() and not list(tmp_path.glob("*.lock")) and not list(tmp_path.glob("*.errors.jsonl"))
 
 
 def test_d_a_missing_extra_names_it(worker, tmp_path):

@@ -279,7 +279,9 @@ def test_b_bge_m3_into_milvus_is_dense_and_lexical_equal_to_the_client(redis_ser
         assert code == (1 if empty else 0) and summary["rows"] == len(texts) - len(empty), out
         assert summary["failed"] == len(empty) and len(empty) < len(texts) // 2
         if empty:
-            errors = [json.loads(line) for line in (tmp_path / "m3.errors.jsonl").read_text().splitlines()]
+            errors_file = Path(summary["errors_file"])  # in the current folder, named after the collection
+            assert errors_file.parent == tmp_path and errors_file.name.startswith("m3."), errors_file
+            errors = [json.loads(line) for line in errors_file.read_text().splitlines()]
             assert sorted(e["id"] for e in errors) == sorted(empty)
             assert all("Milvus refuses an empty sparse vector" in e["message"] for e in errors), errors
         assert summary["notes"] == [f"colbert is not written to {_lite(db, 'm3')}: Milvus has no field for a list "
@@ -321,7 +323,9 @@ def test_store_text_and_a_row_milvus_refuses_goes_to_the_errors_file(worker, tmp
     code, summary, out = run(worker.settings, src, _lite(db, "docs"), "--store-text", cwd=tmp_path)
     assert code == 1 and summary["rows"] == 2 and summary["failed"] == 1, out
     assert summary["failures_by_code"] == {"invalid_record": 1}
-    [error] = [json.loads(line) for line in (tmp_path / "docs.errors.jsonl").read_text().splitlines()]
+    errors_file = Path(summary["errors_file"])  # in the current folder, named after the collection
+    assert errors_file.parent == tmp_path and errors_file.name.startswith("docs."), errors_file
+    [error] = [json.loads(line) for line in errors_file.read_text().splitlines()]
     assert error["id"] == ids[1] and "over 65,535 bytes" in error["message"], error
     rows = {r["id"]: r["text"] for r in _all(str(db), "docs", ["id", "text"])}
     assert rows == {ids[0]: texts[0], ids[2]: texts[2]}

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import sys
 import time
+import uuid
 from pathlib import Path
+from urllib.parse import quote
 
 import numpy as np
 import pytest
@@ -196,6 +198,52 @@ def test_d_bad_targets_are_refused_before_any_text_is_embedded(worker, pg, corpu
         assert _rows(conn, "other_schema") == 0 and _rows(conn, "dim768") == 0 and _rows(conn, "foreign_rows") == 1
 
 
+READER_PASSWORD = "reader-pw-7a1c"
+#: name -> (the table= value, URL-quoted where it must be; libpq's extra parameters; what the refusal says)
+BAD_NAMES = {
+    "missing schema": ("nosuch.docs", "", "schema nosuch does not exist"),
+    "NUL in the name": ("do%00cs", "", "holds a control character"),
+    "a name over 63 bytes": (quote("é" * 32), "", "is 64 bytes; PostgreSQL keeps 63 bytes of a name"),
+    "a schema over 63 bytes": (f"{'s' * 64}.docs", "", "is 64 bytes; PostgreSQL keeps 63 bytes of a name"),
+    "pg_temp": ("pg_temp.docs", "", "is a session's temporary schema"),
+    "pg_temp_N": ("pg_temp_3.docs", "", "is a session's temporary schema"),
+    "no schema on the search_path": ("docs", "&options=-csearch_path%3Dnosuch", "no schema of the search_path"),
+    "no CREATE on the schema": ("locked.docs", "", "may not create tables in schema locked"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_NAMES))
+def test_d_bad_names_are_refused_before_anything_is_sent(redis_server, pg, tmp_path, case):
+    """Issue 50 item 6: every name is checked before any text is embedded (exit 2, the reason, no traceback): no
+    job reaches the broker (no worker is needed to show it: none listens, and --wait-for-worker 0 would make a run
+    that got past the check stop on that instead), and nothing is created in the database."""
+    import redis
+
+    table, params, says = BAD_NAMES[case]
+    with pg.connect() as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = 'reader'").fetchone():
+            conn.execute(f"CREATE ROLE reader LOGIN PASSWORD '{READER_PASSWORD}'")
+        conn.execute("CREATE SCHEMA IF NOT EXISTS locked")
+        conn.execute("GRANT USAGE ON SCHEMA locked TO reader")  # usage, not CREATE
+    user = f"reader:{READER_PASSWORD}" if case == "no CREATE on the schema" else f"postgres:{pg.PASSWORD}"
+    url = f"postgresql://{user}@127.0.0.1:{pg.port}/postgres?table={table}{params}"
+    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.pgnames.{uuid.uuid4().hex[:8]}")
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, ["one text", "another text"])
+    tables = "SELECT oid::regclass::text FROM pg_class WHERE relkind = 'r' ORDER BY 1"
+    with pg.connect() as conn:
+        before = conn.execute(tables).fetchall()
+    code, _, out = run(settings, src, url, "--wait-for-worker", "0", cwd=tmp_path)
+    assert code == 2 and says in out, out
+    assert "Traceback" not in out and pg.PASSWORD not in out and READER_PASSWORD not in out
+    broker = redis.Redis.from_url(redis_server.url)
+    assert not broker.exists(settings.queue_name, settings.bulk_queue_name), "a job was sent"
+    with pg.connect() as conn:
+        assert conn.execute(tables).fetchall() == before
+    assert not list(tmp_path.glob("*.errors.jsonl"))
+
+
 def test_d_a_missing_extra_names_it(worker, pg, tmp_path):
     """psycopg made unimportable in the CLI's own process: the run is refused naming the extra."""
     proc = run_without("psycopg", worker.settings, pg.url(table="t"), tmp_path)
@@ -204,23 +252,28 @@ def test_d_a_missing_extra_names_it(worker, pg, tmp_path):
 
 
 def test_store_text_and_the_errors_file_of_a_database_output(worker, pg, corpus, tmp_path):
-    """--store-text keeps each text beside its vector; a failed record goes to TABLE.errors.jsonl in the current
-    folder; --overwrite replaces the table."""
+    """--store-text keeps each text beside its vector; a failed record goes to the errors file, in the current folder
+    whatever the table is called (a table named like an absolute path included: issue 50 item 6), under a name made
+    safe from the table's and a hash of the target; --overwrite replaces the table."""
     texts = [t for t in corpus if len(t) < 200][:20]
     src = tmp_path / "in.jsonl"
     ids = write_jsonl(src, texts)
     with src.open("a") as fh:
         fh.write(json.dumps({"id": "empty-1", "text": "   "}) + "\n")
-    url = pg.url(table="with_text")
+    table = "/embedq-test-outside/with_text"  # a legal PostgreSQL name (quoted); no path for the errors file
+    url = pg.url(table=table)
     for extra in ((), ("--overwrite",)):
         code, summary, out = run(worker.settings, src, url, "--store-text", *extra, cwd=tmp_path)
         assert code == 1 and summary["rows"] == 20 and summary["failed"] == 1, out
         assert summary["texts"] == 20  # --overwrite: the table was dropped, so every text was embedded again
-    errors_file = tmp_path / "with_text.errors.jsonl"
-    assert summary["errors_file"] == str(errors_file)
+    errors_file = Path(summary["errors_file"])
+    assert errors_file.parent == tmp_path and errors_file.name.endswith(".errors.jsonl"), errors_file
+    assert errors_file.name.startswith("_embedq-test-outside_with_text."), errors_file
     assert [json.loads(line)["id"] for line in errors_file.read_text().splitlines()] == ["empty-1"]
+    assert not Path("/embedq-test-outside").exists()
+    assert f"-> {errors_file}" in out  # the summary says where
     with pg.connect() as conn:
-        stored = dict(conn.execute("SELECT id, text FROM with_text").fetchall())
+        stored = dict(conn.execute(f'SELECT id, text FROM "{table}"').fetchall())
     assert stored == dict(zip(ids, texts))
 
 

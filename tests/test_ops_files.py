@@ -289,6 +289,7 @@ def test_compose_one_gpu_per_worker(compose: dict[str, Any]) -> None:
 def test_compose_flower_requires_auth_and_is_published(compose: dict[str, Any]) -> None:
     flower = compose["services"]["flower"]
     assert flower["command"][0] == "flower"
+    assert "--address=0.0.0.0" in flower["command"], "published: embedq flower listens on 127.0.0.1 by default"
     assert _env_dict(flower["environment"])["EMBEDQ_FLOWER_BASIC_AUTH"] == FLOWER_AUTH
     assert any(int(p["target"]) == 5555 and p.get("published") for p in flower["ports"])
     assert flower["image"] == compose["services"]["worker"]["image"]

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from embedq import errors
+from embedq.cli import flower
 from embedq.settings import Settings
 from embedq.version import __version__
 
@@ -198,28 +199,6 @@ def cmd_status(ns: argparse.Namespace, settings: Settings) -> int:
                        worker=ns.worker)
 
 
-def cmd_flower(ns: argparse.Namespace, settings: Settings, extra: list[str]) -> int:
-    import os
-
-    if not settings.broker_url:
-        print("embedq flower: set EMBEDQ_BROKER_URL (e.g. redis://127.0.0.1:6379/0)", file=sys.stderr)
-        return 2
-    try:
-        import flower  # noqa: F401
-    except ImportError:
-        print("embedq flower: Flower is not installed: pip install 'embedq[flower]'", file=sys.stderr)
-        return 2
-    from embedq.broker import make_app
-
-    auth = ns.basic_auth or (settings.flower_basic_auth.get_secret_value() if settings.flower_basic_auth else None)
-    if auth:  # through Flower's environment, not argv: a password on a command line is visible to every user
-        os.environ["FLOWER_BASIC_AUTH"] = auth
-    elif ns.address not in ("127.0.0.1", "localhost", "::1"):
-        print(f"embedq flower: warning: no --basic-auth, and listening on {ns.address}", file=sys.stderr)
-    argv = ["flower", f"--port={ns.port}", f"--address={ns.address}", *extra]
-    return make_app(settings).start(argv) or 0
-
-
 def cmd_serve(ns: argparse.Namespace, settings: Settings) -> int:
     if not settings.broker_url:
         print("embedq serve: set EMBEDQ_BROKER_URL (e.g. redis://127.0.0.1:6379/0)", file=sys.stderr)
@@ -312,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "that scale up from zero (default 10)")
     i.add_argument("--overwrite", action="store_true", help="delete an existing output and start afresh")
     i.add_argument("--errors", metavar="FILE", help="where the failed records go (default: OUTPUT.errors.jsonl "
-                   "beside a file output; TABLE.errors.jsonl in the current folder for a database)")
+                   "beside a file output; for a database, in the current folder, named after the table and a hash "
+                   "of the URL)")
     i.add_argument("--build-index", action="store_true", help="a database output: build its ANN index (pgvector: HNSW; "
                    "LanceDB: IVF_HNSW_SQ; cosine) after the load; its time is reported on its own line")
     i.add_argument("--store-text", action="store_true", help="a database output: store each text beside its vectors")
@@ -395,14 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uvicorn's HTTP parser (auto: httptools when installed)")
     g.set_defaults(func=cmd_serve)
 
-    f = sub.add_parser("flower", help="start Flower (Celery's web monitor) against the configured broker",
-                       description="Start Flower on the broker of EMBEDQ_BROKER_URL (TLS settings included). Other "
-                       "options are passed to Flower as they are (e.g. --max_tasks=50000 --persistent=True).")
-    f.add_argument("--port", type=int, default=5555)
-    f.add_argument("--address", default="0.0.0.0")
-    f.add_argument("--basic-auth", metavar="USER:PASSWORD[,USER:PASSWORD]",
-                   help="HTTP basic auth (EMBEDQ_FLOWER_BASIC_AUTH); prefer the variable, argv is visible to others")
-    f.set_defaults(func=cmd_flower, passthrough=True)
+    flower.add_parser(sub)
     return parser
 
 

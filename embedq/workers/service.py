@@ -258,6 +258,10 @@ class EmbeddingService(MicroBatches):
                     wake = self.deadlines.next_deadline(lambda job: job.done)
                     self._cond.wait(IDLE_WAIT if wake is None else min(max(wake - now, 0.0) + 0.001, IDLE_WAIT))
                 stopping = self._stopping
+                picks = pending is None if self._suspects else bool(len(self.scheduler))
+                if not stopping and picks:
+                    self._before_pick()
+                    stopping = self._stopping
                 if not stopping:
                     if self._suspects:
                         if pending is None:  # a suspect runs alone: nothing else in the model with it
@@ -314,6 +318,11 @@ class EmbeddingService(MicroBatches):
         self._preempt_exclude = clients
         return True
 
+    def _before_pick(self) -> None:
+        """Under the lock, before the inference thread picks what runs next (a micro-batch, a suspect to run alone,
+        an online micro-batch at a preemption point). Does nothing: a seam for tests (tests/controlled_worker.py's
+        gate waits here on ``_cond`` so that no micro-batch of any sort starts while it is closed)."""
+
     def _start(self, jobs: Any) -> list[Job]:
         """Under the lock: mark the jobs among ``jobs`` whose first micro-batch starts now; returns them."""
         now = time.monotonic()
@@ -358,6 +367,9 @@ class EmbeddingService(MicroBatches):
                     if self._stopping:
                         break
                     self._expire(time.monotonic())
+                    self._before_pick()
+                    if self._stopping:
+                        break
                     batch = self.scheduler.next_online_batch(exclude)
                     if not batch:
                         break

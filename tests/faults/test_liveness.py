@@ -89,9 +89,16 @@ def test_a_dead_inference_thread_stops_the_worker_and_only_its_batch_is_blamed(r
 
     # A second worker with the same fault: the poison job comes back as a suspect and runs alone (counted), and
     # takes this worker down too; the innocent jobs are still not blamed. Gated until it has answered as ready: it
-    # takes the waiting poison job at once and could die before its handle saw it up (seen once in CI).
+    # takes the waiting poison job at once and could die before its handle saw it up (seen once in CI). The gate
+    # holds a suspect's run alone too: the worker holds the poison job, alive, until the gate opens.
     with closed_gate(settings):
         second = _faulty(settings, tmp_path / "second.log", "die", gated=True)
+        try:
+            second.wait_until(lambda s: s["jobs_received"] >= 1, "the poison job received, held behind the gate")
+            assert second.proc.poll() is None and second.stats()["isolated_runs"] == 0, second.log()[-3000:]
+        except BaseException:
+            second.stop()
+            raise
     try:
         assert _exits(second) == EXIT_FAILED
         assert r.exists(ATTEMPTS_KEY.format(poison))

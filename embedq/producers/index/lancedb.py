@@ -52,12 +52,12 @@ from embedq import errors
 from embedq.producers.index.kinds import index_kind
 from embedq.producers.index.manifests import KeptRecord, Manifest, check_manifest, check_space, utc_now
 from embedq.producers.index.sinks import OutputLock, Sink
-from embedq.producers.index.targets import split_param
+from embedq.producers.index.targets import database_errors_path, split_param
 from embedq.protocol import Fingerprint
 
 MANIFEST_KEY = b"embedq.manifest"
 ROWS_PER_ADD = 65_536  # rows buffered before an append even between checkpoints (bounds this process's memory)
-_TABLE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # what LanceDB accepts as a table name
+_TABLE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")  # what LanceDB accepts as a table name (and a file name fits)
 
 
 def _lancedb() -> Any:
@@ -101,8 +101,15 @@ class Target:
         parts = urlsplit(rest)
         if not table:
             raise errors.InvalidOption(f"{url} names no table: add ?table=NAME")
-        if not _TABLE_NAME.match(table):
-            raise errors.InvalidOption(f"{url}: a LanceDB table name has only letters, digits, _, - and .")
+        if not _TABLE_NAME.match(table) or set(table) == {"."}:  # LanceDB reads . and .. as path segments
+            raise errors.InvalidOption(f"{url}: invalid table name {table[:40]!r}: a LanceDB table name has only "
+                                       "letters, digits, _, - and . (not . or .. alone), at most 128 of them")
+        try:  # and whatever else this LanceDB refuses, here rather than at the first commit
+            from lancedb.util import validate_table_name
+
+            validate_table_name(table)
+        except ValueError as exc:
+            raise errors.InvalidOption(f"{url}: invalid table name: {exc}") from None
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
             raise errors.InvalidOption(f"{url}: a LanceDB output is a local folder named by an absolute path, "
                                        "lancedb:///absolute/path/to/db?table=NAME (three slashes)")
@@ -123,7 +130,7 @@ class Target:
         return self.url
 
     def default_errors_path(self) -> Path:
-        return Path.cwd() / f"{self.table}.errors.jsonl"
+        return database_errors_path(self.table, self.describe())
 
     def check(self) -> None:
         """The folder reachable and writable, an existing table embedq's (or empty). Nothing is written."""

@@ -57,7 +57,7 @@ from embedq import errors
 from embedq.producers.index.kinds import index_kind
 from embedq.producers.index.manifests import KeptRecord, Manifest, check_manifest, check_space, utc_now
 from embedq.producers.index.sinks import OutputLock, Sink
-from embedq.producers.index.targets import mask_url, split_param
+from embedq.producers.index.targets import database_errors_path, mask_url, split_param
 from embedq.protocol import Fingerprint
 
 MANIFEST_KEY = "embedq.manifest"
@@ -137,7 +137,7 @@ class Target:
         return f"collection {self.collection} at {self.describe()}"
 
     def default_errors_path(self) -> Path:
-        return Path.cwd() / f"{self.collection}.errors.jsonl"
+        return database_errors_path(self.collection, self.describe())
 
     def refused_shapes(self) -> dict[str, str]:
         return REFUSED

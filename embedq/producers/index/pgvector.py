@@ -1,9 +1,10 @@
 """``embedq index -o postgresql://user@host:5432/db?table=docs``: PostgreSQL with the pgvector extension.
 
 The URL is libpq's (``postgres://`` too; its query parameters — ``sslmode``, ``connect_timeout``, ... — go to libpq);
-``table`` (``name`` or ``schema.name``) is embedq's and is taken out first. The password comes from the URL or libpq's
-environment (``PGPASSWORD``, ``~/.pgpass``, ``PGSERVICE``...) and is never shown: the summary and every message show
-the URL with ``***``.
+``table`` (``name`` or ``schema.name``) is embedq's and is taken out first; its names are checked before anything is
+embedded (``pgvector_names.py``: no NUL, none over 63 bytes, an existing schema that is not a session's temporary
+one). The password comes from the URL or libpq's environment (``PGPASSWORD``, ``~/.pgpass``, ``PGSERVICE``...) and
+is never shown: the summary and every message show the URL with ``***``.
 
 **The table** is created by the first commit, in that commit's transaction: ``id text primary key``, then one column
 per output of the kind, by its shape (``embedq/kinds.py`` :class:`~embedq.kinds.Column`; no kind is named here):
@@ -42,14 +43,20 @@ from embedq import errors
 from embedq.producers.index.idset import digest
 from embedq.producers.index.kinds import index_kind
 from embedq.producers.index.manifests import Manifest, check_manifest, check_space, utc_now
+from embedq.producers.index.pgvector_names import check_schema, index_name, split_table
 from embedq.producers.index.sinks import Sink
-from embedq.producers.index.targets import mask_url, split_param
+from embedq.producers.index.targets import database_errors_path, mask_url, split_param
 from embedq.protocol import Fingerprint
 
 MANIFEST_TABLE = "embedq_index"
 _COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack("!ii", 0, 0)
 _COPY_TRAILER = struct.pack("!h", -1)
 _AUTH_FAILED = re.compile(r"password authentication failed|no password supplied|authentication failed", re.I)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -73,6 +80,7 @@ class Target:
         if not table:
             raise errors.InvalidOption(f"{mask_url(url)} names no table: add ?table=NAME (or schema.name)")
         self.table = table
+        self.schema, self.name = split_table(table, mask_url(url))
         self.config = config
         self.conn: Any = None
         self.version: tuple[int, ...] = ()
@@ -84,21 +92,30 @@ class Target:
         return mask_url(self.url)
 
     def default_errors_path(self) -> Path:
-        return Path.cwd() / f"{self.table}.errors.jsonl"
+        return database_errors_path(self.table, self.describe())
 
     def ident(self) -> Any:
         from psycopg import sql
 
-        return sql.Identifier(*self.table.split(".", 1))
+        return sql.Identifier(*((self.schema, self.name) if self.schema is not None else (self.name,)))
 
     def check(self) -> None:
-        """Connect, find pgvector (created when missing and allowed), check that the kind's columns can be stored and
-        that an existing table is embedq's or empty. Nothing of the table is written."""
+        """Connect, find pgvector (created when missing and allowed), check the table's schema (it exists, is not
+        temporary, and this user may create the table there), that the kind's columns can be stored and that an
+        existing table is embedq's or empty. Nothing of the table is written."""
         if self._checked:
             return
-        self._connect()
-        self._plan_check()
-        self._load_manifest()
+        psycopg = _psycopg()
+        try:
+            self._connect()
+            self._plan_check()
+            self._load_manifest()
+            check_schema(self.conn, self.schema, where=self.describe(),
+                         creates=not self.table_exists or self.config.overwrite)
+        except psycopg.OperationalError as exc:
+            raise errors.Unavailable(f"{self.describe()}: {_first_line(exc)}") from None
+        except psycopg.Error as exc:  # a server's refusal, named: never a traceback
+            raise errors.InvalidOption(f"{self.describe()}: {_first_line(exc)}") from None
         self._checked = True
 
     def _connect(self) -> None:
@@ -230,7 +247,7 @@ class Target:
         t0 = time.perf_counter()
         with self.conn.cursor() as cur:
             for name, ops in cols:
-                index = f"{self.table.split('.')[-1]}_{name}_hnsw"[:63]
+                index = index_name(self.name, name)
                 from psycopg import sql
 
                 cur.execute(self._sql("CREATE INDEX IF NOT EXISTS {i} ON {t} USING hnsw ({c} " + ops + ")",
@@ -370,8 +387,13 @@ class PgvectorSink(Sink):
         from psycopg import sql
 
         body = sql.SQL(", ").join(sql.SQL("{} " + t).format(sql.Identifier(n)) for n, t in want[1:])
-        with self.conn.cursor() as cur:  # in the first commit's transaction
-            cur.execute(self.target._sql("CREATE TABLE {t} (id text PRIMARY KEY, {body})", body=body))
+        try:
+            with self.conn.cursor() as cur:  # in the first commit's transaction
+                cur.execute(self.target._sql("CREATE TABLE {t} (id text PRIMARY KEY, {body})", body=body))
+        except _psycopg().Error as exc:  # checked before the run; a change since (a schema dropped) is named
+            self.conn.rollback()
+            self.broken = True
+            raise errors.InvalidOption(f"creating {self.where} failed: {_first_line(exc)}") from None
         self.existing = want
 
     def write(self, ids: list[str], data: Any, texts: list[str] | None = None) -> None:

@@ -19,7 +19,9 @@ database: a module with a ``Target`` class (constructor ``(url, config)``) and a
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -80,6 +82,17 @@ def split_param(url: str, name: str) -> tuple[str, str | None]:
     values = [v for k, v in query if k == name]
     rest = urlencode([(k, v) for k, v in query if k != name])
     return urlunsplit(parts._replace(query=rest)), (values[-1] if values else None)
+
+
+def database_errors_path(name: str, target: str) -> Path:
+    """Where a database target's failed records go by default: the working folder, never elsewhere, whatever the
+    table or collection is called (``table=/abs/x`` or ``../../x`` included). The file is named after ``name`` made
+    safe (letters, digits, ``_``, ``-`` and single dots; no path separator, no ``..``, no leading dot or dash; at
+    most 64 characters) and a short hash of ``target`` (the URL as shown, password masked: two targets whose names
+    read alike never share a file): ``docs.1f2e3d4c.errors.jsonl``."""
+    safe = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9_.-]+", "_", name)).lstrip(".-")[:64].rstrip(".") or "target"
+    tag = hashlib.sha256(target.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return Path.cwd() / f"{safe}.{tag}.errors.jsonl"
 
 
 def _require(backend: Backend, scheme: str) -> None:
