@@ -66,6 +66,21 @@ def private_caches(tmp_path_factory):
             os.environ[name] = value
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_wait_admission():
+    """Online admission by expected wait (EMBEDQ_ONLINE_MAX_WAIT) refuses by the workers' measured throughput, a
+    figure of the machine: off for this process and the workers and gateways it starts, so that no test depends on
+    the speed of the machine it runs on. The tests of admission (tests/test_admission.py, the load bench) turn it on
+    with their own bound and a throughput they control."""
+    old = os.environ.get("EMBEDQ_ONLINE_MAX_WAIT")
+    os.environ["EMBEDQ_ONLINE_MAX_WAIT"] = "0"
+    yield
+    if old is None:
+        os.environ.pop("EMBEDQ_ONLINE_MAX_WAIT", None)
+    else:
+        os.environ["EMBEDQ_ONLINE_MAX_WAIT"] = old
+
+
 @pytest.fixture(scope="session")
 def corpus() -> list[str]:
     return load_corpus()
