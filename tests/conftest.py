@@ -207,7 +207,8 @@ class GatewayHandle:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        environ = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_") or k.endswith("_CACHE")}
+        environ = {k: v for k, v in os.environ.items()
+                   if not k.startswith("EMBEDQ_") or k.endswith(("_CACHE", "_MAX_WAIT"))}
         environ.update({"EMBEDQ_BROKER_URL": broker_url, "EMBEDQ_QUEUE": queue, "PYTHONPATH": str(ROOT_DIR), **env})
         self.log = log
         self.proc = subprocess.Popen([sys.executable, "-m", "embedq", "serve", "--port", str(self.port)],

@@ -61,7 +61,7 @@ def test_index_on_embedded_default_parquet_and_npy(tmp_path, corpus):
 def _env(**extra: str) -> dict[str, str]:
     # the operator's EMBEDQ_ settings are not this test's, but the suite's private ONNX and runtime caches
     # (conftest.py) are: without them a worker would measure into, and read from, the home folder
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_") or k.endswith("_CACHE")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_") or k.endswith(("_CACHE", "_MAX_WAIT"))}
     return {**env, **extra}
 
 

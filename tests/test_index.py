@@ -34,7 +34,7 @@ def _index_cmd(src: Path, out: Path, *extra: str) -> list[str]:
 def _env(settings: Settings) -> dict[str, str]:
     # the operator's EMBEDQ_ settings are not this test's, but the suite's private ONNX and runtime caches
     # (conftest.py) are: without them a worker would measure into, and read from, the home folder
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_") or k.endswith("_CACHE")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_") or k.endswith(("_CACHE", "_MAX_WAIT"))}
     return {**env, "EMBEDQ_BROKER_URL": settings.broker_url, "EMBEDQ_QUEUE": settings.queue_name}
 
 

@@ -78,7 +78,7 @@ def plugin_dir(tmp_path_factory):
 
 
 def _env(plugin_dir, settings: Settings) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_") or k.endswith("_CACHE")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_") or k.endswith(("_CACHE", "_MAX_WAIT"))}
     return {**env, "EMBEDQ_BROKER_URL": settings.broker_url, "EMBEDQ_QUEUE": settings.queue_name,
             "EMBEDQ_KINDS": "tokcount_kind", "PYTHONPATH": os.pathsep.join([str(plugin_dir), str(ROOT_DIR)])}
 
