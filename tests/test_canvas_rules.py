@@ -101,3 +101,42 @@ def test_the_json_size_estimate_is_an_upper_bound_within_a_factor_of_two(encodin
                "ids": encode_array(np.arange(-50, 50, dtype=np.int32)), "usage": {"texts": 3, "tokens": 9}}
     real = len(json.dumps(json_result(payload)))
     assert real <= json_bytes(payload) <= 2 * real + 512
+
+
+def test_sending_rides_out_an_outage_and_fails_what_the_broker_refuses_while_it_answers_ping():
+    """The canvas thread's policy (workers/canvas.py, Sending), with the broker's answers scripted: a send that
+    fails while PING fails is tried again (an outage: as long as it lasts); one that fails while PING answers is a
+    strike, and two strikes fail it for good; stopping leaves it unsent."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from embedq import errors
+    from embedq.workers.canvas import Failed, Sending, Unsent
+
+    def sending(up, stopping=False):
+        answers = iter(up)
+        return Sending(max_bytes=1 << 20, online_queue="q", online_limit=0, stopping=lambda: stopping,
+                       broker_up=lambda: next(answers), waiting=lambda q: 0, sleep=lambda s: None)
+
+    calls = []
+
+    def flaky(fail_times):
+        def call():
+            calls.append(1)
+            if len(calls) <= fail_times:
+                raise RedisConnectionError("connection reset")
+            return "sent"
+        return call
+
+    assert sending([False] * 50).send("j", "its callback", flaky(50)) == "sent"  # a long outage, ridden out
+    assert len(calls) == 51
+    calls.clear()
+    with pytest.raises(Failed) as failed:
+        sending([True, True]).send("j", "its callback", flaky(10))
+    assert len(calls) == 2 and isinstance(failed.value.error, errors.MessageTooLarge)
+    calls.clear()
+    assert sending([True]).send("j", "its callback", flaky(1)) == "sent"  # one strike, then it went through
+    calls.clear()
+    with pytest.raises(Unsent):
+        sending([], stopping=True).send("j", "its callback", flaky(1))
+    with pytest.raises(Failed):  # the broker answered with an error: failed at once, never retried
+        sending([]).send("j", "its callback", lambda: (_ for _ in ()).throw(ValueError("OOM")))
