@@ -102,7 +102,7 @@ class Stack:
         return [json.loads(raw)["headers"]["task"] for raw in self.redis.lrange(self.settings.callback_queue, 0, -1)]
 
     def failures(self) -> int:
-        return self.worker.stats()["canvas_failures"]
+        return self.worker.stats().get("canvas_failures", 0)  # (absent before issue 50: then a plain 0)
 
     def leftovers(self) -> list[bytes]:
         """Keys a job leaves with a TTL: records, chord parts, canvas markers, attempt counters."""
