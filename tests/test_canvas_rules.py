@@ -140,3 +140,22 @@ def test_sending_rides_out_an_outage_and_fails_what_the_broker_refuses_while_it_
         sending([], stopping=True).send("j", "its callback", flaky(1))
     with pytest.raises(Failed):  # the broker answered with an error: failed at once, never retried
         sending([]).send("j", "its callback", lambda: (_ for _ in ()).throw(ValueError("OOM")))
+
+
+def test_an_allowed_embedq_kind_in_a_canvas_passes_the_online_admission():
+    """EMBEDQ_CALLBACK_KINDS lets embed run as a callback; it is sent only while the online queue holds fewer than
+    online_queue_limit jobs (the producer's rule), else that work fails with overloaded."""
+    from embedq import errors
+    from embedq.workers.canvas import Failed, Sending
+
+    def admitting(held, limit=2):
+        return Sending(max_bytes=1 << 20, online_queue="q", online_limit=limit, stopping=lambda: False,
+                       broker_up=lambda: True, waiting=lambda queue: held)
+
+    kind, user = sig("embedq.embed"), sig()
+    admitting(1).admit([kind, user])
+    admitting(5).admit([user])  # a user's task is no embedq job: no admission
+    admitting(5, limit=0).admit([kind])  # no limit
+    with pytest.raises(Failed) as failed:
+        admitting(2).admit([user, container("celery.group", tasks=[kind])])
+    assert isinstance(failed.value.error, errors.Overloaded)

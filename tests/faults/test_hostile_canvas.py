@@ -310,3 +310,29 @@ def test_a_results_or_canvas_thread_that_makes_no_progress_stops_the_worker(thre
         finally:
             app.close()
             worker.stop()
+
+
+def test_an_embedq_kind_allowed_as_a_callback_runs_once_on_the_online_queue(tmp_path):
+    """EMBEDQ_CALLBACK_KINDS=embed: a self-link is sent to the online queue and runs as one more job (once: its
+    result's JSON is its argument, a list of texts it refuses with a typed error, not another hop); embed_all is
+    still refused."""
+    with RedisServer() as server:
+        settings = Settings(broker_url=server.url, queue=f"embedq.kinds.{uuid.uuid4().hex[:6]}", linear_kernel="torch",
+                            callback_kinds="embed", callback_queue="user.kinds")
+        worker = WorkerHandle(settings, tmp_path / "worker.log")
+        app = make_app(server.url, settings.queue_name)
+        try:
+            hop = str(uuid.uuid4())
+            job = app.signature("embedq.embed", args=[["one text"]]).apply_async(
+                link=app.signature("embedq.embed", task_id=hop))
+            assert job.get(timeout=120)["usage"]["texts"] == 1
+            r = redis.Redis.from_url(server.url)
+            raw = wait_for(lambda: r.get(worker.client.app.backend.get_key_for_task(hop)), "the linked job's record")
+            assert json.loads(raw)["status"] in ("SUCCESS", "FAILURE")  # it ran as a job of the online queue
+            refused = app.signature("embedq.embed", args=[["x"]]).apply_async(
+                link=app.signature("embedq.embed_all"))
+            meta = wait_for(lambda: r.get(worker.client.app.backend.get_key_for_task(refused.id)), "the refusal")
+            assert "EMBEDQ_CALLBACK_KINDS" in json.loads(meta)["result"]["exc_message"][0]
+        finally:
+            app.close()
+            worker.stop()
