@@ -24,7 +24,8 @@ allowed (``EMBEDQ_CALLBACK_QUEUE``, ``EMBEDQ_CALLBACK_QUEUES``), and embedq's ow
 **Bounded.** What a job's canvas publishes is bounded before anything is built: the messages that carry its result
 (each callback, the chain's next step, its chord part) times the size of the result's JSON form, estimated from its
 arrays' element counts (:func:`json_bytes`), is at most ``EMBEDQ_CANVAS_MAX_BYTES``. Work past that bound, or that
-the broker refuses (:class:`Sending`: a message Redis drops the connection on while it still answers PING, twice),
+the broker refuses (:class:`Sending`: a message whose publish, with kombu's own few retries, fails twice while Redis
+still answers PING),
 or that admission refuses, *fails*: the job's errbacks run, its chain's later steps and its chord part are stored
 as failed, a warning names the job and the reason, and ``canvas_failures`` counts it. Nothing is retried forever
 but a broker outage, which is ridden out (so a Redis restart loses no callback). The sending itself runs on the
@@ -237,12 +238,19 @@ def chord_part(app: Celery, canvas: Canvas, record: dict[str, Any], sending: Sen
 
 
 def _callbacks_and_chain(app: Celery, request: Any, result: Any, sending: Sending) -> None:
-    """Celery's ``_dispatch_callbacks_and_chain`` (``celery/app/trace.py``) for a finished job; each publish once
-    (``retry=False``: :class:`Sending` is the one that tries again, and only while the broker is away)."""
+    """Celery's ``_dispatch_callbacks_and_chain`` (``celery/app/trace.py``) for a finished job. Each publish as
+    Celery's tracer publishes a callback (``amqp._retry_publish`` where this Celery has it: kombu's few retries,
+    reconnecting, as for any task: a stale connection after a Redis restart is no strike); :class:`Sending` decides
+    what happens when those are spent."""
     job_id = request.id
-    options = {"parent_id": job_id, "root_id": request.root_id or job_id, "retry": False,
+    options = {"parent_id": job_id, "root_id": request.root_id or job_id,
                "priority": (request.delivery_info or {}).get("priority")
                if app.conf.task_inherit_parent_priority else None}
+    retry_publish = getattr(app.amqp, "_retry_publish", None)
+
+    def publish(call: Any, *args: Any, **kwargs: Any) -> Any:
+        return retry_publish(call, *args, **kwargs) if retry_publish is not None else call(*args, **kwargs)
+
     callbacks = request.callbacks
     if callbacks:
         if len(callbacks) > 1:
@@ -251,17 +259,18 @@ def _callbacks_and_chain(app: Celery, request: Any, result: Any, sending: Sendin
                 sig = signature(sig, app=app)
                 (groups if isinstance(sig, group) else sigs).append(sig)
             for group_ in groups:
-                sending.send(job_id, "a callback group", lambda g=group_: g.apply_async((result,), **options))
+                sending.send(job_id, "a callback group", lambda g=group_: publish(g.apply_async, (result,), **options))
             if sigs:
-                sending.send(job_id, "its callbacks", lambda: group(sigs, app=app).apply_async((result,), **options))
+                sending.send(job_id, "its callbacks",
+                             lambda: publish(group(sigs, app=app).apply_async, (result,), **options))
         else:
             sig = signature(callbacks[0], app=app)
-            sending.send(job_id, "its callback", lambda: sig.apply_async((result,), **options))
+            sending.send(job_id, "its callback", lambda: publish(sig.apply_async, (result,), **options))
     chain = request.chain
     if chain:
         step = signature(chain[-1], app=app)
         sending.send(job_id, "its chain's next step",
-                     lambda: step.apply_async((result,), chain=chain[:-1], **options))
+                     lambda: publish(step.apply_async, (result,), chain=chain[:-1], **options))
 
 
 def _leaves(sig: Any) -> int:
