@@ -28,6 +28,7 @@ their own (tests/faults/stall_worker.py).
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 import uuid
@@ -336,3 +337,41 @@ def test_an_embedq_kind_allowed_as_a_callback_runs_once_on_the_online_queue(tmp_
         finally:
             app.close()
             worker.stop()
+
+
+def test_a_redis_restart_while_callbacks_are_sent_loses_none_and_fails_none(tmp_path):
+    """A broker outage is ridden out, never taken for a refused message: Redis (with its AOF) stops while 40 jobs
+    with a link run, and comes back; every job's callback arrives, and no canvas work failed for good."""
+    server = RedisServer(persist=True).start()
+    settings = Settings(broker_url=server.url, queue=f"embedq.restart.{uuid.uuid4().hex[:6]}", linear_kernel="torch",
+                        callback_queue="user.restart", visibility_timeout=10, online_queue_limit=0)
+    worker = WorkerHandle(settings, tmp_path / "worker.log")
+    app = make_app(server.url, settings.queue_name)
+    try:
+        ids = [app.signature("embedq.embed", args=[[f"text {i} of job {n}" for i in range(64)]]).apply_async(
+            link=app.signature("user.store", kwargs={"tag": "restart"}), ignore_result=True).id for n in range(40)]
+        r = redis.Redis.from_url(server.url)
+        wait_for(lambda: r.llen("user.restart"), "the first callback sent")
+        server.proc.send_signal(signal.SIGTERM)  # saves its AOF
+        server.proc.wait(30)
+        time.sleep(2)  # down for a while: the worker's stores and sends meet the outage
+        server.start()
+        r = redis.Redis.from_url(server.url)
+
+        def parents() -> set[str]:
+            return {json.loads(raw)["headers"]["parent_id"] for raw in r.lrange("user.restart", 0, -1)}
+
+        wait_for(lambda: parents() >= set(ids), "every job's callback")
+        assert worker.proc.poll() is None
+        assert "failed for good" not in worker.log()
+        for _ in range(3):  # the test client's pooled connections went with the restart: the first call may fail
+            try:
+                stats = worker.stats()
+                break
+            except redis.ConnectionError:
+                continue
+        assert stats.get("canvas_failures") == 0
+    finally:
+        app.close()
+        worker.stop()
+        server.stop()
