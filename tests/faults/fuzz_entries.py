@@ -540,7 +540,8 @@ PARTS: dict[str, st.SearchStrategy] = {
                                    st.one_of(st.just("<drop>"), hostile)), min_size=1, max_size=2).map(tuple),
 }
 #: Parts drawn more often than others: what a job carries (arguments, options, headers) and the task name.
-_PART_NAMES = [*PARTS, "args", "args", "kwargs", "kwargs", "headers", "headers", "headers", "task", "compression"]
+_PART_NAMES = [*PARTS, "args", "args", "kwargs", "kwargs", "headers", "headers", "headers", "task", "compression",
+               "embed", "embed", "embed"]  # embed: the canvas shapes of issue 50
 
 
 @st.composite
