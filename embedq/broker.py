@@ -58,7 +58,8 @@ class Routes:
     """Celery's router for embedq's app (``task_routes``): a job kind's task goes to the online queue, any other task
     (a user's callback or errback that a job's canvas sends, Celery's own ``celery.*`` tasks) to
     ``EMBEDQ_CALLBACK_QUEUE``, never to embedq's queues, whose workers refuse tasks that are not embedq kinds. A
-    queue given with the task (``apply_async(queue=...)``, a signature's ``options``) wins over both."""
+    queue given with the task (``apply_async(queue=...)``, a signature's ``options``) wins over both; a worker sends
+    a job's canvas only where ``EMBEDQ_CALLBACK_QUEUES`` allows it (``workers/canvas_rules.py``)."""
 
     def __init__(self, queue: str, callback_queue: str) -> None:
         self.queue = queue

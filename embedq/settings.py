@@ -228,6 +228,38 @@ class Settings(BaseSettings):
         "link_error, the next step of a chain, a chord's body) whose signature names no queue; any task that is not "
         "an embedq kind is routed there, never to embedq's own queues (Celery's default queue is `celery`).",
     )
+    # -- a job's canvas (issue 50): what one message's callbacks may ask, checked at the edge (workers/canvas_rules.py)
+    callback_queues: str = Field(
+        default="", description="Comma-separated queues a job's canvas may send tasks to besides "
+        "`callback_queue` (a signature's `queue`, or an `exchange`/`routing_key` naming one); a message whose "
+        "canvas names another is refused with `invalid_message`.",
+    )
+    callback_kinds: str = Field(
+        default="", description="Comma-separated embedq kinds (`embed`, or task names such as `embedq.embed`) a "
+        "job's canvas may run as callbacks, chain steps or chord bodies; they go to the online queue and pass its "
+        "admission (`online_queue_limit`). Empty: every embedq kind in a canvas is refused with `invalid_message`.",
+    )
+    canvas_max_signatures: int = Field(
+        default=32, ge=1, le=100_000, description="Signatures one message's canvas may hold at most (callbacks, "
+        "errbacks, chain steps, the chord body, and every signature nested in them).",
+    )
+    canvas_max_depth: int = Field(
+        default=4, ge=1, le=64, description="Nesting of signatures inside signatures (a group in a chord's "
+        "body, a link of a link...) one message's canvas may have at most.",
+    )
+    canvas_max_chain: int = Field(
+        default=16, ge=1, le=10_000, description="Steps a chain in one message's canvas may have at most.",
+    )
+    canvas_max_chord_size: int = Field(
+        default=10_000, ge=1, description="A chord part's `chord_size` at most (the parts its chord waits for).",
+    )
+    canvas_max_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1024, description="Bytes the canvas work of one job may publish at most: "
+        "the messages carrying its result (callbacks, the chain's next step, its chord part) times the size of "
+        "the result's JSON form, estimated before it is built. Past it that work fails (errbacks run), counted "
+        "in `canvas_failures`.",
+    )
+
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (CPU).")
     worker_processes: int | None = Field(
         default=None, ge=1, le=64,
@@ -351,6 +383,16 @@ class Settings(BaseSettings):
     def kind_plugins(self) -> list[str]:
         """:attr:`kinds` as a list of import paths."""
         return [path.strip() for path in self.kinds.split(",") if path.strip()]
+
+    @property
+    def callback_queue_names(self) -> frozenset[str]:
+        """Queues a job's canvas may send to: :attr:`callback_queue` and :attr:`callback_queues`."""
+        return frozenset({self.callback_queue, *(q.strip() for q in self.callback_queues.split(",") if q.strip())})
+
+    @property
+    def callback_kind_names(self) -> frozenset[str]:
+        """:attr:`callback_kinds` as given (kinds or task names; workers/canvas_rules.py reads both)."""
+        return frozenset(k.strip() for k in self.callback_kinds.split(",") if k.strip())
 
     @property
     def queues(self) -> list[str]:

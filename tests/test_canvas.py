@@ -40,14 +40,14 @@ TEXTS = ["the cat sat on the mat", "a quick brown fox", "embeddings for everyone
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    """A private Redis, an embedq worker whose callback queue is the user's, and the user's plain Celery worker
-    consuming that queue and a second one (for signatures that name their queue)."""
+    """A private Redis, an embedq worker whose callback queue is the user's (and a second one allowed, for
+    signatures that name their queue: EMBEDQ_CALLBACK_QUEUES), and the user's plain Celery worker consuming both."""
     tag = uuid.uuid4().hex[:8]
     queues = {"embedq": f"embedq.test.canvas.{tag}", "user": f"user.{tag}", "named": f"user.named.{tag}"}
     logs = tmp_path_factory.mktemp("canvas-logs")
     with RedisServer() as server:
         settings = Settings(broker_url=server.url, queue=queues["embedq"], callback_queue=queues["user"],
-                            visibility_timeout=5)
+                            callback_queues=queues["named"], visibility_timeout=5)
         worker = WorkerHandle(settings, logs / "embedq.log")
         env = {**os.environ, "USER_BROKER_URL": server.url,
                "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}

@@ -2,10 +2,11 @@
 
 :class:`Acks` is the part of :class:`~embedq.workers.consumer.Worker` that runs once a job is done. On the results
 thread it writes the jobs' terminal records (``store_outcomes``: one round trip, riding out a broker restart) and
-queues them; on the consumer thread, every ``ACK_INTERVAL``, ``drain_finished`` acknowledges every queued job's
-messages in one pipeline, releases their room in the prefetch window (and sets the channel's prefetch count to what
-the window allows now, ``apply_window``) and sends the task events Flower shows. ``renew_leases`` keeps every held
-message from being redelivered while the worker lives.
+queues them (those with Celery canvas work through the canvas thread, ``workers/canvas_thread.py``, which queues
+them once their work is sent); on the consumer thread, every ``ACK_INTERVAL``, ``drain_finished`` acknowledges
+every queued job's messages in one pipeline, releases their room in the prefetch window (and sets the channel's
+prefetch count to what the window allows now, ``apply_window``) and sends the task events Flower shows.
+``renew_leases`` keeps every held message from being redelivered while the worker lives.
 
 It holds no state of its own: it uses the worker's (the attributes annotated on the class).
 """
@@ -25,7 +26,8 @@ from embedq.batching import PrefetchWindow
 from embedq.batching.traffic import BULK, TrafficClass
 from embedq.broker import BROKER_ERRORS
 from embedq.results import ResultStore
-from embedq.workers import canvas, transport
+from embedq.workers import transport
+from embedq.workers.canvas_thread import CanvasThread
 from embedq.workers.delivery import renew_leases
 from embedq.workers.jobs import Job
 from embedq.workers.metrics import WorkerMetrics
@@ -42,6 +44,7 @@ class Acks:
     worker, whose state it uses."""
 
     service: EmbeddingService | None
+    canvas_thread: CanvasThread | None
     metrics: WorkerMetrics | None
     window: PrefetchWindow | None
     consumer: Any
@@ -68,11 +71,11 @@ class Acks:
             if not isinstance(outcome, errors.EmbedqError):
                 outcome["worker"] = job.context.primary.hostname  # the indexer's summary counts texts per worker
         app = done[0][0].context.primary.task.app
-        canvas = {job.id for job, _ in done if job.canvas is not None}
+        canvas_ids = {job.id for job, _ in done if job.canvas is not None}
         delay = 0.2
         while True:
             try:
-                written = ResultStore(app).store_many([(job.id, outcome) for job, outcome in done], canvas)
+                written = ResultStore(app).store_many([(job.id, outcome) for job, outcome in done], canvas_ids)
                 break
             except BROKER_ERRORS as exc:
                 if self.service is not None and self.service.stopping:
@@ -81,77 +84,30 @@ class Acks:
                     return
                 log.warning("storing %d job(s) failed (%s); retrying in %.1fs", len(done), type(exc).__name__,
                             delay)
+                if self.service is not None:  # riding out an outage is progress, for the watchdog
+                    self.service.results_beat()
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
-        unsent = self.send_canvas(app, [(job, outcome, wrote) for (job, outcome), wrote in zip(done, written)
-                                        if job.canvas is not None]) if canvas else set()
+        # Jobs with canvas work go to the canvas thread, which queues their acks once the work is sent; the others'
+        # acks are queued now.
+        handed = [(job, outcome, wrote) for (job, outcome), wrote in zip(done, written) if job.canvas is not None]
         now = time.monotonic()
         for (job, outcome), wrote in zip(done, written):
             if not wrote:  # another outcome came first (the job was cancelled while it ran): that one stands
                 log.info("job %s already has an outcome; its %s is not stored", job.id,
                          "error" if isinstance(outcome, errors.EmbedqError) else "result")
-            if job.id in unsent:  # left unacknowledged: handed back, and its redelivery sends the work (marker)
-                continue
-            self.finished.put((job, outcome, now))
-
-    def send_canvas(self, app: Any, jobs: list[tuple[Job, Any, bool]]) -> set[str]:
-        """Results thread: send the Celery canvas work of stored jobs (``workers/canvas.py``), riding out a broker
-        restart, then delete the pending markers of those sent. A job whose record another writer stored first
-        only returns its chord part, with that outcome (idempotent in Celery's Redis backend). Returns the ids of
-        jobs whose work could not be sent because the worker is stopping (their markers stay)."""
-        sent: list[str] = []
-        unsent: set[str] = set()
-        for job, outcome, wrote in jobs:
-            if unsent:  # stopping with the broker away: the rest wait for their redelivery too
-                unsent.add(job.id)
-                continue
-            delay = 0.2
-            while True:
-                try:
-                    if wrote:
-                        canvas.dispatch(app, job.canvas, outcome)
-                    else:
-                        canvas.chord_part(app, job.canvas, ResultStore(app).outcome(job.id))
-                    break
-                except BROKER_ERRORS as exc:
-                    if self.service is not None and self.service.stopping:
-                        log.warning("could not send the canvas work of job %s before stopping (%s)", job.id,
-                                    type(exc).__name__)
-                        unsent.add(job.id)
-                        break
-                    log.warning("sending the canvas work of job %s failed (%s); retrying in %.1fs", job.id,
-                                type(exc).__name__, delay)
-                    time.sleep(delay)
-                    delay = min(delay * 2, 5.0)
-                except Exception:  # a malformed signature, a chord error: Celery's tracer logs it too, and so do we
-                    log.exception("the canvas work of job %s failed", job.id)
-                    break
-            if wrote and job.id not in unsent:
-                sent.append(job.id)
-        self._canvas_sent(app, sent)
-        return unsent
+            if job.canvas is None:
+                self.finished.put((job, outcome, now))
+        if handed:
+            assert self.canvas_thread is not None
+            self.canvas_thread.put(handed, on_wait=self.service.results_beat if self.service is not None else None)
 
     def resend_canvas(self, job: Job, record: dict[str, Any] | None) -> None:
         """Consumer thread: a redelivered job whose record is stored and whose canvas work is still marked pending
-        (its worker died after storing and before deleting the marker): send the work now, for the stored outcome."""
-        if record is None:
-            return
-        app = job.context.primary.task.app
-        try:
-            canvas.dispatch(app, job.canvas, record.get("result"))
-        except BROKER_ERRORS as exc:  # its ack fails too, most likely: redelivered again, and sent then
-            log.warning("could not send the canvas work of redelivered job %s (%s)", job.id, type(exc).__name__)
-            return
-        except Exception:
-            log.exception("the canvas work of job %s failed", job.id)
-        log.info("sent the canvas work of job %s, redelivered after its worker stored it and died", job.id)
-        self._canvas_sent(app, [job.id])
-
-    def _canvas_sent(self, app: Any, job_ids: list[str]) -> None:
-        try:
-            ResultStore(app).canvas_sent(job_ids)
-        except BROKER_ERRORS as exc:  # only a redelivery of these jobs (their worker dying now) would send twice
-            log.warning("could not clear the canvas markers of %d job(s) (%s)", len(job_ids), type(exc).__name__)
+        (its worker died after storing and before deleting the marker): the canvas thread sends the work now, for the
+        stored outcome, then the job is acknowledged as already stored."""
+        assert self.canvas_thread is not None
+        self.canvas_thread.resend(job, record)
 
     def apply_window(self) -> None:
         """Consumer thread: set the channel's prefetch count to what the text window allows now."""

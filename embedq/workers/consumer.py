@@ -46,6 +46,8 @@ from embedq.settings import Settings
 from embedq.workers import memory, transport
 from embedq.workers.acks import ALREADY_STORED, Acks, routing_key_of
 from embedq.workers.canvas import canvas_of
+from embedq.workers.canvas_rules import CanvasRules
+from embedq.workers.canvas_thread import CanvasThread
 from embedq.workers.delivery import Ledger, Verdict
 from embedq.workers.jobs import Job
 from embedq.workers.messages import Messages, deadline_of, expires_iso
@@ -91,6 +93,8 @@ class Worker(Messages, Acks, Stopping):
         self.settings = settings
         self.bulk_queues = frozenset({settings.bulk_queue_name})  # queues whose jobs are bulk (the rest online)
         self.service: EmbeddingService | None = None
+        self.canvas_thread: CanvasThread | None = None  # sends jobs' Celery canvas work (workers/canvas_thread.py)
+        self.canvas_rules = CanvasRules.from_settings(settings)  # what a message's canvas may hold (at the edge)
         self.metrics: WorkerMetrics | None = None
         self.reporter: Reporter | None = None
         self.ledger: Ledger | None = None
@@ -185,6 +189,9 @@ class Worker(Messages, Acks, Stopping):
                                             on_done_many=self.store_outcomes,
                                             on_isolated_run=self.count_run, on_started=self.job_started,
                                             metrics=metrics).start()
+            self.canvas_thread = CanvasThread(settings, self.service.stats, self.finished,
+                                              lambda: self.service is None or self.service.stopping,
+                                              ALREADY_STORED).start()
             metrics.bind(self.service, window_state=partial(window_stats, self), queues=settings.queues,
                          redis=redis_client(settings) if settings.broker_url else None)
         return self.service
@@ -299,10 +306,11 @@ class Worker(Messages, Acks, Stopping):
         if verdict.stored:
             if verdict.canvas_pending and redelivered and job.canvas is not None:
                 # its worker died between storing the record and sending the canvas work (or deleting the marker)
-                self.resend_canvas(job, verdict.record)
+                self.resend_canvas(job, verdict.record)  # acknowledged once the work is sent
+            else:
+                self.finished.put((job, ALREADY_STORED, time.monotonic()))
             service.count_received(job.size, klass, spec.kind)
             service.stats.add(already_stored=1)
-            self.finished.put((job, ALREADY_STORED, time.monotonic()))
         elif verdict.crashes >= settings.max_attempts:
             self.dead_letter(job, verdict.crashes, req.hostname, message)
         elif self.is_cancelled(req.id):

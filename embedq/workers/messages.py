@@ -2,7 +2,8 @@
 
 :class:`Messages` is the part of :class:`~embedq.workers.consumer.Worker` that turns a message Celery hands the
 strategy into a request (``receive``: Celery's message protocols 1 and 2, JSON or msgpack only), and refuses what
-cannot be a job (too large, undecodable, a content type other than json/msgpack, no usable job id) with a typed
+cannot be a job (too large, undecodable, a content type other than json/msgpack, no usable job id, a Celery canvas
+that breaks its bounds or names what an operator did not allow: ``workers/canvas_rules.py``) with a typed
 error recorded under its job id, logging the id and the reason only, never its body (``refuse``). A readable message
 goes on to the worker's ``deliver``. The functions read a message's fields: a job id embedq can key records by
 (:func:`_job_id_ok`) and its ``expires`` as a deadline (:func:`deadline_of`, :func:`expires_iso`).
@@ -25,6 +26,7 @@ from embedq.kinds import TASKS, TaskSpec
 from embedq.protocol import MAX_DEADLINE_SECONDS
 from embedq.results import ResultStore
 from embedq.settings import Settings
+from embedq.workers.canvas_rules import CanvasRules
 from embedq.workers.service import EmbeddingService
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,7 @@ class Messages:
 
     settings: Settings
     service: EmbeddingService | None
+    canvas_rules: CanvasRules
     deliver: Callable[[Any, Any, Any, Any, TaskSpec], None]
 
     def receive(self, task: Task, app: Celery, message: Any, body: Any, ack: Any, reject: Any, Req: Any,
@@ -71,6 +74,10 @@ class Messages:
             self.refuse(task, message, errors.InvalidMessage(
                 f"the message has no job id (a string of 1 to {MAX_JOB_ID} characters, UTF-8)"))
             return
+        refusal = self.canvas_rules.check(_embed_of(req), req._request_dict)
+        if refusal is not None:  # nothing of its canvas is sent: its job gets the refusal, and that is all
+            self.refuse(task, message, refusal)
+            return
         self.deliver(req, args, kwargs, message, TASKS[task.name])
 
     def refuse(self, task: Task, message: Any, error: errors.EmbedqError) -> None:
@@ -88,6 +95,12 @@ class Messages:
             self.service.count_received(0)
             self.service.count_failure(error.code, 0)
         message.ack()
+
+
+def _embed_of(req: Any) -> Any:
+    """The canvas part (``embed``) of a protocol-2 body, or None."""
+    payload = getattr(req, "_payload", None)
+    return payload[2] if isinstance(payload, (list, tuple)) and len(payload) > 2 else None
 
 
 def _job_id_ok(job_id: Any) -> bool:

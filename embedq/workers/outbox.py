@@ -42,6 +42,10 @@ class Outbox:
         # (job, None) to finish a job, (job, error) to fail it; None stops the results thread.
         self._queue: queue.SimpleQueue[tuple[Job, errors.EmbedqError | None] | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name="embedq-results", daemon=True)
+        # Liveness (the watchdog, EmbeddingService.health): when the thread last showed progress (took a batch,
+        # stored it, rode out a broker outage one more try), and whether it is handling a batch now.
+        self.beat = time.monotonic()
+        self.busy = False
 
     def start(self) -> None:
         self.thread.start()
@@ -59,7 +63,9 @@ class Outbox:
         outcomes are stored in one round trip (``on_done_many``)."""
         stop = False
         while not stop:
+            self.busy = False
             entry = self._queue.get()
+            self.beat, self.busy = time.monotonic(), True
             if entry is None:
                 break
             entries = [entry]
@@ -83,6 +89,16 @@ class Outbox:
             except Exception:
                 log.exception("storing the outcomes of %d job(s) failed", len(done))
             self.stats.time("results_seconds", time.perf_counter() - t0)
+            self.beat = time.monotonic()
+        self.busy = False
+
+    def stalled(self, stall_timeout: float) -> float | None:
+        """Seconds without progress while results wait (a batch in hand, or jobs queued), past ``stall_timeout``;
+        else None."""
+        idle = time.monotonic() - self.beat
+        if idle > stall_timeout and (self.busy or not self._queue.empty()):
+            return idle
+        return None
 
     def _outcome(self, job: Job, outcome: errors.EmbedqError | None) -> dict[str, Any] | errors.EmbedqError:
         """Results thread: a finished job's result payload (or the typed error of a job that failed)."""

@@ -427,7 +427,9 @@ class EmbeddingService(MicroBatches):
     def health(self, stall_timeout: float) -> str | None:
         """Why this service can no longer do its work, or None while it can: its inference or results thread has
         died, or work waits and the inference thread has shown no progress (a finished micro-batch, a preemption
-        point, an idle wake) for ``stall_timeout`` seconds. The worker's watchdog stops the worker on it."""
+        point, an idle wake) for ``stall_timeout`` seconds, or results wait and the results thread has shown none
+        (a batch taken or stored, a retry while the broker is away) for as long. The worker's watchdog stops the
+        worker on it."""
         if self._stopping:
             return None
         for thread in (self._thread, self._outbox.thread):
@@ -437,7 +439,15 @@ class EmbeddingService(MicroBatches):
         if idle > stall_timeout and (len(self.scheduler) or self._suspects or self.running):
             return (f"the {self._thread.name} thread has made no progress for {idle:.0f}s while work waits "
                     f"(EMBEDQ_STALL_TIMEOUT={stall_timeout:g})")
+        idle = self._outbox.stalled(stall_timeout)
+        if idle is not None:
+            return (f"the {self._outbox.thread.name} thread has made no progress for {idle:.0f}s while results wait "
+                    f"(EMBEDQ_STALL_TIMEOUT={stall_timeout:g})")
         return None
+
+    def results_beat(self) -> None:
+        """Results thread: it is making progress (riding out a broker outage, waiting for the canvas thread)."""
+        self._outbox.beat = time.monotonic()
 
     def abandon(self) -> None:
         """The watchdog gives up on this service: no more micro-batches start; what the results thread has in

@@ -33,6 +33,8 @@ COUNTERS: dict[str, str] = {
     "preemptions": "Times a bulk micro-batch was paused between two layers to run online micro-batches.",
     "preempting_batches": "Online micro-batches run while a bulk micro-batch was paused.",
     "online_started": "Online jobs whose first micro-batch started.",
+    "canvas_failures": "Jobs whose Celery canvas work (callbacks, a chain's next step, a chord part) failed for good: "
+    "over EMBEDQ_CANVAS_MAX_BYTES, refused by the broker, or refused by admission; their errbacks ran.",
 }
 #: Labelled counters: attribute -> (Prometheus name, label, help).
 LABELLED: dict[str, tuple[str, str, str]] = {

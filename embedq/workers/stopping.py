@@ -1,8 +1,8 @@
 """How a worker stops: the watchdog's fail-stop, the warm shutdown, and handing held messages back.
 
 :class:`Stopping` is the part of :class:`~embedq.workers.consumer.Worker` that ends it. Every
-:data:`LIVENESS_INTERVAL` the consumer thread looks at the service (``check_liveness``): a worker whose inference or
-results thread died, or whose inference thread stopped making progress while work waits, stops with
+:data:`LIVENESS_INTERVAL` the consumer thread looks at the service (``check_liveness``): a worker whose inference,
+results or canvas thread died, or stopped making progress while work waits for it, stops with
 :data:`EXIT_FAILED` for its supervisor to restart it (``fail_stop``), the jobs of the micro-batch in the model blamed
 for it. On SIGTERM (the consumer's ``GracefulStop`` bootstep) ``shutdown`` finishes the micro-batch in progress,
 stores and acknowledges what is done and hands the rest back. Either way every held message goes back to its queue
@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from embedq.settings import Settings
+from embedq.workers.canvas_thread import CanvasThread
 from embedq.workers.delivery import Ledger
 from embedq.workers.jobs import Job
 from embedq.workers.metrics import Reporter
@@ -41,6 +42,7 @@ class Stopping:
 
     settings: Settings
     service: EmbeddingService | None
+    canvas_thread: CanvasThread | None
     ledger: Ledger | None
     reporter: Reporter | None
     consumer: Any
@@ -58,6 +60,8 @@ class Stopping:
         if service is None or self.stopped:
             return
         reason = service.health(self.settings.stall_timeout)
+        if reason is None and self.canvas_thread is not None:
+            reason = self.canvas_thread.health(self.settings.stall_timeout)
         if reason is not None:
             self.fail_stop(reason)
 
@@ -76,6 +80,9 @@ class Stopping:
         self.settle_fetch()
         service.abandon()
         service.drain(DRAIN_ON_FAILURE)
+        if self.canvas_thread is not None:  # what it has not sent stays marked, its jobs unacknowledged
+            self.canvas_thread.close()
+            self.canvas_thread.join(DRAIN_ON_FAILURE)
         self.drain_finished()
         returned, blamed = self.hand_back(blamed=running)
         with contextlib.suppress(Exception):  # else Flower sees the heartbeats stop
@@ -132,6 +139,9 @@ class Stopping:
         self.stopped = True
         t0 = time.monotonic()
         self.service.stop(timeout=self.settings.shutdown_timeout)
+        if self.canvas_thread is not None:  # the results thread has handed it all it will: send that, then stop
+            self.canvas_thread.close()
+            self.canvas_thread.join(self.settings.shutdown_timeout)
         self.drain_finished()
         returned, _ = self.hand_back()
         log.info("stopped in %.1fs: handed %d buffered messages back to the queue", time.monotonic() - t0,

@@ -17,7 +17,9 @@ What an entry can be:
   ``retries``, ... as null, huge ints, NaN, lists, far dates), serializers (json with NaN, msgpack, pickle,
   yaml, unknown), body encodings, compression (kombu's gzip/zlib, bz2, lzma; brotli, zstd, unknown; proper,
   garbage, or bombs that inflate to 512 MiB), delivery tags and delivery info of the wrong type, and a whole
-  envelope field replaced. A message has none to four hostile parts, the others well-formed.
+  envelope field replaced. A message has none to four hostile parts, the others well-formed;
+* a Celery canvas (:class:`CanvasSpec`) of each shape embedq bounds (callbacks, errbacks, chains, nesting, groups,
+  chord parts; the tasks and queues they name), within and beyond each bound: beyond one, only a typed error will do.
 
 :attr:`Entry.answerable` marks the entries whose job id the worker can read (see :attr:`Message.answerable`):
 those must end with a terminal record; :attr:`Entry.must_fail` says why one can only end with a typed error.
@@ -177,6 +179,54 @@ class DeepEntry:
     objects: bool = False
 
 
+@dataclass(frozen=True)
+class CanvasSpec:
+    """A Celery canvas in the message's ``embed`` part, of a shape embedq bounds (workers/canvas_rules.py, the
+    worker's defaults: 32 signatures, nesting 4 deep, chains of 16, chord_size 10,000, callbacks only to
+    ``callback_queue``, no embedq kind or Celery built-in as a callback), within or beyond each bound."""
+
+    shape: str  # callbacks, errbacks, chain, nested, chord, group
+    n: int  # signatures, steps, depth or chord_size, by shape
+    task: str = "user.store"
+    queue: Any = None  # a signature's queue option (None: the worker's callback queue)
+
+    def value(self) -> dict[str, Any]:
+        def sig(**options: Any) -> dict[str, Any]:
+            if self.queue is not None:
+                options.setdefault("queue", self.queue)
+            return {"task": self.task, "args": [], "kwargs": {}, "options": options, "subtask_type": None,
+                    "immutable": False, "chord_size": None}
+
+        embed: dict[str, Any] = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+        if self.shape in ("callbacks", "errbacks", "chain"):
+            embed[self.shape] = [sig() for _ in range(self.n)]
+        elif self.shape == "nested":
+            inner = sig()
+            for _ in range(self.n - 1):
+                inner = sig(link=[inner])
+            embed["callbacks"] = [inner]
+        elif self.shape == "group":
+            embed["callbacks"] = [{"task": "celery.group", "args": [], "kwargs": {"tasks": [sig() for _ in
+                                                                                          range(self.n)]},
+                                   "options": {}, "subtask_type": "group", "immutable": False}]
+        else:  # chord: the part of a made-up group, whose body waits for n parts
+            embed["chord"] = {**sig(), "chord_size": self.n}
+        return embed
+
+    @property
+    def why(self) -> str:
+        """Why the worker must refuse it ("" when it is within every bound)."""
+        limits = {"callbacks": 32, "errbacks": 32, "chain": 16, "nested": 4, "group": 31, "chord": 10_000}
+        if self.n > limits[self.shape]:
+            return f"canvas {self.shape} of {self.n}"
+        if self.task in EMBEDQ_TASKS or (self.task.startswith("celery.") and self.task not in (
+                "celery.group", "celery.chain", "celery.chord")):
+            return f"canvas task {self.task}"
+        if self.queue not in (None, "celery"):  # the fuzz worker's callback_queue is the default, "celery"
+            return f"canvas queue {self.queue!r}"
+        return ""
+
+
 class _Ok:
     """A well-formed part (distinct from every hostile value, None included)."""
 
@@ -295,6 +345,9 @@ def _body(spec: Message, job_id: str) -> tuple[bytes, str, str, str]:
     args = _given(spec.args, [["a good text"]])
     kwargs = _given(spec.kwargs, {})
     embed = _given(spec.embed, {"callbacks": None, "errbacks": None, "chain": None, "chord": None})
+    canvas_why = ""
+    if isinstance(embed, CanvasSpec):
+        embed, canvas_why = embed.value(), embed.why if spec.protocol == 2 else ""
     if spec.protocol == 2:
         value: Any = [args, kwargs, embed]
     else:
@@ -303,9 +356,9 @@ def _body(spec: Message, job_id: str) -> tuple[bytes, str, str, str]:
                  "errbacks": None, "timelimit": [None, None], "taskset": None, "chord": None, **dict(spec.headers)}
     s = spec.serializer
     if s == "json":
-        return to_json(value).encode("utf-8", "surrogatepass"), "application/json", "utf-8", ""
+        return to_json(value).encode("utf-8", "surrogatepass"), "application/json", "utf-8", canvas_why
     if s == "msgpack":
-        return to_msgpack(value), "application/x-msgpack", "binary", ""
+        return to_msgpack(value), "application/x-msgpack", "binary", canvas_why
     if s == "pickle":
         return pickle.dumps(value), "application/x-python-serialize", "binary", "pickle"
     if s == "yaml":
@@ -425,7 +478,19 @@ header_values = st.one_of(
                      "1970-01-01T00:00:00+14:00", "0001-01-01T00:00:00", 10**20, 1e300, -1e300, [1e300, 1e300],
                      [NAN, NAN], [-1, -1], [0, 0], 2**64, -(2**64)]),
 )
+#: Canvases of the shapes embedq bounds, within and beyond each bound (issue 50).
+canvas_specs = st.one_of(
+    st.builds(CanvasSpec, st.sampled_from(["callbacks", "errbacks"]), st.sampled_from([1, 20, 32, 33, 500])),
+    st.builds(CanvasSpec, st.just("chain"), st.sampled_from([1, 16, 17, 3000])),
+    st.builds(CanvasSpec, st.just("nested"), st.sampled_from([2, 4, 5, 60])),
+    st.builds(CanvasSpec, st.just("group"), st.sampled_from([2, 31, 40])),
+    st.builds(CanvasSpec, st.just("chord"), st.sampled_from([3, 10_000, 10_001, 10**9])),
+    st.builds(CanvasSpec, st.sampled_from(["callbacks", "chain", "nested", "chord"]), st.just(2),
+              st.sampled_from(["user.store", TASK_NAME, "embedq.rerank", "celery.accumulate", "celery.chord_unlock"]),
+              st.sampled_from([None, None, "celery", "hostile.queue", ["x"]])),
+)
 embed_values = st.one_of(
+    canvas_specs, canvas_specs,
     hostile,
     st.fixed_dictionaries({"callbacks": st.sampled_from([None, [{"task": "celery.accumulate", "args": [1]}],
                                                          "x", [None]])}),
@@ -475,7 +540,8 @@ PARTS: dict[str, st.SearchStrategy] = {
                                    st.one_of(st.just("<drop>"), hostile)), min_size=1, max_size=2).map(tuple),
 }
 #: Parts drawn more often than others: what a job carries (arguments, options, headers) and the task name.
-_PART_NAMES = [*PARTS, "args", "args", "kwargs", "kwargs", "headers", "headers", "headers", "task", "compression"]
+_PART_NAMES = [*PARTS, "args", "args", "kwargs", "kwargs", "headers", "headers", "headers", "task", "compression",
+               "embed", "embed", "embed"]  # embed: the canvas shapes of issue 50
 
 
 @st.composite
@@ -524,4 +590,8 @@ REGRESSIONS: tuple[Any, ...] = (
     Message(job_id="\ud800"), Message(job_id="\ud800", compression="x-nope"),
     # a content type or encoding that is not a string, on a message whose id is readable
     Message(content_type=5), Message(content_encoding=0.0),
+    # issue 50: a chain of 3,000 embed steps (3,001 jobs), a self-link, a chord part waiting for 1e9 parts, a
+    # callback to a queue nobody allowed (a binding key for good)
+    Message(embed=CanvasSpec("chain", 3000, TASK_NAME)), Message(embed=CanvasSpec("callbacks", 1, TASK_NAME)),
+    Message(embed=CanvasSpec("chord", 10**9)), Message(embed=CanvasSpec("callbacks", 1, queue="hostile.queue")),
 )
