@@ -15,7 +15,8 @@ its own backlog, plus what the others run while K's backlog and the new job drai
 nothing outstanding waits for ``(n - 1) * s`` texts, however much another floods, and a client that floods waits
 for everything ahead (with one client, ``wait = T / rate``: first come, first served). ``rate`` is the sum of the live
 workers' measured texts/s while busy; unknown (no worker has run under load yet), only the hard cap applies:
-``T + s > online_queue_texts`` refuses. A job that finds nothing ahead is always admitted, however large.
+the texts before the job's end as the fair share sees them (``texts_before(s) + s``) over ``online_queue_texts``
+refuse. A job that finds nothing ahead is always admitted, however large.
 
 Reads cost a producer no round trip per job mostly: the registry is re-read at most once a second (shared with
 ``require_worker``), the queue's list length at most every :data:`DEPTH_REUSE` seconds while it is well under the
@@ -107,11 +108,12 @@ class Estimate:
         if self.ahead <= 0:
             return None  # nothing ahead: admitted, however large
         cap = settings.online_queue_texts
-        if cap and self.ahead + texts > cap:
-            over = self.ahead + texts - cap
-            return overloaded(f"queue {queue} has {self.ahead} online texts waiting; {texts} more would pass the cap "
-                              f"of {cap} (EMBEDQ_ONLINE_QUEUE_TEXTS); try again shortly",
-                              over / self.rate if self.rate else 1.0)
+        before = self.texts_before(texts)  # as the fair share sees them: another client's flood is not K's wait
+        if cap and before + texts > cap:
+            over = before + texts - cap
+            return overloaded(f"queue {queue} has {self.ahead} online texts waiting ({self.own} of them this "
+                              f"client's); {texts} more would pass the cap of {cap} (EMBEDQ_ONLINE_QUEUE_TEXTS) for "
+                              "this client's share; try again shortly", over / self.rate if self.rate else 1.0)
         wait, bound = self.wait(texts), settings.online_max_wait
         if bound and wait is not None and wait > bound:
             rate = f"{self.rate:.0f}" if self.rate is not None else "?"

@@ -40,6 +40,8 @@ def test_the_model_table():
     assert _refusal(ahead=9_000, own=9_000, active=1, rate=None, texts=1) is None
     capped = _refusal(ahead=9_000, own=9_000, active=1, rate=None, texts=2048, online_queue_texts=10_000)
     assert capped is not None and "EMBEDQ_ONLINE_QUEUE_TEXTS" in str(capped) and capped.retry_after == 1
+    # the cap is of the client's fair share too: another client's flood does not refuse a client with nothing out
+    assert _refusal(ahead=20_000, own=0, active=2, rate=None, texts=1, online_queue_texts=10_000) is None
     # a stalled worker (no throughput): refused, told to look again within a minute
     assert _refusal(ahead=10, own=10, active=1, rate=0.0, texts=1).retry_after == MAX_RETRY_AFTER
     # 0 turns the expected-wait rule off; the deprecated job cap still counts messages in the list

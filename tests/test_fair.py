@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from embedq.batching import Scheduler, batch_cost
 from embedq.batching.fair import FairScheduler
-from embedq.batching.traffic import BULK, ONLINE, TrafficScheduler
+from embedq.batching.traffic import BULK, CLIENT_HOLD, ONLINE, TrafficScheduler
 
 
 @settings(max_examples=200, deadline=None)
@@ -176,9 +176,9 @@ def test_another_online_client_is_seen_while_it_waits_or_sent_within_the_hold():
     s.add("b1", 8, ONLINE, "b")
     assert s.other_online_clients(frozenset({"a"}))
     s.discard(["b1"])
-    now[0] = 0.5  # b has nothing waiting, but sent within the hold
+    now[0] = CLIENT_HOLD - 0.5  # b has nothing waiting, but sent within the hold
     assert s.other_online_clients(frozenset({"a"}))
-    now[0] = 1.6
+    now[0] = CLIENT_HOLD + 0.1
     assert not s.other_online_clients(frozenset({"a"}))
     s.add("c1", 8, BULK, "c")  # bulk clients do not count
     assert not s.other_online_clients(frozenset({"a"}))

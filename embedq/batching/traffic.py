@@ -44,6 +44,9 @@ BULK: TrafficClass = "bulk"
 TRAFFIC_CLASSES: tuple[TrafficClass, ...] = (ONLINE, BULK)
 #: Online clients remembered by when they last sent (see TrafficScheduler.other_online_clients) before stale ones go.
 SEEN_LIMIT = 1024
+#: Seconds an online client that sent work counts as about (TrafficScheduler.other_online_clients): longer than the
+#: gap between one client's jobs, so that a tenant sending one job at a time still counts while another floods.
+CLIENT_HOLD = 10.0
 
 
 class TrafficScheduler:
@@ -96,17 +99,17 @@ class TrafficScheduler:
         seen = self._online_seen
         seen[client] = now
         if len(seen) > SEEN_LIMIT:  # many clients: forget those not seen within online_hold
-            for name in [name for name, at in seen.items() if now - at >= self.online_hold]:
+            for name in [name for name, at in seen.items() if now - at >= CLIENT_HOLD]:
                 del seen[name]
 
     def other_online_clients(self, clients: frozenset[str]) -> bool:
-        """Whether an online client outside ``clients`` has work waiting, or added some within ``online_hold``
+        """Whether an online client outside ``clients`` has work waiting, or added some within :data:`CLIENT_HOLD`
         seconds: a large online micro-batch of ``clients`` is then worth making preemptible (issue 50), at the cost
         of the runtime a layered run takes; with one client alone it runs as before."""
         if any(client not in clients for client in list(self.classes[ONLINE].clients)):
             return True
         now = self.clock()
-        return any(now - at < self.online_hold for name, at in list(self._online_seen.items())
+        return any(now - at < CLIENT_HOLD for name, at in list(self._online_seen.items())
                    if name not in clients)
 
     def discard(self, keys: Iterable[Hashable]) -> int:

@@ -299,7 +299,7 @@ class EmbeddingService(MicroBatches):
         """Whether online micro-batches may pause this one between two layers, and whose items they may hold (set
         in ``_preempt_exclude``): a bulk batch, by anyone's; a large online batch (costing more than the online
         budget: a short one is over before a pause would help), by clients with nothing in it, while another client has
-        online work waiting or sent some within ``online_hold`` (issue 50: a flood of one client does not hold
+        online work waiting or sent some lately (``CLIENT_HOLD``) (issue 50: a flood of one client does not hold
         another's one-text job for a whole micro-batch; one client alone keeps the faster unlayered runtime)."""
         self._preempt_exclude = frozenset()
         if not self.preemptive:
