@@ -1,12 +1,11 @@
 """Celery integration: tasks whose messages bypass the pool and go to the coalescing service.
 
 There is one Celery task per job kind (every entry of the kinds table, ``kinds.TASKS``, plugins' kinds included),
-all with the same *strategy*: Celery hands each message to it.
-It builds the Celery request, lets the :class:`~embedq.workers.service.EmbeddingService` validate, tokenize and buffer
-it, and returns at once: the consumer keeps pulling messages up to the prefetch window (the
-unacknowledged limit), so the scheduler sees the texts of *all* waiting jobs. When a job is done,
-the inference thread stores its result (or typed error) in the result backend; only then is the
-message acknowledged — on the consumer's own thread, which owns the broker channel.
+all with the same *strategy*: Celery hands each message to it. It builds the Celery request, lets the
+:class:`~embedq.workers.service.EmbeddingService` validate, tokenize and buffer it, and returns at once: the consumer
+keeps pulling messages up to the prefetch window (the unacknowledged limit), so the scheduler sees the texts of *all*
+waiting jobs. A done job's result (or typed error) is stored by the results thread, its canvas work sent by the
+canvas thread; only then is its message acknowledged, on the consumer's thread, which owns the broker channel.
 
 Delivery is at least once and idempotent (see :mod:`embedq.workers.delivery`): held messages keep
 their lease, redelivered ones are checked against what is stored, suspects of a crash run alone and
