@@ -102,11 +102,20 @@ class TrafficScheduler:
             for name in [name for name, at in seen.items() if now - at >= CLIENT_HOLD]:
                 del seen[name]
 
+    def others_waiting(self, clients: frozenset[str]) -> bool:
+        """Whether online items of a client outside ``clients`` wait. Safe to call without the worker's lock (the
+        preemption point's quick look): a read that races an arrival may say no (the next point sees it), and one
+        that races a change of the order says yes (the locked pick decides)."""
+        try:
+            return any(client not in clients for client in list(self.classes[ONLINE].clients))
+        except RuntimeError:  # the order changed while it was copied
+            return True
+
     def other_online_clients(self, clients: frozenset[str]) -> bool:
         """Whether an online client outside ``clients`` has work waiting, or added some within :data:`CLIENT_HOLD`
         seconds: a large online micro-batch of ``clients`` is then worth making preemptible (issue 50), at the cost
         of the runtime a layered run takes; with one client alone it runs as before."""
-        if any(client not in clients for client in list(self.classes[ONLINE].clients)):
+        if self.others_waiting(clients):
             return True
         now = self.clock()
         return any(now - at < CLIENT_HOLD for name, at in list(self._online_seen.items())

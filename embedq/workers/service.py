@@ -357,7 +357,7 @@ class EmbeddingService(MicroBatches):
         if not self.scheduler.waiting(ONLINE) or self._stopping:  # unlocked read: the common case costs nothing
             return
         exclude = self._preempt_exclude
-        if exclude and not self._others_wait(exclude):
+        if exclude and not self.scheduler.others_waiting(exclude):
             return
         t0 = time.perf_counter()
         ran = 0
@@ -388,14 +388,6 @@ class EmbeddingService(MicroBatches):
             self.stats.time("bulk_paused_seconds", paused)
             if self.metrics is not None:
                 self.metrics.observe("preempt_seconds", paused)
-
-    def _others_wait(self, exclude: frozenset[str]) -> bool:
-        """Unlocked: do online items of clients outside ``exclude`` wait? (A read racing an arrival may say no: the
-        next preemption point sees it.)"""
-        try:
-            return any(client not in exclude for client in list(self.scheduler.classes[ONLINE].clients))
-        except RuntimeError:  # the order changed while it was read: the locked path decides
-            return True
 
     def _expire(self, now: float) -> None:
         """Under the lock: fail every buffered job whose deadline has passed and that has not started."""
