@@ -36,7 +36,7 @@ from celery import Celery, states
 from kombu.utils.url import maybe_sanitize_url
 
 from embedq import cancellation, errors, monitor
-from embedq.admission import Admission
+from embedq.admission import DEPTH_REUSE, DEPTH_REUSE_SHARE, Admission
 from embedq.batching.traffic import BULK, ONLINE, TRAFFIC_CLASSES
 from embedq.broker import BROKER_ERRORS, make_app, redis_client
 from embedq.keys import EPOCH_KEY
@@ -71,9 +71,6 @@ from embedq.settings import Settings
 
 log = logging.getLogger(__name__)
 
-#: Seconds a queue's depth read by the backpressure check is reused, while under this share of the limit.
-DEPTH_REUSE = 0.05
-DEPTH_REUSE_SHARE = 0.5
 #: Longest pause between two looks at a full bulk queue.
 BULK_WAIT_MAX_SLICE = 1.0
 
