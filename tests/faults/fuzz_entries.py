@@ -469,7 +469,7 @@ kwargs_values = st.one_of(
     hostile,
 )
 HEADER_NAMES = ("expires", "eta", "timelimit", "retries", "shadow", "root_id", "parent_id", "group", "group_index",
-                "argsrepr", "kwargsrepr", "origin", "ignore_result", "redelivered", "embedq_resent",
+                "argsrepr", "kwargsrepr", "origin", "embedq_client", "ignore_result", "redelivered", "embedq_resent",
                 "embedq_sent_at", "stamps", "stamped_headers", "replaced_task_nesting", "lang", "priority",
                 "reply_to", "correlation_id", "chord", "periodic_task_name")
 header_values = st.one_of(
