@@ -4,7 +4,8 @@ A job's outcome is the record :class:`embedq.results.ResultStore` writes: Celery
 ``celery-task-meta-<id>``, published on a channel of the same name when it is stored. :class:`AsyncResults`
 keeps one pub/sub connection subscribed to the channels of the jobs it waits for, reads the key once right
 after subscribing (a job that finished before the subscription) and reads every waiting key again every
-:data:`POLL_SECONDS` (a notification lost while Redis restarted). Records are decoded by the app's own result
+:data:`POLL_SECONDS` (a notification lost while Redis restarted; a waiter that meets Redis away while it subscribes
+waits on, read by the poller). Records are decoded by the app's own result
 backend, so a failed job raises its typed :class:`~embedq.errors.EmbedqError`, as ``JobHandle.result`` does.
 """
 
@@ -16,6 +17,8 @@ import logging
 from typing import Any
 
 from celery import Celery, states
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from embedq import errors
 
@@ -27,6 +30,9 @@ POLL_SECONDS = 1.0
 #: waits for a free one (up to POOL_WAIT seconds) instead of failing when thousands of requests read at once.
 MAX_CONNECTIONS = 32
 POOL_WAIT = 30.0
+#: Errors of a broker that is away (restarting, unreachable): a waiter rides them out (its job is sent again by the
+#: client's epoch check where Redis lost it), as the poller does.
+BROKER_AWAY = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class AsyncResults:
@@ -81,10 +87,14 @@ class AsyncResults:
         waiters = self._waiting.setdefault(key, set())
         waiters.add(future)
         try:
-            if len(waiters) == 1:
-                await self.pubsub.subscribe(key)
-                self._subscribed.set()
-            stored = await self.redis.get(key)  # stored before the subscription took effect
+            try:
+                if len(waiters) == 1:
+                    await self.pubsub.subscribe(key)
+                    self._subscribed.set()
+                stored = await self.redis.get(key)  # stored before the subscription took effect
+            except BROKER_AWAY as exc:  # Redis went away just now: the poller reads the key once it is back
+                log.info("result of job %s: waiting for the broker (%s: %s)", job_id, type(exc).__name__, exc)
+                stored = None
             if stored is not None and not future.done():
                 future.set_result(stored)
             try:
