@@ -99,17 +99,30 @@ def test_clients_that_flood_alike_get_even_shares(padded, clients):
     assert all(abs(t - mean) <= 0.1 * mean for t in tokens.values()), tokens
 
 
-def test_a_flood_leaves_a_small_client_its_share_and_fills_the_rest():
-    """One client with 20,480 texts, another with one: the small one's text runs in the next batch, and the batch is
-    still full (the share never idles the model)."""
+def test_a_flood_leaves_a_small_client_a_short_batch_of_its_own():
+    """One client with 20,480 texts, another with one: the small one's text runs in the next batch, a batch of the
+    light clients alone (its answer costs its own text, not a full batch of the flood's); then the flood goes on."""
     s = FairScheduler(max_tokens=2048, max_items=256)
     _flood(s, "a", [32] * 20_480)
     first = s.next_batch()
     assert len(first) == 64  # a alone: its own full batch
     s.add("b", 20, "b")
-    batch = s.next_batch()
-    assert batch[0].key == "b" and len(batch) == 64  # b first, a fills the budget
-    assert list(s.clients) == ["a"]  # b had nothing left: dropped
+    s.add("c", 40, "c")
+    assert [item.key for item in s.next_batch()] == ["c", "b"]  # newest first (each joins at the head), a not in
+    assert list(s.clients) == ["a"]  # b and c had nothing left: dropped
+    assert len(s.next_batch()) == 64
+
+
+def test_a_flood_never_preempts_a_light_batch_and_a_light_client_preempts_the_flood():
+    """At a preemption point of a running online batch only light clients' items run (``light_only``): a flood that
+    waits does not run inside a one-text batch of another client, while a one-text client does inside the flood's."""
+    s = FairScheduler(max_tokens=2048, max_items=256)
+    _flood(s, "a", [32] * 1000)
+    assert s.next_batch(exclude={"b"}, light_only=True) == []  # b's light batch runs: a waits for its end
+    s.add("b", 20, "b")
+    assert [item.key for item in s.next_batch(exclude={"a"}, light_only=True)] == ["b"]
+    _flood(s, "c", [32] * 100)  # c waits for more than its share (2048 / 2 tokens): not light
+    assert s.next_batch(exclude={"a"}, light_only=True) == []
 
 
 @settings(max_examples=150, deadline=None)
@@ -155,10 +168,12 @@ def test_the_traffic_classes_share_each_class_between_its_clients():
     s = TrafficScheduler(max_tokens=1024, max_items=64, online_tokens=256, bulk_share=0.0)
     s.add_many([(("a", i), 16) for i in range(1000)], ONLINE, client="a")
     s.add_many([(("x", i), 16) for i in range(1000)], BULK, client="indexer-x")
-    s.next_batch()
+    assert len(s.next_batch()) == 64  # a alone: the full budget
     s.add(("b", 0), 16, ONLINE, client="b")
-    assert s.next_batch()[0].key == ("b", 0)
-    assert s.waiting_by_client(ONLINE) == {"a": 1000 - 64 - 63}
+    assert s.next_batch()[0].key == ("b", 0)  # b's light batch (bulk rides along within online_tokens)
+    assert s.waiting_by_client(ONLINE) == {"a": 1000 - 64}
+    # while b is about (within CLIENT_HOLD) a's batches are short (online_tokens), so b's next job waits for little
+    assert [item.key[0] for item in s.next_batch()] == ["a"] * 16
     bulk = TrafficScheduler(max_tokens=1024, max_items=64)
     bulk.add_many([(("x", i), 16) for i in range(1000)], BULK, client="indexer-x")
     bulk.next_batch()

@@ -91,12 +91,16 @@ class FairScheduler:
         self._size -= len(items)
 
     def next_batch(self, *, max_tokens: int | None = None, max_items: int | None = None,
-                   exclude: Collection[str] = ()) -> list[Item]:
+                   exclude: Collection[str] = (), light_only: bool = False) -> list[Item]:
         """Remove and return the next micro-batch (empty when nothing is buffered); see the module's docstring.
 
         ``max_tokens``/``max_items`` narrow this one batch, as for :meth:`Scheduler.next_batch`; ``exclude``: clients
-        left out of it (those of a running micro-batch this one preempts)."""
+        left out of it (those of a running micro-batch this one preempts); ``light_only``: only clients that wait for
+        less than their share of the budget (empty if none does): a flood does not preempt a light client's batch."""
         names = [c for c in self.clients if c not in exclude] if exclude else list(self.clients)
+        if light_only:
+            share = max((self.max_tokens if max_tokens is None else max_tokens) // len(self.clients), 1)
+            names = [c for c in names if self.clients[c].tokens <= share]
         if not names:
             return []
         if len(names) == 1:  # one client: exactly its own scheduler's batch
@@ -106,9 +110,19 @@ class FairScheduler:
             return batch
         budget = self.max_tokens if max_tokens is None else max_tokens
         cap = self.max_items if max_items is None else max_items
+        quota = max(budget // len(names), 1)
+        if self.clients[names[0]].tokens <= quota:
+            # The head waits for less than its share (a one-text job behind a flood): a short batch of such light
+            # clients alone, so that its answer costs its own texts, not a full batch of the flood's.
+            light = [self.clients[c] for c in names if self.clients[c].tokens <= quota][:cap]
+            batch = light[0].next_batch(max_tokens=budget, max_items=cap)
+            for s in light[1:]:
+                s.fill(batch, max_tokens=budget, max_items=cap)
+            self._taken(batch)
+            self._rotate(names[0])
+            return batch
         # At most ``cap`` clients can have an item in one batch: the others wait their turn in the order.
         order = [self.clients[c] for c in names[:cap]]
-        quota = max(budget // len(names), 1)
         batch = order[0].next_batch(max_tokens=quota, max_items=cap)
         for i, s in enumerate(order[1:], start=2):
             s.fill(batch, max_tokens=min(quota * i, budget), max_items=cap)

@@ -34,6 +34,8 @@ class Scheduler:
         self._buckets: dict[int, OrderedDict[Hashable, Item]] = {}
         self._lengths: list[int] = []  # sorted lengths that have a non-empty bucket
         self._seq = 0
+        #: the lengths of the waiting items, summed (what they would cost run one by one)
+        self.tokens = 0
 
     def __len__(self) -> int:
         return len(self._arrival)
@@ -44,6 +46,7 @@ class Scheduler:
         item = Item(key=key, length=max(int(length), 1), seq=self._seq)
         self._seq += 1
         self._arrival[key] = item
+        self.tokens += item.length
         bucket = self._buckets.get(item.length)
         if bucket is None:
             bucket = self._buckets[item.length] = OrderedDict()
@@ -63,6 +66,7 @@ class Scheduler:
             if item is None:
                 continue
             dropped += 1
+            self.tokens -= item.length
             bucket = self._buckets[item.length]
             del bucket[key]
             if not bucket:
@@ -76,6 +80,7 @@ class Scheduler:
         """Remove and return the oldest item of the bucket ``length`` (which must be non-empty)."""
         _, item = self._buckets[length].popitem(last=False)
         del self._arrival[item.key]
+        self.tokens -= item.length
         return item
 
     def _drop_length(self, length: int) -> None:

@@ -121,6 +121,16 @@ class TrafficScheduler:
         return any(now - at < CLIENT_HOLD for name, at in list(self._online_seen.items())
                    if name not in clients)
 
+    def shared_budget(self) -> int:
+        """Padded tokens the next online micro-batch may cost: ``online_tokens`` while the client at the head of the
+        online order shares the worker with another online client (waiting, or seen within :data:`CLIENT_HOLD`), so
+        that the other's next job waits for a short batch, not a full one of the flood; else ``max_tokens``."""
+        clients = self.classes[ONLINE].clients
+        if not clients:
+            return self.max_tokens
+        head = next(iter(clients))
+        return self.online_tokens if self.other_online_clients(frozenset((head,))) else self.max_tokens
+
     def discard(self, keys: Iterable[Hashable]) -> int:
         keys = list(keys)
         return sum(s.discard(keys) for s in self.classes.values())
@@ -142,11 +152,12 @@ class TrafficScheduler:
     def next_online_batch(self, exclude: Collection[str] = ()) -> list[Item]:
         """A micro-batch of online items alone, to run between two layers of a running batch (counted as
         contention); empty when no online item waits or bulk is owed its share. ``exclude``: the clients of a
-        running online batch (their items wait for it; only other clients' items preempt it)."""
+        running online batch (their items wait for it; only the items of other clients that wait for less than their
+        share preempt it: a flood never preempts a light client's short batch)."""
         online = self.classes[ONLINE]
         if not online or self.bulk_owed():
             return []
-        batch = online.next_batch(exclude=exclude)
+        batch = online.next_batch(exclude=exclude, light_only=bool(exclude))
         self.served[ONLINE] += sum(item.length for item in batch)
         return batch
 
@@ -156,19 +167,19 @@ class TrafficScheduler:
         if not online or not bulk:  # no contention: one class, and the share count restarts
             self.served = dict.fromkeys(TRAFFIC_CLASSES, 0)
             if online:
-                return online.next_batch()
+                return online.next_batch(max_tokens=self.shared_budget())
             batch = bulk.next_batch(max_tokens=self.bulk_budget())
             if self.preemptive:  # online items that come while it runs preempt it: that is contention
                 self.served[BULK] += sum(item.length for item in batch)
             return batch
         first = BULK if self.bulk_owed() else ONLINE
         if self.preemptive:  # one class per batch
-            batch = self.classes[first].next_batch()
+            batch = self.classes[first].next_batch(max_tokens=self.shared_budget() if first == ONLINE else None)
             self.served[first] += sum(item.length for item in batch)
             return batch
         second = BULK if first == ONLINE else ONLINE
-        if first == ONLINE:  # online at the full budget; bulk only while the batch stays short
-            batch = online.next_batch()
+        if first == ONLINE:  # online at its budget; bulk only while the batch stays short
+            batch = online.next_batch(max_tokens=self.shared_budget())
             fill_budget = self.online_tokens
         else:  # bulk's turn: a short bulk batch, then the waiting online items ride along
             batch = bulk.next_batch(max_tokens=self.online_tokens)

@@ -36,7 +36,7 @@ from typing import Any
 
 from embedq import errors
 from embedq.backends.base import Backend
-from embedq.batching import Scheduler, batch_cost
+from embedq.batching import Scheduler
 from embedq.batching.traffic import BULK, ONLINE, Deadlines, TrafficScheduler
 from embedq.settings import Settings
 from embedq.workers import memory
@@ -297,10 +297,10 @@ class EmbeddingService(MicroBatches):
 
     def _preemptible(self, batch: list[Any]) -> bool:
         """Whether online micro-batches may pause this one between two layers, and whose items they may hold (set
-        in ``_preempt_exclude``): a bulk batch, by anyone's; a large online batch (costing more than the online
-        budget: a short one is over before a pause would help), by clients with nothing in it, while another client has
-        online work waiting or sent some lately (``CLIENT_HOLD``) (issue 50: a flood of one client does not hold
-        another's one-text job for a whole micro-batch; one client alone keeps the faster unlayered runtime)."""
+        in ``_preempt_exclude``): a bulk batch, by anyone's; an online batch, by clients with nothing in it, while
+        another client has online work waiting or sent some lately (``CLIENT_HOLD``) (issue 50: a flood of one client
+        does not hold another's one-text job for a whole micro-batch, not even for the short one the scheduler then
+        makes, ``online_tokens``; one client alone keeps the faster unlayered runtime)."""
         self._preempt_exclude = frozenset()
         if not self.preemptive:
             return False
@@ -308,9 +308,6 @@ class EmbeddingService(MicroBatches):
         if all(job.traffic_class == BULK for job in jobs):
             return True
         if any(job.traffic_class == BULK for job in jobs):
-            return False
-        lengths = [item.length for item in batch]
-        if batch_cost(lengths, padded=self.backend.is_padded) <= self.scheduler.online_tokens:
             return False
         clients = frozenset(job.client for job in jobs)
         if not self.scheduler.other_online_clients(clients):  # one client alone: nobody to let in, keep its runtime
