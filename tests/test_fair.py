@@ -197,3 +197,17 @@ def test_another_online_client_is_seen_while_it_waits_or_sent_within_the_hold():
     assert not s.other_online_clients(frozenset({"a"}))
     s.add("c1", 8, BULK, "c")  # bulk clients do not count
     assert not s.other_online_clients(frozenset({"a"}))
+
+
+def test_online_items_preempt_a_running_online_batch_again_and_again_while_no_bulk_waits():
+    """The bulk share is owed only while bulk items wait: with online work alone, every preemption point of a flood's
+    batch lets a light client's newest item in, not just the first one (the second was refused as "bulk owed")."""
+    s = TrafficScheduler(max_tokens=1024, max_items=64, bulk_share=0.1)
+    s.add_many([(("a", i), 16) for i in range(1000)], ONLINE, client="a")
+    assert len(s.next_batch()) == 64
+    for i in range(5):
+        s.add(("b", i), 16, ONLINE, client="b")
+        assert [item.key for item in s.next_online_batch(exclude={"a"})] == [("b", i)]
+    s.add(("x", 0), 16, BULK, client="indexer")
+    s.add(("b", 5), 16, ONLINE, client="b")
+    assert s.next_online_batch(exclude={"a"}) == []  # bulk waits and is owed its share: it comes first

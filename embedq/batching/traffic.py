@@ -111,6 +111,11 @@ class TrafficScheduler:
         except RuntimeError:  # the order changed while it was copied
             return True
 
+    def still_waiting(self, clients: frozenset[str]) -> bool:
+        """Whether one of ``clients`` has online items waiting (a dict lookup each: safe without the worker's lock)."""
+        waiting = self.classes[ONLINE].clients
+        return any(client in waiting for client in clients)
+
     def other_online_clients(self, clients: frozenset[str]) -> bool:
         """Whether an online client outside ``clients`` has work waiting, or added some within :data:`CLIENT_HOLD`
         seconds: a large online micro-batch of ``clients`` is then worth making preemptible (issue 50), at the cost
@@ -145,7 +150,10 @@ class TrafficScheduler:
         return self.online_tokens if self.online_active() else self.max_tokens
 
     def bulk_owed(self) -> bool:
-        """While both classes contend: bulk has had less than its share of the tokens run."""
+        """While both classes contend: bulk has had less than its share of the tokens run (never while no bulk item
+        waits: online preempting online, issue 50, is no contention with bulk)."""
+        if not self.classes[BULK]:
+            return False
         total = self.served[ONLINE] + self.served[BULK]
         return bool(total) and self.served[BULK] < self.bulk_share * total
 

@@ -298,9 +298,10 @@ class EmbeddingService(MicroBatches):
     def _preemptible(self, batch: list[Any]) -> bool:
         """Whether online micro-batches may pause this one between two layers, and whose items they may hold (set
         in ``_preempt_exclude``): a bulk batch, by anyone's; an online batch, by clients with nothing in it, while
-        another client has online work waiting or sent some lately (``CLIENT_HOLD``) (issue 50: a flood of one client
-        does not hold another's one-text job for a whole micro-batch, not even for the short one the scheduler then
-        makes, ``online_tokens``; one client alone keeps the faster unlayered runtime)."""
+        another client has online work waiting or sent some lately (``CLIENT_HOLD``) and one of its own clients has more
+        waiting (issue 50: a flood of one client does not hold another's one-text job for a whole micro-batch, not
+        even for the short one the scheduler then makes, ``online_tokens``; one client alone, and a light client's
+        batch, keep the faster unlayered runtime)."""
         self._preempt_exclude = frozenset()
         if not self.preemptive:
             return False
@@ -310,6 +311,8 @@ class EmbeddingService(MicroBatches):
         if any(job.traffic_class == BULK for job in jobs):
             return False
         clients = frozenset(job.client for job in jobs)
+        if not self.scheduler.still_waiting(clients):  # a light batch (its clients have nothing more): short, and
+            return False  # nobody lighter to let in: the faster unlayered runtime
         if not self.scheduler.other_online_clients(clients):  # one client alone: nobody to let in, keep its runtime
             return False
         self._preempt_exclude = clients
