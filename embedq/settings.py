@@ -64,8 +64,9 @@ class Settings(BaseSettings):
     online_batch_tokens: int | None = Field(
         default=None, ge=16,
         description="Padded tokens a micro-batch with bulk texts in it may cost while online jobs are about "
-        "(one arrived in the last second): an online job waits behind at most one such batch. Online texts "
-        "alone always use max_batch_tokens. None: 256 on CPU, 4096 on CUDA.",
+        "(one arrived in the last second): an online job waits behind at most one such batch; and what one "
+        "client's online micro-batch may cost while another online client is about (fair share). Online texts "
+        "of one client alone always use max_batch_tokens. None: 256 on CPU, 4096 on CUDA.",
     )
     preempt: bool = Field(
         default=True,

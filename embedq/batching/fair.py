@@ -10,7 +10,10 @@ shares the token budget out between the clients that have items waiting, in roun
   (a client alone in a batch's length range gets the whole batch: the share never idles the model);
 * the head then moves to the end of the order, and a client that had nothing waiting joins at the *head*: its
   first item is in the very next micro-batch, whatever another client has buffered (a one-text job waits about one
-  micro-batch behind a flood, not behind the flood).
+  micro-batch behind a flood, not behind the flood);
+* a *light* client at the head (its waiting items cost at most its quota) gets a batch of the light clients alone,
+  so that its one-text job costs its own text, not a full batch of the flood's (``light_only`` asks for such a batch
+  at a preemption point: a flood never preempts a light client's batch).
 
 With a single client a micro-batch is exactly the one :class:`~embedq.batching.Scheduler` makes (the same items,
 the same order, the same padding): fairness costs nothing until a second client waits. Pure logic, not
