@@ -26,7 +26,7 @@ from embedq.backends import load_backend  # noqa: E402
 from embedq.backends.cpu import cpu_summary  # noqa: E402
 from embedq.batching import Scheduler  # noqa: E402
 
-CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
+CORPUS = ROOT / "data" / "corpus.jsonl"
 
 
 def run(backend, ids: list[list[int]], budget: int, sync) -> tuple[float, int, int]:

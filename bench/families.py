@@ -39,7 +39,7 @@ from embedq.backends.cpu import cpu_summary  # noqa: E402
 from embedq.cli.verify import cosines  # noqa: E402
 from embedq.protocol import EmbedOptions  # noqa: E402
 
-CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
+CORPUS = ROOT / "data" / "corpus.jsonl"
 
 
 def main() -> int:

@@ -38,7 +38,7 @@ from embedq.backends import load_backend, postprocess  # noqa: E402
 from embedq.backends.cpu import cpu_summary  # noqa: E402
 from embedq.batching import Scheduler  # noqa: E402
 
-CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
+CORPUS = ROOT / "data" / "corpus.jsonl"
 
 
 def embed_packed(backend, ids: list[list[int]], *, max_tokens: int, order: list[int],

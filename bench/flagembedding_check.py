@@ -39,7 +39,7 @@ def main() -> None:
     import FlagEmbedding
     from FlagEmbedding import BGEM3FlagModel
 
-    corpus = [json.loads(line)["text"] for line in (ROOT.parent / "shared/data/corpus.jsonl").open()]
+    corpus = [json.loads(line)["text"] for line in (ROOT / "data" / "corpus.jsonl").open()]
     rng = random.Random(0)
     texts = [" ".join(t.split()[:rng.randint(1, 50)]) for t in rng.sample(corpus, 60)]
     with tempfile.TemporaryDirectory() as tmp:

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from bench.models import DEFAULT_DIR, build_sentence_encoder  # noqa: E402
 from bench.pipeline import padded_batches, tree_cpu  # noqa: E402
 
-CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
+CORPUS = ROOT / "data" / "corpus.jsonl"
 MODELS = ("minilm", "bert-base", "bert-large")
 
 

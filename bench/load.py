@@ -44,7 +44,7 @@ from embedq.producers.client import Client  # noqa: E402
 from embedq.producers.embedded import RedisServer, start_worker, stop_worker, wait_for_worker  # noqa: E402
 from embedq.settings import Settings  # noqa: E402
 
-CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
+CORPUS = ROOT / "data" / "corpus.jsonl"
 MIB = 1024 * 1024
 RSS_LIMIT = 1.10  # "flat within 10 %": max RSS of the measured window / its start
 EDGE_S = 5.0  # seconds of RSS samples whose median is the window's start (end)

@@ -49,7 +49,7 @@ from embedq.producers.client import Client  # noqa: E402
 from embedq.producers.embedded import RedisServer, start_worker, stop_worker, wait_for_worker  # noqa: E402
 from embedq.settings import Settings  # noqa: E402
 
-CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
+CORPUS = ROOT / "data" / "corpus.jsonl"
 P50_TARGET = 2.0
 P99_TARGET = 4.0
 BULK_TARGET = 0.85

@@ -1,7 +1,7 @@
 """Overload at the HTTP gateway (issue 50, acceptance c): every request answered within its p99 bar or refused with a
 fast 429, no 5xx, memory flat.
 
-    python bench/overload.py --corpus ../shared/data/corpus.jsonl          # 200 clients, 30 s warm-up, 60 s measured
+    python bench/overload.py                                               # 200 clients, 30 s warm-up, 60 s measured
     python bench/overload.py --clients 20 --seconds 10 --warmup 5          # quick
     python bench/overload.py --code /path/to/other/checkout                # the gateway and worker from other code
 
@@ -263,7 +263,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds a client waits for an answer")
     ap.add_argument("--grace", type=float, default=30.0, help="seconds after the window the requests sent in it may "
                     "still end; those still waiting then are reported (and fail the run)")
-    ap.add_argument("--corpus", help="a JSONL file of {\"text\": ...} (default: generated sample texts)")
+    ap.add_argument("--corpus", default=str(ROOT / "data" / "corpus.jsonl"),
+                    help="a JSONL file of {\"text\": ...} (default: data/corpus.jsonl; '' for generated sample texts)")
     ap.add_argument("--code", default=str(ROOT), help="PYTHONPATH of the gateway and the worker")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()

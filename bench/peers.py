@@ -4,7 +4,7 @@
     python bench/peers.py --n 64 --peers st,ort    # quick, a subset (st, the reference, always runs)
     python bench/peers.py --repeat 3 --json peers.json
 
-Runs, in one go and on the first --n texts of the shared corpus, with the same thread count everywhere
+Runs, in one go and on the first --n texts of data/corpus.jsonl, with the same thread count everywhere
 (OMP_NUM_THREADS, torch.set_num_threads, ONNX Runtime's intra_op_num_threads):
   1. st: sentence-transformers ``encode(batch_size=32)``, torch backend, in this venv (the reference: its
      vectors are the fp32 reference of the cosine column),
@@ -205,7 +205,7 @@ def main() -> None:
 
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "embedq"
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n", type=int, default=1000, help="texts from the shared corpus")
+    p.add_argument("--n", type=int, default=1000, help="texts from data/corpus.jsonl")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for every run")
     p.add_argument("--peers", default=",".join(PEERS),
                    help=f"comma list out of {','.join(PEERS)} (st always runs: it is the reference)")

@@ -45,7 +45,7 @@ from embedq.producers.client import Client  # noqa: E402
 from embedq.producers.embedded import RedisServer, start_worker, stop_worker, wait_for_worker  # noqa: E402
 from embedq.settings import Settings  # noqa: E402
 
-CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
+CORPUS = ROOT / "data" / "corpus.jsonl"
 MODEL_DIR = Path("/tmp/embedq-bench-models/nearfree")
 HIDDEN, LAYERS, HEADS, INTERMEDIATE = SHAPES["nearfree"]
 MAX_SEQ = 256

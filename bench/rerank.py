@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.models import build_cross_encoder, default_model_dir  # noqa: E402
 
-CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
+CORPUS = ROOT / "data" / "corpus.jsonl"
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 TOLERANCE = 1e-5  # DESIGN.md fidelity bar, fp32
 COUNTERS = ("batches", "items", "real_tokens", "padded_tokens", "inference_seconds", "results_seconds",

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from embedq.batching import Item, Scheduler, batch_cost  # noqa: E402
 
-CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
+CORPUS = ROOT / "data" / "corpus.jsonl"
 
 
 class SortingScheduler:

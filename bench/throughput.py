@@ -36,7 +36,7 @@ from embedq.producers.client import Client  # noqa: E402
 from embedq.producers.embedded import RedisServer, start_worker, stop_worker, wait_for_worker  # noqa: E402
 from embedq.settings import Settings  # noqa: E402
 
-CORPUS = ROOT.parent / "shared" / "data" / "corpus.jsonl"
+CORPUS = ROOT / "data" / "corpus.jsonl"
 
 
 def load_texts(n: int) -> list[str]:

@@ -1,4 +1,4 @@
-"""Shared fixtures: a private redis-server, a real worker process, the shared corpus."""
+"""Shared fixtures: a private redis-server, a real worker process, the repository's corpus (data/corpus.jsonl)."""
 
 from __future__ import annotations
 
@@ -22,14 +22,12 @@ from embedq.settings import Settings
 guard_amx()
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
-CORPUS = ROOT_DIR.parent / "shared" / "data" / "corpus.jsonl"
+CORPUS = ROOT_DIR / "data" / "corpus.jsonl"  # carried by the repository (data/README.md)
 #: ``embedq worker`` with the tests' controls (a gate before each micro-batch, a hold inside one, a failing text).
 CONTROLLED_WORKER = [sys.executable, str(Path(__file__).with_name("controlled_worker.py"))]
 
 
 def load_corpus(n: int | None = None) -> list[str]:
-    if not CORPUS.exists():
-        pytest.skip(f"benchmark corpus not found at {CORPUS}")
     texts = []
     with CORPUS.open() as fh:
         for line in fh:
