@@ -316,6 +316,36 @@ def test_option_errors_stop_the_run_and_inputs_from_stdin(worker, tmp_path):
                                atol=1e-6)
 
 
+
+def test_lines_on_stdin_are_texts_and_an_input_with_nothing_usable_leaves_no_output(worker, tmp_path):
+    """Issue 51, item 2: ``printf 'a\\nb\\n' | embedq index - -o a.parquet`` embeds two texts (stdin's format is told
+    by its first line: not a JSON object, so one text per line), where it failed every line as "not JSON" and left an
+    empty output; a JSONL file of plain lines fails each with a hint naming ``--input-format text``, exits 1 and leaves
+    its errors file but no output made of nothing."""
+    out = tmp_path / "a.parquet"
+    proc = subprocess.run(_index_cmd(Path("-"), out), input="\n  \nalpha\nbeta\n", env=_env(worker.settings),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["input"] == "stdin (text)"
+    ids, vectors = _read_parquet(out)
+    assert ids == ["3", "4"]  # line numbers, blank lines counted
+    np.testing.assert_allclose(vectors, _bulk_reference(worker, ["alpha", "beta"]), atol=1e-6)
+
+    proc = subprocess.run(_index_cmd(Path("-"), tmp_path / "j.parquet"), input='{"id": "q", "text": "alpha"}\n',
+                          env=_env(worker.settings), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["input"] == "stdin (jsonl)", proc.stderr
+    assert _read_parquet(tmp_path / "j.parquet")[0] == ["q"]
+
+    src = tmp_path / "lines.jsonl"
+    src.write_text("x\ny\n")
+    bad = tmp_path / "b.parquet"
+    code, summary, stderr = _run(worker.settings, src, bad)
+    assert code == 1 and summary["failed"] == 2 and summary["output_removed"], stderr
+    assert not bad.exists()
+    failures = [json.loads(line) for line in Path(summary["errors_file"]).read_text().splitlines()]
+    assert [f["id"] for f in failures] == ["1", "2"]
+    assert all("--input-format text" in f["message"] for f in failures)
+
 def test_broker_restart_without_persistence_completes_by_resubmitting(corpus, tmp_path):
     """Redis restarts empty mid-run: queued jobs and stored results are gone; the run still completes.
 

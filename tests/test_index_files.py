@@ -85,6 +85,27 @@ def test_csv_tsv_text_parquet_gzip_and_stdin(tmp_path):
     assert out.stdout.strip() == "[('1', 'alpha'), ('2', 'beta')]", out.stderr
 
 
+
+@pytest.mark.parametrize(("given", "fmt", "want"), [
+    ("\n  \nalpha\nbeta\n", "text", [("3", "alpha"), ("4", "beta")]),
+    ('\ufeff{"id": "a", "text": "x"}\n\n{"text": "y"}\n', "jsonl", [("a", "x"), ("3", "y")]),
+    ("[1, 2]\n", "text", [("1", "[1, 2]")]),
+])
+def test_stdin_without_a_format_is_told_by_its_first_line(given, fmt, want):
+    """Issue 51, item 2: JSONL when stdin's first non-blank line is a JSON object, else one text per line; the lines
+    read to tell are read again."""
+    code = ("import sys; from embedq.producers.index.sources import Source; s = Source('-'); "
+            "print([(r.id, r.text) for r in s], s.describe())")
+    out = subprocess.run([sys.executable, "-c", code], input=given, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == f"{want} stdin ({fmt})", out.stderr
+
+
+def test_a_line_that_is_not_json_names_the_text_format(tmp_path):
+    src = tmp_path / "lines.jsonl"
+    src.write_text("one text\n")
+    [record] = Source(str(src))
+    assert record.error is not None and "--input-format text" in record.error.message
+
 def test_source_refusals(tmp_path):
     with pytest.raises(errors.InvalidOption, match="--input-format"):
         Source(str(tmp_path / "x.unknown"))

@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "milvus://host:19530?collection=docs, milvus:///absolute/path/file.db?collection=docs (Milvus Lite; "
                    "pip install 'embedq[milvus]'); docs/INDEXING.md")
     i.add_argument("--input-format", choices=["jsonl", "csv", "tsv", "parquet", "text"],
-                   help="default: from the input's suffix (jsonl for stdin)")
+                   help="default: from the input's suffix; stdin: jsonl if its first line is a JSON object, else text")
     i.add_argument("--output-format", choices=["parquet", "npy", "jsonl"], help="default: from the output's suffix")
     i.add_argument("--text-field", default="text", help="field or column holding the text (default: text)")
     i.add_argument("--id-field", help="field or column holding the id (default: id when present, else the line "

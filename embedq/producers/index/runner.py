@@ -203,6 +203,11 @@ class Indexer:
             raise
         else:
             self._finish(t0, complete=True)
+            remove_empty = getattr(self.target, "remove_empty", None)
+            if created and self.sink.manifest.fingerprint is None and remove_empty is not None:
+                remove_empty()  # no record had a usable text: no output made of nothing (its errors file stays)
+                self.summary.output_removed = True
+                return
             if self.config.ann_index:  # after the load, timed on its own line of the summary
                 self.summary.ann_index, self.summary.ann_index_seconds = self.target.build_index()
 
@@ -262,6 +267,7 @@ class Indexer:
         assert self.sink is not None
         self.stop.finishing = True  # a stop asked now waits for the commit (a second one quits at once)
         s = self.summary
+        s.input = self.source.describe()  # stdin's format is known once it was read
         try:
             if self.sink.manifest.fingerprint is not None:
                 self.sink.commit()

@@ -382,14 +382,15 @@ class JsonlSink(Sink):
 _SINKS: dict[str, type[Sink]] = {"parquet": ParquetSink, "npy": NpySink, "jsonl": JsonlSink}
 
 
-def remove_output(path: Path, fmt: str) -> None:
-    """Delete an output and its sidecars (``--overwrite``)."""
+def remove_output(path: Path, fmt: str, *, keep_errors: bool = False) -> None:
+    """Delete an output and its sidecars (``--overwrite``); ``keep_errors``: not its errors file (a run that wrote no
+    row leaves only the list of what failed)."""
     cls = _SINKS[fmt]
     if path.is_dir() and fmt == "parquet":
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)
-    for side in [*cls.sidecars(path), sidecar(path, ".errors.jsonl")]:
+    for side in [*cls.sidecars(path), *([] if keep_errors else [sidecar(path, ".errors.jsonl")])]:
         side.unlink(missing_ok=True)
 
 

@@ -3,7 +3,8 @@
 Every source streams :class:`Record` objects and never holds the file in memory. A record that
 cannot be used (not JSON, no text field, a bad id) still comes out, carrying its error, so the run
 can write it to the errors file and carry on. Line formats may be gzip-compressed (``.gz``); ``-``
-reads standard input.
+reads standard input (JSONL when its first non-blank line is a JSON object, else one text per line, unless a
+format is given).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import contextlib
 import csv
 import gzip
 import io
+import itertools
 import json
+import logging
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +23,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from embedq import errors
+
+log = logging.getLogger(__name__)
 
 FORMATS = ("jsonl", "csv", "tsv", "parquet", "text")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv",
@@ -34,10 +39,15 @@ class Record:
     error: errors.EmbedqError | None = None
 
 
+#: stdin's format when none is given: told by its first non-blank line (see Source)
+SNIFF = "jsonl or text"
+
+
 def detect_format(path: str) -> str:
-    """The input format named by a file's suffix (``.jsonl.gz`` is jsonl); stdin defaults to jsonl."""
+    """The input format named by a file's suffix (``.jsonl.gz`` is jsonl); stdin's is told by its first line
+    (:data:`SNIFF`: JSONL when it is a JSON object, else one text per line)."""
     if path == "-":
-        return "jsonl"
+        return SNIFF
     name = path.lower().removesuffix(".gz")
     fmt = _SUFFIXES.get(Path(name).suffix)
     if fmt is None:
@@ -64,7 +74,8 @@ class Source:
                  id_field: str | None = None) -> None:
         self.path = path
         self.format = fmt or detect_format(path)
-        if self.format not in FORMATS:
+        self._head: list[bytes] = []  # stdin's lines read to tell its format, read again first
+        if self.format not in (*FORMATS, SNIFF):
             raise errors.InvalidOption(f"unknown input format {self.format!r}; use one of {', '.join(FORMATS)}")
         if path == "-" and self.format == "parquet":
             raise errors.InvalidOption("Parquet cannot be read from stdin (its index is at the end); give a path")
@@ -109,6 +120,8 @@ class Source:
 
     # -- reading -----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Record]:
+        if self.format == SNIFF:
+            return self._sniffed()
         if self.format == "jsonl":
             return self._jsonl()
         if self.format == "text":
@@ -117,6 +130,18 @@ class Source:
             return self._parquet()
         return self._csv()
 
+    def _sniffed(self) -> Iterator[Record]:
+        """stdin with no format given: JSONL when its first non-blank line is a JSON object (``{...}``), else one
+        text per line (``printf 'a\\nb\\n' | embedq index -``); the lines read to tell are read again."""
+        for raw in sys.stdin.buffer:
+            self._head.append(raw)
+            if raw.strip():
+                break
+        first = self._head[-1].removeprefix(b"\xef\xbb\xbf").lstrip() if self._head else b""
+        self.format = "jsonl" if first.startswith(b"{") else "text"
+        log.info("stdin: %s (told by its first line; --input-format to say)", self.format)
+        yield from iter(self)
+
     @property
     def _delimiter(self) -> str:
         return "\t" if self.format == "tsv" else ","
@@ -124,7 +149,8 @@ class Source:
     @contextlib.contextmanager
     def _open_binary(self) -> Iterator[IO[bytes]]:
         if self.path == "-":
-            yield sys.stdin.buffer
+            head, self._head = self._head, []
+            yield itertools.chain(head, sys.stdin.buffer) if head else sys.stdin.buffer  # type: ignore[misc]
         elif self.path.lower().endswith(".gz"):
             with gzip.open(self.path, "rb") as fh:
                 yield fh
@@ -160,7 +186,8 @@ class Source:
             try:
                 row = json.loads(line)
             except ValueError as exc:
-                yield Record(str(n), error=errors.InvalidRecord(f"line {n}: not JSON ({exc})"))
+                yield Record(str(n), error=errors.InvalidRecord(
+                    f"line {n}: not JSON ({exc}); for one text per line, pass --input-format text"))
                 continue
             if not isinstance(row, dict):
                 yield Record(str(n), error=errors.InvalidRecord(f"line {n}: a JSON object was expected"))

@@ -36,6 +36,7 @@ class Summary:
     ann_index: str | None = None  # a database's ANN index built after the load (``--build-index``), and its time
     ann_index_seconds: float | None = None
     notes: list[str] = field(default_factory=list)  # what the output could not take (an output left out, and why)
+    output_removed: bool = False  # no record had a usable text: the run left no output, only its errors file
 
     @property
     def texts_per_second(self) -> float:
@@ -63,7 +64,8 @@ class Summary:
             f"{self.tokens_per_second:,.0f} tokens/s)",
             f"  skipped    {self.skipped:,} already in the output",
             f"  failed     {self.failed:,}" + (f" -> {self.errors_file} ({codes})" if self.failed else ""),
-            f"  output     {self.rows:,} rows" + (f"; {self.fingerprint.describe()}" if self.fingerprint else ""),
+            f"  output     {self.rows:,} rows" + (f"; {self.fingerprint.describe()}" if self.fingerprint else "")
+            + ("; none written: no record had a usable text" if self.output_removed else ""),
         ]
         if self.ann_index is not None:
             lines.append(f"  ann index  {self.ann_index} built in {self.ann_index_seconds or 0:.1f}s (not in the "

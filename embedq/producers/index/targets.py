@@ -131,6 +131,10 @@ class FileTarget:
     def remove(self) -> None:
         remove_output(self.path, self.format)
 
+    def remove_empty(self) -> None:
+        """A run that wrote no row (every record failed): the output made of nothing goes, its errors file stays."""
+        remove_output(self.path, self.format, keep_errors=True)
+
     def open(self, *, vector_dtype: Any, options: dict[str, Any], shard_rows: int, overwrite: bool) -> Sink:
         return open_sink(self.path, self.format, vector_dtype=vector_dtype, options=options, shard_rows=shard_rows,
                          overwrite=overwrite)
