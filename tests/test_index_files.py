@@ -7,6 +7,7 @@ import gzip
 import hashlib
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -244,8 +245,42 @@ def test_one_writer_per_output(tmp_path):
                 f"OutputLock(Path({str(out)!r})).__enter__()")
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         assert proc.returncode != 0 and "another embedq index is writing" in proc.stderr
+    lock = OutputLock(out)
+    assert not lock.path.exists()  # issue 51, item 7: no empty lock file is left beside the output
     with OutputLock(out):  # released on exit, and a dead holder's lock is released by the kernel
+        assert lock.path.exists()
+    code = ("from pathlib import Path; from embedq.producers.index.sinks import OutputLock; "
+            f"OutputLock(Path({str(out)!r})).__enter__(); print('held')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "held" and lock.path.exists()  # a killed holder leaves the file: it is reused
+    with OutputLock(out):
         pass
+    assert not lock.path.exists()
+
+
+def test_a_writer_that_locked_a_file_deleted_meanwhile_locks_the_new_one(tmp_path, monkeypatch):
+    """The holder deletes the lock file when done: a writer that opened the old file before the deletion and locks it
+    after would hold a lock nobody else sees, so it takes the path's new file instead. The holder ends exactly between
+    the writer's open and its flock (the writer's first flock call lets it end first)."""
+    import fcntl
+
+    out = tmp_path / "out.parquet"
+    holder = OutputLock(out).__enter__()
+    real, calls = fcntl.flock, []
+
+    def flock(fd: int, operation: int) -> None:
+        if not calls:
+            holder.__exit__(None, None, None)  # deletes the file the writer has just opened, and releases it
+        calls.append(fd)
+        real(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    writer = OutputLock(out).__enter__()
+    try:
+        assert len(calls) == 2  # the deleted file, then the path's new one
+        assert os.fstat(writer._fh.fileno()).st_ino == os.stat(writer.path).st_ino
+    finally:
+        writer.__exit__(None, None, None)
 
 
 @pytest.mark.parametrize("fmt", ["npy", "jsonl"])

@@ -270,7 +270,8 @@ def test_a_second_writer_is_refused_and_an_adopted_empty_table_gets_the_record(w
     with target.lock():
         code, _, out = run(worker.settings, src, _url(db), cwd=tmp_path)
         assert code == 2 and "another embedq index is writing" in out, out
-    assert (tmp_path / "db.docs.embedq.lock").exists()
+        assert (tmp_path / "db.docs.embedq.lock").exists()
+    assert not (tmp_path / "db.docs.embedq.lock").exists()  # deleted by its holder when done
     code, summary, out = run(worker.settings, src, _url(db), cwd=tmp_path)
     assert code == 0 and summary["rows"] == len(ids), out
     tbl = _table(db)

@@ -434,26 +434,38 @@ def open_sink(path: Path, fmt: str, *, vector_dtype: VectorDtype, options: dict[
 class OutputLock:
     """One writer per output: a second ``embedq index`` on the same output fails at once.
 
-    An ``flock`` on a sibling ``.embedq.lock`` file; the kernel drops it when the holder dies.
+    An ``flock`` on a sibling ``.embedq.lock`` file; the kernel drops it when the holder dies. The holder deletes the
+    file when it is done (no empty file left beside every output); a writer that locked a file deleted meanwhile
+    (its path now names another file, or none) opens the path again, so two writers never hold "the" lock.
     """
 
     def __init__(self, path: Path) -> None:
         self.output = path
-        self.path = sidecar(path, ".embedq.lock")  # left in place: unlinking it would race a new writer
+        self.path = sidecar(path, ".embedq.lock")
         self._fh: Any = None
 
     def __enter__(self) -> OutputLock:
         import fcntl
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "a+")
-        try:
-            fcntl.flock(self._fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._fh.close()
-            raise errors.InvalidOption(f"another embedq index is writing {self.output}; "
-                                       "wait for it or stop it first") from None
-        return self
+        while True:
+            fh = open(self.path, "a+")
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fh.close()
+                raise errors.InvalidOption(f"another embedq index is writing {self.output}; "
+                                           "wait for it or stop it first") from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fh.fileno()).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._fh = fh
+                return self
+            fh.close()  # the last holder deleted the file after this one opened it: lock the path's file
 
     def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(OSError):
+            self.path.unlink()  # still held: a writer that opened it meanwhile finds it gone and opens anew
         self._fh.close()
