@@ -371,6 +371,14 @@ def test_c_status_lists_queue_depths_and_the_live_worker(stack):
         assert "recent throughput" in text and "dead letters: 0" in text
         assert "--wide" in text and "Online and bulk" not in text  # the details are on request
 
+    # Piped with no COLUMNS (a pager, a log): as wide as the table needs, each worker on one line (issue 51, item 7:
+    # it folded at 80 columns)
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    piped = subprocess.run([sys.executable, "-m", "embedq", "status"], env=dict(env, EMBEDQ_BROKER_URL=stack[
+        "server"].url), capture_output=True, text=True, timeout=60).stdout
+    (line,) = [line for line in piped.splitlines() if f"-{worker.proc.pid}@" in line]
+    assert _cells(line)[1].endswith("all-MiniLM-L6-v2") and _cells(line)[2] == "cpu", piped
+
     wide = _status(stack, "--wide", columns=80).stdout  # every column, as wide as they need
     headers, (row,) = _workers_table(wide)
     assert headers[:5] == ["worker", "model", "device", "dtype", "queues"] and "tokens/s" in headers, wide

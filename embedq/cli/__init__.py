@@ -248,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.set_defaults(func=cmd_worker)
 
     i = sub.add_parser(
-        "index", help="embed a file (JSONL, CSV, Parquet, text or stdin) into Parquet, NPY or JSONL; resumable",
+        "index", help="embed a file (JSONL, CSV, Parquet, text or stdin) into Parquet, NPY, JSONL, pgvector, LanceDB "
+        "or Milvus; resumable",
         description="Embed every record of INPUT into OUTPUT. Run the same command again after an "
         "interruption and it embeds only the ids missing from OUTPUT; an OUTPUT made with another model or "
         "other options is refused. Input, broker and a live worker on the queue are checked before OUTPUT is "
@@ -302,8 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_index)
 
     e = sub.add_parser("embed", help="embed texts given as arguments (or stdin lines); prints JSON lines")
-    e.add_argument("texts", nargs="*")
-    e.add_argument("--timeout", type=float, default=120.0)
+    e.add_argument("texts", nargs="*", help="the texts to embed, one argument each (none: one text per line of stdin, "
+                   "blank lines skipped)")
+    e.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="how long to wait for the vectors (default 120); past it: exit 2, [timeout]")
     e.add_argument("--traffic-class", choices=["online", "bulk"], default="online",
                    help="online (default: served first) or bulk (fills the rest of each micro-batch)")
     e.add_argument("--deadline", type=_positive(float), metavar="SECONDS",

@@ -7,6 +7,7 @@ make the command hang; it gives up after the broker timeout.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -201,8 +202,11 @@ def show_status(settings: Settings, *, queues: list[str], as_json: bool, watch: 
         print(json.dumps(take(settings, queues).as_dict(), indent=1, default=str))
         return 0
     snap = take(settings, queues)
-    if wide:  # as wide as the tables need (like `kubectl -o wide`): columns never collapse, the terminal wraps
-        measured = Measurement.get(console, console.options.update(width=1000), render(snap, broker, wide=True))
+    # As wide as the tables need (like `kubectl -o wide`): with --wide, and when the output is a file or a pipe with
+    # no COLUMNS given (a pager, a log, grep): rich would fold every cell at 80 columns there. A terminal, or COLUMNS,
+    # keeps its width (the default table fits 80 columns, folding long names).
+    if wide or (not console.is_terminal and not os.environ.get("COLUMNS")):
+        measured = Measurement.get(console, console.options.update(width=1000), render(snap, broker, wide=wide))
         console = Console(width=max(console.width, measured.maximum), force_terminal=console.is_terminal)
     if not watch:
         console.print(render(snap, broker, wide=wide))
