@@ -100,3 +100,15 @@ def test_a_broker_url_that_is_not_redis_is_named_without_a_traceback_or_files(tm
         assert "EMBEDQ_BROKER_URL: must be a Redis URL starting with redis://" in proc.stderr and shown in proc.stderr
         assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_help_names_every_index_output_and_explains_every_embed_argument():
+    """Issue 51, item 7: `embedq --help` said index writes only Parquet/NPY/JSONL; `embedq embed --help` left its
+    texts and --timeout unexplained."""
+    top = subprocess.run([sys.executable, "-m", "embedq", "--help"], capture_output=True, text=True, timeout=60)
+    assert all(name in top.stdout for name in ("pgvector", "LanceDB", "Milvus")), top.stdout
+    embed = subprocess.run([sys.executable, "-m", "embedq", "embed", "--help"], capture_output=True, text=True,
+                           timeout=60, env=dict(os.environ, COLUMNS="200"))
+    lines = {line.split()[0]: line for line in embed.stdout.splitlines()
+             if line.strip().startswith(("texts", "--timeout"))}
+    assert "stdin" in lines["texts"] and "wait" in lines["--timeout"], embed.stdout
