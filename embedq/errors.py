@@ -58,6 +58,12 @@ one; the gateway counts those in ``embedq_gateway_disconnects_total``.
 from __future__ import annotations
 
 
+def install_hint(extra: str) -> str:
+    """How to add an optional part of embedq: it installs from its checkout (it is on no package index), so the hint
+    names the checkout, not a ``pip install 'embedq[...]'`` that would find nothing."""
+    return f"pip install -e '.[{extra}]' in embedq's checkout (README: Install)"
+
+
 class EmbedqError(Exception):
     """Base of every embedq error."""
 

@@ -252,7 +252,7 @@ def test_d_a_missing_extra_names_it(worker, tmp_path):
     """lancedb made unimportable in the CLI's own process: the run is refused naming the extra."""
     proc = run_without("lancedb", worker.settings, _url(tmp_path / "db"), tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert "pip install 'embedq[lancedb]'" in proc.stderr and not (tmp_path / "db").exists()
+    assert "pip install -e '.[lancedb]' in embedq's checkout" in proc.stderr and not (tmp_path / "db").exists()
 
 
 def test_a_second_writer_is_refused_and_an_adopted_empty_table_gets_the_record(worker, corpus, tmp_path):

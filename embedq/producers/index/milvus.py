@@ -5,8 +5,8 @@ Two URL forms (``collection`` is embedq's parameter, required):
 * ``milvus://[user[:password]@]host[:port][/database]?collection=NAME[&secure=true]``: a Milvus server (port 19530
   by default; ``secure=true``: TLS). The credentials come from the URL, else from ``MILVUS_TOKEN`` (``user:password``
   or an API key) or ``MILVUS_USER`` / ``MILVUS_PASSWORD``; every message shows the URL with ``***``.
-* ``milvus:///absolute/path/file.db?collection=NAME``: Milvus Lite's local database (``pip install
-  'embedq[milvus]'`` brings it; the file's folder must exist), no server.
+* ``milvus:///absolute/path/file.db?collection=NAME``: Milvus Lite's local database (the ``milvus``
+  extra brings it; the file's folder must exist), no server.
 
 **The collection** is created by the first commit: ``id`` (``VARCHAR`` primary key), then one field per output of the
 kind, by its shape (``embedq/kinds.py`` :class:`~embedq.kinds.Column`; no kind is named here): ``dense`` ->

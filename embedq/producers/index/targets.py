@@ -34,7 +34,7 @@ from embedq.producers.index.sinks import OutputLock, Sink, detect_output_format,
 @dataclass(frozen=True)
 class Backend:
     module: str  # embedq.producers.index.<module>, holding a ``Target`` class
-    extra: str  # pip install 'embedq[<extra>]'
+    extra: str  # the install extra (errors.install_hint)
     needs: tuple[str, ...]  # the modules the extra installs (checked before the sink module is imported)
 
 
@@ -102,7 +102,7 @@ def _require(backend: Backend, scheme: str) -> None:
         except ImportError as exc:
             raise errors.InvalidOption(
                 f"a {scheme}:// output needs the {backend.extra} extra ({module} is not installed: {exc}); "
-                f"pip install 'embedq[{backend.extra}]'") from None
+                f"{errors.install_hint(backend.extra)}") from None
 
 
 class FileTarget:
