@@ -28,6 +28,7 @@ The tree (class, ``code``, HTTP status, ``error_type``; ``*``: retryable)::
     │   ├── InvalidRecord        invalid_record       422 Validation
     │   ├── DuplicateId          duplicate_id         422 Validation
     │   ├── OutputMismatch       output_mismatch      422 Validation
+    │   ├── OutputUnsupported    output_unsupported   422 Validation  indexer: the target lacks what it needs
     │   ├── TooManyInputs        too_many_inputs      422 Validation  TEI: batch size over the client limit
     │   ├── JobNotFound          job_not_found        404 NotFound    gateway: GET/DELETE /jobs/{id}
     │   └── ModelNotFound        model_not_found      404 NotFound    gateway: a model it does not serve
@@ -172,6 +173,13 @@ class OutputMismatch(ValidationError):
     """An existing output was made by another pipeline (model, options, format): never mixed."""
 
     code = "output_mismatch"
+
+
+class OutputUnsupported(ValidationError):
+    """An output cannot take embedq's rows until its operator adds something (pgvector's extension on a server that
+    lacks it): a run again as it is would fail the same way."""
+
+    code = "output_unsupported"
 
 
 class PayloadTooLarge(EmbedqError):

@@ -244,6 +244,30 @@ def test_d_bad_names_are_refused_before_anything_is_sent(redis_server, pg, tmp_p
     assert not list(tmp_path.glob("*.errors.jsonl"))
 
 
+def test_d_a_database_without_pgvector_its_user_cannot_add_says_what_to_do(redis_server, pg, tmp_path):
+    """Issue 51, item 6: a database without the extension, and a user who may not create it (pgvector is not a
+    trusted extension): refused before anything is sent (exit 2, ``output_unsupported``, not ``invalid_option``), with
+    PostgreSQL's own reason and hint, where pgvector comes from on Debian/Ubuntu and who must create it, in whole
+    sentences (the message was cut: "... as a user allowed to")."""
+    import redis
+
+    with pg.connect() as conn:
+        if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = 'plain'").fetchone():
+            conn.execute(f"CREATE ROLE plain LOGIN PASSWORD '{READER_PASSWORD}'")
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = 'noext'").fetchone():
+            conn.execute("CREATE DATABASE noext OWNER plain")
+    url = f"postgresql://plain:{READER_PASSWORD}@127.0.0.1:{pg.port}/noext?table=docs"
+    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.pgext.{uuid.uuid4().hex[:8]}")
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, ["one text"])
+    code, _, out = run(settings, src, url, "--wait-for-worker", "0", cwd=tmp_path)
+    assert code == 2 and "[output_unsupported]" in out, out
+    assert "permission denied to create extension" in out and "Must be superuser" in out, out  # PostgreSQL's words
+    assert "apt.postgresql.org" in out and "superuser run CREATE EXTENSION vector" in out, out
+    assert out.rstrip().endswith("cannot create it)."), out
+    assert "Traceback" not in out and READER_PASSWORD not in out
+    assert not redis.Redis.from_url(redis_server.url).exists(settings.queue_name, settings.bulk_queue_name)
+
 def test_d_a_missing_extra_names_it(worker, pg, tmp_path):
     """psycopg made unimportable in the CLI's own process: the run is refused naming the extra."""
     proc = run_without("psycopg", worker.settings, pg.url(table="t"), tmp_path)

@@ -138,10 +138,7 @@ class Target:
                     self.conn.commit()
                 except psycopg.Error as exc:
                     self.conn.rollback()
-                    raise errors.InvalidOption(
-                        f"{self.describe()}: the database has no pgvector extension and it could not be created "
-                        f"({str(exc).strip().splitlines()[0]}); install pgvector on the server, then run CREATE "
-                        "EXTENSION vector as a user allowed to") from None
+                    raise errors.OutputUnsupported(missing_extension(self.describe(), exc)) from None
                 cur.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'")
                 row = cur.fetchone()
             self.version = _version(row[0])
@@ -456,3 +453,16 @@ class PgvectorSink(Sink):
         """Uncommitted rows are rolled back (the target keeps the connection: its lock, the ANN index)."""
         if self.conn is not None and not self.conn.closed:
             self.conn.rollback()
+
+
+def missing_extension(where: str, exc: Exception) -> str:
+    """What to do when ``CREATE EXTENSION vector`` failed: PostgreSQL's own words (its message, detail and hint),
+    then where pgvector comes from and who may create it."""
+    diag = getattr(exc, "diag", None)
+    said = [getattr(diag, name, None) for name in ("message_primary", "message_detail", "message_hint")]
+    said = [part.strip().rstrip(".") for part in said if part] or [str(exc).strip().splitlines()[0]]
+    return (f"{where}: the database has no pgvector extension, and embedq could not create it (PostgreSQL said: "
+            f"{'; '.join(said)}). pgvector is not part of PostgreSQL: install it on the database server (Debian and "
+            "Ubuntu: the postgresql-<major>-pgvector package from PostgreSQL's own apt repository, apt.postgresql.org, "
+            "or a build from source; docs/INDEXING.md), then have a superuser run CREATE EXTENSION vector in this "
+            "database (it is not a trusted extension: an ordinary user cannot create it).")
