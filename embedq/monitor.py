@@ -31,6 +31,8 @@ DEPTHS_TTL = 5.0
 #: Seconds between two records of a worker: often, as producers admit online jobs by the backlog it carries.
 REPORT_INTERVAL = 1.0
 WORKER_TTL = 15  # seconds a record lives: a loaded worker that misses a few reports stays registered
+#: The ``state`` of a worker's record from its process's start until its model is loaded (``ready`` false).
+STARTING = "starting"
 #: Celery's own exchanges (remote control, replies, events): their queues are not job queues.
 CELERY_EXCHANGES = frozenset({"celery.pidbox", "reply.celery.pidbox", "celeryev"})
 KOMBU_PRIORITY_STEPS = (3, 6, 9)  # kombu keeps priority messages in lists "<queue>\x06\x16<n>"
@@ -167,6 +169,16 @@ class Serving:
     def __bool__(self) -> bool:
         return bool(self.ready)
 
+    @property
+    def starting(self) -> list[dict[str, Any]]:
+        """Live records of workers of ``queue`` still loading their model (``state: starting``, issue 51 item 3): a
+        producer may wait for one rather than fail (bounded by ``worker_start_timeout``)."""
+        return [record for record in self.not_ready if record.get("state") == STARTING]
+
+    def coming(self) -> bool:
+        """A worker serves ``queue`` now, or one is starting that will."""
+        return bool(self.ready or self.starting)
+
     def served(self) -> dict[str, list[str]]:
         """What the live, ready workers serve: each one's queues (joined) -> its models, one entry per model."""
         out: dict[str, list[str]] = {}
@@ -178,8 +190,10 @@ class Serving:
     def describe(self) -> str:
         """Why nothing serves ``queue``, and what is served instead (queue -> model)."""
         text = f"no live worker serves queue {self.queue}"
-        if self.not_ready:
-            text += f" ({len(self.not_ready)} registered but not ready: starting or stopping)"
+        if self.starting:
+            text += f" yet ({len(self.starting)} starting: loading the model)"
+        elif self.not_ready:
+            text += f" ({len(self.not_ready)} registered but not ready: stopping)"
         served = self.served()
         if not served:
             return text + "; no live worker is registered on this broker"

@@ -149,6 +149,11 @@ class Settings(BaseSettings):
         default=30.0, gt=0, description="Seconds a producer's blocking call rides out an unreachable broker "
         "before it raises `unavailable`.",
     )
+    worker_start_timeout: float = Field(
+        default=900.0, gt=0, description="Seconds `embedq index` waits for a worker that is starting (registered, "
+        "loading its model: exporting ONNX, measuring runtimes, a large model) before it gives up; a queue with no "
+        "worker at all, starting or ready, is refused after --wait-for-worker.",
+    )
     resend_after: float | None = Field(
         default=None, gt=0, description="Seconds after which a producer waiting on a job with no result "
         "sends it again under the same id (None: 2 × visibility_timeout). Workers recognise the copy.",

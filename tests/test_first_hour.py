@@ -156,6 +156,28 @@ def test_client_require_worker_raises_no_worker_before_sending(worker):
         assert client.embed(["hello"], timeout=120).shape == (1, 384)
 
 
+def test_a_starting_worker_counts_for_require_worker_and_a_stopping_one_does_not(worker):
+    """Issue 51, item 3: a queue whose only worker is starting (its record: ``state: starting``, not ready) takes jobs
+    (they wait in the queue for it) where ``require_worker`` (the client's, the gateway's) refused them; one whose
+    worker is stopping (not ready, no state) is still refused. The records are written as a worker writes them."""
+    queue = f"{worker.settings.queue_name}.coming"
+    settings = worker.settings.model_copy(update={"queue": queue, "bulk_queue": None})
+    record = {"hostname": f"embedq-cpu-0@{queue}", "pid": 0, "started_at": time.time(), "reported_at": time.time(),
+              "ready": False, "queues": [queue], "model": "m", "device": "cpu"}
+    with Client(settings, require_worker=True) as client:
+        try:
+            monitor.publish_worker(client.redis(), record)  # stopping: not ready, no state
+            client.registry = monitor.Registry()  # no cached read
+            with pytest.raises(errors.NoWorker, match="not ready: stopping"):
+                client.submit(["refused"])
+            monitor.publish_worker(client.redis(), {**record, "state": monitor.STARTING})
+            client.registry = monitor.Registry()
+            handle = client.submit(["waits for the starting worker"])
+            assert monitor.waiting(client.redis(), queue) == 1
+            handle.cancel()
+        finally:
+            monitor.withdraw_worker(client.redis(), record["hostname"])
+
 def test_gateway_answers_503_with_retry_after_within_two_seconds_without_a_worker(redis_server, tmp_path):
     queue = f"embedq.test.first-hour.nobody-{os.getpid()}"
     g = GatewayHandle(redis_server.url, queue, tmp_path / "gw.log")
@@ -320,3 +342,36 @@ def test_sigterm_while_reading_input(worker, tmp_path):
     _, stopped = run.terminate()
     assert stopped["interrupted"] and stopped["rows"] == 2
     _resumes(worker, src, out, ids, stopped)
+
+
+def test_an_indexer_started_together_with_its_worker_waits_for_it_on_a_busy_machine(redis_server, corpus, tmp_path):
+    """Issue 51, item 3: a worker on a first start (empty ONNX and runtime caches: it exports and measures) on a machine
+    two CPU hogs keep busy, and `embedq index` started at the same moment with its default --wait-for-worker (10 s):
+    the worker is "starting" in the registry from its process's start, and the indexer waits for it (saying so) and
+    exits 0 with every text, where it exited 2 after 10 s ("no live worker is registered on this broker")."""
+    queue = f"embedq.test.together.{tmp_path.name[-12:]}"
+    env = _env(EMBEDQ_BROKER_URL=redis_server.url, EMBEDQ_QUEUE=queue,
+               EMBEDQ_ONNX_CACHE=str(tmp_path / "onnx"), EMBEDQ_RUNTIME_CACHE=str(tmp_path / "runtime"))
+    src = tmp_path / "in.jsonl"
+    ids = _write_jsonl(src, corpus[:40])
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    log = (tmp_path / "worker.log").open("w")
+    worker = subprocess.Popen([sys.executable, "-m", "embedq", "worker"], env=env, stdout=log,
+                              stderr=subprocess.STDOUT)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "embedq", "index", str(src), "-o", str(tmp_path / "out.parquet"),
+                               "-q", "--json"], env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr + (tmp_path / "worker.log").read_text()[-3000:]
+        assert "starting worker" in proc.stderr, proc.stderr  # it said what it waited for
+        assert json.loads(proc.stdout)["rows"] == len(ids)
+        assert sorted(pq.read_table(tmp_path / "out.parquet").column("id").to_pylist()) == sorted(ids)
+    finally:
+        for hog in hogs:
+            hog.kill()
+        worker.terminate()
+        try:
+            worker.wait(60)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+        log.close()

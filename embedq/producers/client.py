@@ -351,10 +351,10 @@ class Client(DirectWrites, Collecting):
         return self.registry.serving(self.redis(), queue)
 
     def check_worker(self, queue: str) -> None:
-        """:class:`~embedq.errors.NoWorker`, naming the queue and what the live workers serve, unless a live, ready
-        worker serves ``queue``."""
+        """:class:`~embedq.errors.NoWorker`, naming the queue and what the live workers serve, unless a live worker
+        serves ``queue`` or is starting to (loading its model: the job waits in the queue for it)."""
         found = self.serving(queue)
-        if not found:
+        if not found.coming():
             raise errors.NoWorker(found.describe())
 
     def cancel(self, job_id: str) -> bool:

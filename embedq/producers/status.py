@@ -45,7 +45,8 @@ def _ago(seconds: float) -> str:
 _COLUMNS: dict[str, tuple[bool, Callable[[dict[str, Any], float], str]]] = {
     "worker": (False, lambda w, now: w.get("hostname", "?")),
     "model": (False, lambda w, now: w.get("model", "?")),
-    "device": (False, lambda w, now: w.get("device", "?")),
+    "device": (False, lambda w, now: w.get("device", "?") + (" (starting)" if w.get("state") == monitor.STARTING
+                                                              else "")),
     "dtype": (False, lambda w, now: w.get("dtype", "?")),
     "queues": (False, lambda w, now: ",".join(w.get("queues", []))),
     "held": (True, lambda w, now: f"{w.get('held_messages', 0):,}"),

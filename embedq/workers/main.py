@@ -9,6 +9,7 @@ import socket
 from embedq.broker import make_app
 from embedq.settings import Settings
 from embedq.workers import consumer, memory, observe
+from embedq.workers.announce import Announcer, node_name
 from embedq.workers.replicas import REPLICA_NAME_ENV
 
 
@@ -40,8 +41,15 @@ def run_worker(settings: Settings, *, hostname: str | None = None, loglevel: str
     logging.basicConfig(level=getattr(logging, loglevel.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     memory.configure(settings.memory_policy)  # before torch is imported
+    name = os.environ.get(REPLICA_NAME_ENV) or hostname or default_hostname(settings)
+    announcer = Announcer(settings, node_name(name)).start()  # "starting" in the registry while the model loads
     worker = consumer.Worker(settings)
-    worker.load_service()  # fail fast (non-zero exit) on a model that cannot load
+    try:
+        worker.load_service()  # fail fast (non-zero exit) on a model that cannot load
+    except BaseException:
+        announcer.failed()
+        raise
+    announcer.loaded()
     observe.serve_metrics(worker)  # and on a metrics port that is taken
     app = make_app(settings)
     consumer.register(app, worker)

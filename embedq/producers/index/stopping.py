@@ -103,22 +103,42 @@ def ride_out(client: Client, call: Callable[[], Any], timeout: float, hint: str 
             pause = min(pause * 2, 5.0)
 
 
+#: Seconds between the notes of a wait for a starting worker.
+START_NOTE = 10.0
+
+
 def wait_for_worker(client: Client, queue: str, limit: float, broker_timeout: float) -> None:
     """Return once a live, ready worker serves ``queue`` (the registry, :func:`embedq.monitor.serving`), looking
-    every half second for up to ``limit`` seconds (``inf``: for ever); else :class:`~embedq.errors.NoWorker`
-    naming the queue and what the live workers serve."""
+    every half second. With none at all, for up to ``limit`` seconds (``inf``: for ever), then
+    :class:`~embedq.errors.NoWorker` naming the queue and what the live workers serve. While one is starting (its
+    process registered, its model loading: issue 51 item 3, a worker started together with the indexer) it waits
+    for it, saying so every :data:`START_NOTE` seconds, up to ``worker_start_timeout``."""
     deadline = time.monotonic() + limit
+    start_deadline = time.monotonic() + client.settings.worker_start_timeout
     noted = False
+    next_note = 0.0
     while True:
         found = ride_out(client, lambda: monitor.serving(monitor.live_workers(client.redis()), queue),
                          broker_timeout)
         if found:
             return
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if found.starting:
+            if now >= start_deadline:
+                raise errors.NoWorker(f"{found.describe()}: still starting after "
+                                      f"{client.settings.worker_start_timeout:g}s (EMBEDQ_WORKER_START_TIMEOUT)")
+            if now >= next_note:
+                ages = [time.time() - float(r.get("started_at") or time.time()) for r in found.starting]
+                say(f"waiting for {len(ages)} starting worker{'s' if len(ages) > 1 else ''} of queue {queue} to load "
+                    f"its model (starting for {max(ages):.0f}s; up to {client.settings.worker_start_timeout:g}s, "
+                    "EMBEDQ_WORKER_START_TIMEOUT)")
+                next_note = now + START_NOTE
+            deadline = max(deadline, now + limit)  # one that dies while starting: --wait-for-worker from then
+        elif now >= deadline:
             raise errors.NoWorker(f"{found.describe()} (waited {limit:g}s; --wait-for-worker SECONDS waits "
                                   "longer, inf for ever)")
-        if not noted:
+        elif not noted:
             noted = True
             say(f"{found.describe()}; waiting {'for one' if math.isinf(limit) else f'up to {limit:g}s for one'} "
                 "(--wait-for-worker)")
-        time.sleep(min(0.5, max(deadline - time.monotonic(), 0.01)))
+        time.sleep(0.5 if math.isinf(deadline) else min(0.5, max(deadline - time.monotonic(), 0.01)))
