@@ -28,11 +28,16 @@ def test_index_on_embedded_default_parquet_and_npy(tmp_path, corpus):
         "import sys; from embedq.cli import main; "
         f"a = main(['index', {str(src)!r}, '-o', {str(out)!r}, '--chunk-size', '16', '-q']); "
         f"b = main(['index', {str(src)!r}, '-o', {str(npy)!r}, '--chunk-size', '40', '-q']); "
-        "sys.exit(10 * a + b)"
+        "c = main(['embed', 'hello there']); "
+        "sys.exit(100 * c + 10 * a + b)"
     )
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 11, proc.stderr  # both runs: exit 1 because one input failed
+    assert proc.returncode == 11, proc.stderr  # both runs: exit 1 because one input failed; embed: 0
     assert "150 texts" in proc.stderr
+    # embedq embed on the embedded default says that it starts a broker and a worker (issue 51, item 4), as index does
+    assert proc.stderr.count("no EMBEDQ_BROKER_URL set; starting a private redis-server and worker") == 1, proc.stderr
+    (line,) = proc.stdout.splitlines()
+    assert json.loads(line)["text"] == "hello there" and len(json.loads(line)["embedding"]) == 384
 
     table = pq.read_table(out)
     assert table.num_rows == 150

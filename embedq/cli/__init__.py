@@ -147,7 +147,7 @@ def cmd_embed(ns: argparse.Namespace, settings: Settings) -> int:
     if ns.model:
         settings = settings.model_copy(update={"model": ns.model})
     texts = ns.texts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    with _broker(settings, quiet=True) as live, Client(live) as client:
+    with _broker(settings, quiet=False) as live, Client(live) as client:  # says so on stderr when it starts one
         handle = client.submit(texts, traffic_class=ns.traffic_class, deadline=ns.deadline, **_embedding_options(ns))
         vectors = handle.result(ns.timeout)
     for text, vec in zip(texts, vectors):
