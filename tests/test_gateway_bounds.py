@@ -166,6 +166,8 @@ def test_head_answers_as_get_without_a_body(gateway):
         assert head.status_code == get.status_code == 200, (path, head.status_code, get.status_code)
         assert head.content == b"" and head.headers.get("content-type") == get.headers.get("content-type")
     assert httpx.head(gateway.url + "/embed").status_code == 405  # POST-only routes stay so
+    wrong = httpx.get(gateway.url + "/embed")  # RFC 9110: a 405 names the allowed methods (issue 51, TEI's answer)
+    assert wrong.status_code == 405 and wrong.headers.get("allow") == "POST", wrong.headers
 
 
 # -- strict JSON types --------------------------------------------------------------------------------------

@@ -71,8 +71,9 @@ async def redis_error(request: Request, exc: RedisError) -> JSONResponse:  # the
 
 
 async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-    if exc.status_code in (404, 405):  # no such route: the framework's own answer
-        return JSONResponse({"error": str(exc.detail), "error_type": "NotFound"}, status_code=exc.status_code)
+    if exc.status_code in (404, 405):  # no such route: the framework's own answer (a 405 names what is allowed)
+        return JSONResponse({"error": str(exc.detail), "error_type": "NotFound"}, status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
     message = f"Input validation error: {exc.detail}" if exc.status_code < 500 else str(exc.detail)
     return error_response(request, exc.status_code, "Validation" if exc.status_code < 500 else "Backend", message)
 
