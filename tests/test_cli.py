@@ -117,3 +117,22 @@ def test_help_names_every_index_output_and_explains_every_embed_argument():
     lines = {line.split()[0]: line for line in embed.stdout.splitlines()
              if line.strip().startswith(("texts", "--timeout"))}
     assert "stdin" in lines["texts"] and "wait" in lines["--timeout"], embed.stdout
+
+
+def test_a_rerun_with_nothing_missing_starts_no_broker_on_the_embedded_default(tmp_path, corpus):
+    """Issue 51, item 4: every run on the embedded default paid 15-17 s to start a private broker and worker, even a
+    rerun with nothing left to embed. The rerun now reads the input and the output first: nothing missing, nothing
+    started (no "starting a private redis-server"), exit 0, the output as it was."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": f"doc-{i}", "text": t}) + "\n" for i, t in enumerate(corpus[:20])))
+    out = tmp_path / "out.parquet"
+    command = [sys.executable, "-m", "embedq", "index", str(src), "-o", str(out), "--json"]
+    first = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0 and "starting a private redis-server" in first.stderr, first.stderr
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    again = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert "starting a private redis-server" not in again.stderr and "nothing to embed" in again.stderr, again.stderr
+    summary = json.loads(again.stdout)
+    assert summary["skipped"] == 20 and summary["rows"] == 20 and summary["texts"] == 0
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before

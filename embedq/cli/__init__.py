@@ -105,6 +105,7 @@ def cmd_index(ns: argparse.Namespace, settings: Settings) -> int:
 
     from embedq.producers.client import Client
     from embedq.producers.index import IndexConfig, run_index
+    from embedq.producers.index.runner import nothing_to_embed
     from embedq.producers.index.sources import Source
     from embedq.producers.index.targets import FileTarget, output_target
 
@@ -131,8 +132,12 @@ def cmd_index(ns: argparse.Namespace, settings: Settings) -> int:
         raise KeyboardInterrupt  # handler, once it runs, commits first)
 
     signal.signal(signal.SIGTERM, _stop)
-    with _broker(settings, quiet=ns.quiet) as live, Client(live) as client:
-        summary = run_index(client, source, target, config=config)
+    summary = None
+    if not settings.broker_url and ns.input != "-":  # the embedded default: start nothing if nothing is missing
+        summary = nothing_to_embed(source, target, ns.output_format, config, settings.model, settings.max_chars)
+    if summary is None:
+        with _broker(settings, quiet=ns.quiet) as live, Client(live) as client:
+            summary = run_index(client, source, target, config=config)
     print(summary.render(), file=sys.stderr)
     if ns.json:
         print(json.dumps(summary.as_dict()))
