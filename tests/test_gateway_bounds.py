@@ -159,6 +159,20 @@ def test_a_body_over_the_limit_is_413_chunked_or_sized_and_unread_past_the_limit
     _no_traceback(gateway, since)
 
 
+@pytest.mark.parametrize(("route", "body"), [("/embed", b'{"inputs": "x"}'), ("/v1/embeddings", b'{"input": "x"}'),
+                                             ("/rerank", b'{"query": "q", "texts": ["a"]}')])
+def test_a_body_that_is_not_json_is_400_and_one_without_a_json_content_type_is_415(gateway, route, body):
+    """Issue 51, TEI's contract (axum's JSON extractor): malformed JSON is 400, a body without `Content-Type:
+    application/json` (curl -d sends a form's) is 415; both were 422. A body that is JSON but wrong stays 422."""
+    def post(content: bytes, **headers: str) -> httpx.Response:
+        return httpx.post(gateway.url + route, content=content, headers=headers, timeout=30)
+
+    assert post(body[:-3], **{"Content-Type": "application/json"}).status_code == 400
+    for headers in ({"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}, {}):
+        r = post(body, **headers)
+        assert r.status_code == 415 and "application/json" in r.text, (headers, r.status_code, r.text[:200])
+    assert post(b'{"nope": 1}', **{"Content-Type": "application/json; charset=utf-8"}).status_code == 422
+
 # -- HEAD ---------------------------------------------------------------------------------------------------
 def test_head_answers_as_get_without_a_body(gateway):
     for path in ("/health", "/ping", "/", "/metrics", "/info", "/v1/models", "/openapi.json"):

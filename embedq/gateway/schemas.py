@@ -47,7 +47,8 @@ class OpenAIError(BaseModel):
 
 _STATUSES = {400: "empty input, or a body that is not JSON", 401: "missing or wrong API key (when one is set)",
              404: "no such job, or a model this gateway does not serve", 409: "the job was cancelled",
-             413: "request body or result too large", 422: "invalid request", 424: "the job failed in its worker, or "
+             413: "request body or result too large", 415: "a body sent without Content-Type: application/json",
+             422: "invalid request", 424: "the job failed in its worker, or "
              "the model does not serve this route", 429: "the queue is full (Retry-After)",
              503: "no worker, or the broker is unreachable (Retry-After)", 504: "the deadline passed"}
 
@@ -56,8 +57,8 @@ def responses(model: type[BaseModel], *codes: int) -> dict[int | str, dict[str, 
     return {code: {"model": model, "description": _STATUSES[code]} for code in codes}
 
 
-TEI_ERRORS = responses(TeiError, 400, 401, 404, 409, 413, 422, 424, 429, 503, 504)
-OPENAI_ERRORS = responses(OpenAIError, 400, 401, 404, 409, 413, 422, 424, 429, 503, 504)
+TEI_ERRORS = responses(TeiError, 400, 401, 404, 409, 413, 415, 422, 424, 429, 503, 504)
+OPENAI_ERRORS = responses(OpenAIError, 400, 401, 404, 409, 413, 415, 422, 424, 429, 503, 504)
 
 
 def _header(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
