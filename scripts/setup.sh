@@ -17,7 +17,9 @@ command -v node >/dev/null || missing+=(nodejs)
 command -v npm >/dev/null || missing+=(npm)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"; } \
+    # another apt (unattended-upgrades on a fresh machine) may hold the lock: wait for it, up to 10 minutes
+    { apt-get -o DPkg::Lock::Timeout=600 update -q && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 \
+        install -y -q --no-install-recommends "${missing[@]}"; } \
       >/tmp/embedq-setup-apt.log 2>&1 || echo "setup: could not install ${missing[*]} (/tmp/embedq-setup-apt.log)" >&2
   else
     echo "setup: ${missing[*]} not found (installed only as root with apt-get); their tests will be skipped" >&2
