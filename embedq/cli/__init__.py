@@ -105,7 +105,7 @@ def cmd_index(ns: argparse.Namespace, settings: Settings) -> int:
 
     from embedq.producers.client import Client
     from embedq.producers.index import IndexConfig, run_index
-    from embedq.producers.index.runner import nothing_to_embed
+    from embedq.producers.index.precheck import nothing_to_embed
     from embedq.producers.index.sources import Source
     from embedq.producers.index.targets import FileTarget, output_target
 
