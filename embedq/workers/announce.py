@@ -1,18 +1,16 @@
 """A worker's record in the live-worker registry from the moment its process starts (issue 51, item 3).
 
 Loading a model can take minutes on a first start (an ONNX export, the runtime measurements, a large model, a busy
-machine). Until it is loaded the worker's own reporter (:class:`~embedq.workers.metrics.Reporter`, started with Celery)
+machine). Until it is loaded the worker's reporter (:class:`~embedq.workers.metrics.Reporter`, started with Celery)
 has nothing to say, and a producer started together with it (``docker compose up``, a job beside a new pod) found no
-worker and gave up. :class:`Announcer` publishes ``{"state": "starting", "ready": false, queues, model}`` under the
-worker's node name every :data:`~embedq.monitor.REPORT_INTERVAL` seconds while the model loads; the reporter then
-overwrites the same key. A worker whose model cannot load withdraws it, so that nobody waits for it.
+worker and gave up. :func:`announce` starts a reporter of its own that publishes ``{"state": "starting", "ready":
+false, queues, model}`` under the worker's node name while the model loads; the worker's reporter then overwrites the
+same key. A worker whose model cannot load withdraws it, so that nobody waits for it.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 import time
 from typing import Any
 
@@ -20,8 +18,7 @@ from embedq import monitor
 from embedq.broker import redis_client
 from embedq.settings import Settings
 from embedq.version import __version__
-
-log = logging.getLogger(__name__)
+from embedq.workers.metrics import Reporter
 
 
 def node_name(name: str) -> str:
@@ -31,55 +28,21 @@ def node_name(name: str) -> str:
     return host_format(default_nodename(name))
 
 
-class Announcer(threading.Thread):
-    """Publishes this process's "starting" record until :meth:`loaded` or :meth:`failed` (a daemon thread: a Redis
-    that does not answer never holds the start up)."""
+def starting_record(settings: Settings, hostname: str, started_at: float) -> dict[str, Any]:
+    """The registry record of a worker whose model is loading."""
+    return {"hostname": hostname, "pid": os.getpid(), "started_at": started_at, "reported_at": time.time(),
+            "ready": False, "state": monitor.STARTING, "version": __version__, "queues": settings.queues,
+            "model": settings.model, "device": settings.device}
 
-    def __init__(self, settings: Settings, hostname: str) -> None:
-        super().__init__(name="embedq-announcer", daemon=True)
-        self.settings = settings
-        self.hostname = hostname
-        self.started_at = time.time()
-        self._stop_event = threading.Event()
-        self._redis: Any = None
 
-    def record(self) -> dict[str, Any]:
-        settings = self.settings
-        return {"hostname": self.hostname, "pid": os.getpid(), "started_at": self.started_at,
-                "reported_at": time.time(), "ready": False, "state": monitor.STARTING, "version": __version__,
-                "queues": settings.queues, "model": settings.model, "device": settings.device}
-
-    def run(self) -> None:
-        while True:
-            try:
-                if self._redis is None:
-                    self._redis = redis_client(self.settings, timeout=2.0)
-                if not self._stop_event.is_set():
-                    monitor.publish_worker(self._redis, self.record())
-            except Exception as exc:  # Redis away: producers see no worker until it is back
-                log.debug("could not announce the starting worker: %s", type(exc).__name__)
-            if self._stop_event.wait(monitor.REPORT_INTERVAL):
-                return
-
-    def start(self) -> Announcer:
-        if self.settings.broker_url:
-            super().start()
-        return self
-
-    def loaded(self) -> None:
-        """The model is loaded: stop announcing (the record stands until the worker's reporter overwrites it)."""
-        self._end()
-
-    def failed(self) -> None:
-        """The model cannot load: the worker exits, and its record goes with it."""
-        self._end()
-        if self.settings.broker_url:
-            try:
-                monitor.withdraw_worker(self._redis or redis_client(self.settings, timeout=2.0), self.hostname)
-            except Exception:
-                log.debug("could not withdraw the starting worker's record")
-
-    def _end(self) -> None:
-        self._stop_event.set()
-        if self.is_alive():
-            self.join(timeout=5)  # a publish in progress must not put the record back after a withdrawal
+def announce(settings: Settings, hostname: str) -> Reporter | None:
+    """A started reporter of the "starting" record (None without a broker URL): ``stop()`` it once the model is
+    loaded (the record stands until the worker's reporter replaces it), ``withdraw()`` it when the model cannot load.
+    A daemon thread: a Redis that does not answer never holds the start up."""
+    if not settings.broker_url:
+        return None
+    started_at = time.time()
+    reporter = Reporter(lambda: starting_record(settings, hostname, started_at), None,
+                        redis_client(settings, timeout=2.0))
+    reporter.start()
+    return reporter

@@ -9,7 +9,7 @@ import socket
 from embedq.broker import make_app
 from embedq.settings import Settings
 from embedq.workers import consumer, memory, observe
-from embedq.workers.announce import Announcer, node_name
+from embedq.workers.announce import announce, node_name
 from embedq.workers.replicas import REPLICA_NAME_ENV
 
 
@@ -18,9 +18,14 @@ def default_hostname(settings: Settings) -> str:
     return f"embedq-{settings.device.replace(':', '')}-{os.getpid()}@{socket.gethostname()}"
 
 
+def _node(settings: Settings, hostname: str | None) -> str:
+    """The ``--hostname`` this process's worker runs with: a replica's supervisor names it (it runs the supervisor's
+    command line, --hostname included), else the one given, else :func:`default_hostname`."""
+    return os.environ.get(REPLICA_NAME_ENV) or hostname or default_hostname(settings)
+
+
 def worker_argv(settings: Settings, *, hostname: str | None = None, loglevel: str = "INFO") -> list[str]:
-    # A replica's supervisor names it (it runs the supervisor's command line, --hostname included).
-    name = os.environ.get(REPLICA_NAME_ENV) or hostname or default_hostname(settings)
+    name = _node(settings, hostname)
     return [
         "worker",
         # No forking: CUDA must never be initialised before a fork, and the model lives in this
@@ -41,15 +46,16 @@ def run_worker(settings: Settings, *, hostname: str | None = None, loglevel: str
     logging.basicConfig(level=getattr(logging, loglevel.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     memory.configure(settings.memory_policy)  # before torch is imported
-    name = os.environ.get(REPLICA_NAME_ENV) or hostname or default_hostname(settings)
-    announcer = Announcer(settings, node_name(name)).start()  # "starting" in the registry while the model loads
+    announcer = announce(settings, node_name(_node(settings, hostname)))  # "starting" while the model loads
     worker = consumer.Worker(settings)
     try:
         worker.load_service()  # fail fast (non-zero exit) on a model that cannot load
     except BaseException:
-        announcer.failed()
+        if announcer is not None:
+            announcer.withdraw()
         raise
-    announcer.loaded()
+    if announcer is not None:
+        announcer.stop()
     observe.serve_metrics(worker)  # and on a metrics port that is taken
     app = make_app(settings)
     consumer.register(app, worker)

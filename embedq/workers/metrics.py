@@ -275,7 +275,7 @@ class Reporter(threading.Thread):
     A daemon thread, so neither a slow Redis nor a broker restart ever stalls the consumer's event loop.
     """
 
-    def __init__(self, record: Callable[[], dict[str, Any]], metrics: WorkerMetrics, redis: Any,
+    def __init__(self, record: Callable[[], dict[str, Any]], metrics: WorkerMetrics | None, redis: Any,
                  interval: float = monitor.REPORT_INTERVAL) -> None:
         super().__init__(name="embedq-reporter", daemon=True)
         self.record, self.metrics, self.redis, self.interval = record, metrics, redis, interval
@@ -283,10 +283,11 @@ class Reporter(threading.Thread):
         self.hostname: str | None = None
 
     def report(self) -> None:
-        service = self.metrics.service
-        if service is not None:
-            self.metrics.rates.sample(service.stats)
-            self.metrics.throughput.sample(service.stats.items, len(service.scheduler))
+        metrics = self.metrics  # None: a record without rates (a worker still loading its model)
+        service = metrics.service if metrics is not None else None
+        if metrics is not None and service is not None:
+            metrics.rates.sample(service.stats)
+            metrics.throughput.sample(service.stats.items, len(service.scheduler))
         record = self.record()
         self.hostname = record["hostname"]
         monitor.publish_worker(self.redis, record)
@@ -300,10 +301,14 @@ class Reporter(threading.Thread):
             if self._stop_event.wait(self.interval):
                 return
 
-    def withdraw(self) -> None:
+    def stop(self) -> None:
+        """No more reports; the last one stands until its key expires or another record replaces it."""
         self._stop_event.set()
         if self.is_alive() and self is not threading.current_thread():
             self.join(timeout=5)  # a report in progress must not put the record back after it is deleted
+
+    def withdraw(self) -> None:
+        self.stop()
         if self.hostname is not None:
             try:
                 monitor.withdraw_worker(self.redis, self.hostname)
