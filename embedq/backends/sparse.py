@@ -89,8 +89,11 @@ def prune(ids: np.ndarray, values: np.ndarray, top_k: int | None) -> tuple[np.nd
 
 
 class SpladeHead(Head):
+    """``embed_sparse``; and ``embed`` with ``normalize=False``, the same weights as a dense vocabulary-sized vector
+    (TEI's ``/embed`` on a SPLADE model; its default ``normalize=true`` is refused there, 424, and here)."""
+
     name = "splade"
-    kinds = ("embed_sparse",)
+    kinds = ("embed_sparse", "embed")
 
     def __init__(self, encoder: Encoder, strategy: str, activation: str) -> None:
         self.encoder = encoder
@@ -103,6 +106,14 @@ class SpladeHead(Head):
         return f"splade-{self.strategy}" + ("" if self.activation == "relu" else f"-{self.activation}")
 
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
+        if kind == "embed":
+            assert self.info is not None
+            if options.normalize is not False:
+                raise errors.UnsupportedTask("`normalize` is not available for SPLADE models: ask normalize=False "
+                                             "for the weights as a dense vector, or embed_sparse for the sparse ones")
+            if options.dimensions is not None and options.dimensions > self.info.dimension:
+                raise errors.InvalidDimensions(f"dimensions={options.dimensions} is more than the model's "
+                                               f"{self.info.dimension}")
         return prepare_texts(self.encoder, self.info, items, options)
 
     def rows(self, output: Any, mask: torch.Tensor, index: Any, batch: Sequence[Encoded]) -> list[Any]:
@@ -113,6 +124,17 @@ class SpladeHead(Head):
     def finish(self, kind: str, rows: list[Any], prepared: Prepared, options: Any) -> dict[str, Any]:
         info = self.info
         assert info is not None
+        if kind == "embed":  # the weights densely, cut to ``dimensions`` (TEI's Matryoshka cut, on SPLADE too)
+            width = options.dimensions or info.dimension
+            dense = np.zeros((len(rows), width), dtype=np.float32)
+            for i, (ids, values) in enumerate(rows):
+                keep = ids < width
+                dense[i, ids[keep]] = values[keep]
+            fingerprint = Fingerprint(kind="embed", model=info.model_id, weights_sha256=info.weights_sha256,
+                                      pooling=self.pooling, normalize=False, dimensions=width, dtype=info.dtype,
+                                      prompt=prepared.state.get("prompt"), embedq_version=__version__)
+            return encode_result("embed", {"vectors": dense}, fingerprint, items=len(rows), tokens=prepared.tokens,
+                                 encoding=options.encoding)
         kept = [prune(ids, values, options.top_k) for ids, values in rows]
         lengths = np.fromiter((len(ids) for ids, _ in kept), dtype=np.int64, count=len(kept))
         offsets = np.zeros(len(kept) + 1, dtype=np.int32)
@@ -170,8 +192,9 @@ def load_sparse(folder: Path, transformer_dir: Path, st_config: dict[str, Any], 
     head = SpladeHead(encoder, strategy, activation)
     prompts, default_prompt_name = read_prompts(folder)
     info = base_info(folder, encoder, model_id=model_id, dimension=vocab, pooling=head.pooling, normalizes=False,
-                     prompts=prompts, default_prompt_name=default_prompt_name, kinds=("embed_sparse", *TOKENIZER_KINDS))
+                     prompts=prompts, default_prompt_name=default_prompt_name,
+                     kinds=("embed_sparse", "embed", *TOKENIZER_KINDS))
     head.info = info
-    backend = ModelBackend(encoder, {"embed_sparse": head, **tokenizer_heads(encoder, info)}, info)
+    backend = ModelBackend(encoder, {"embed_sparse": head, "embed": head, **tokenizer_heads(encoder, info)}, info)
     backend.max_batch_tokens = budget if budget < batch_tokens else None
     return backend

@@ -110,12 +110,30 @@ class Tokenization:
         plen = self.prompt_length(prompt) if prompt else 0
         return [Encoded(d.ids, None, plen) for d in details], plen
 
+    def encode_ids(self, ids: Sequence[int], *, truncate: bool = True, truncation_side: str = "right") -> Encoded:
+        """One input given as token ids (TEI's ``Input::Ids``): the model's own ids as they are, cut to the model's
+        limit on ``truncation_side`` (or :class:`~embedq.errors.TooLong` without ``truncate``); an id outside the
+        vocabulary is :class:`~embedq.errors.InvalidText` (the model has no row for it)."""
+        self._check_side(truncation_side)
+        vocabulary = len(self.tokenizer)
+        bad = next((i for i in ids if i >= vocabulary), None)
+        if bad is not None:
+            raise errors.InvalidText(f"token id {bad} is outside the model's vocabulary of {vocabulary} tokens")
+        row, limit = list(ids), self.max_seq_length
+        if len(row) > limit:
+            if not truncate:
+                raise errors.TooLong(f"an input of {len(row)} token ids is over the model's max_seq_length of {limit}")
+            row = row[:limit] if truncation_side == "right" else row[len(row) - limit:]
+        return Encoded(row, None, 0)
+
     def details(self, texts: Sequence[str], *, prompt: str | None = None, truncate: bool = True,
                 truncation_side: str = "right", add_special_tokens: bool = True,
-                with_strings: bool = True) -> list[Details]:
+                with_strings: bool = True, refuse_long: bool = True) -> list[Details]:
         """Texts tokenized as the model sees them; with ``with_strings`` also token strings, special
         flags and character offsets into ``prompt + text``. A long text is tokenized as far as the model reads it
-        (:class:`~embedq.backends.cutting.Cutter`), with the ids the whole text would give."""
+        (:class:`~embedq.backends.cutting.Cutter`), with the ids the whole text would give. ``truncate=False``
+        refuses a text over the model's limit (:class:`~embedq.errors.TooLong`), or with ``refuse_long=False``
+        gives all its tokens (``tokenize``, which runs no model: TEI's ``/tokenize`` never truncates)."""
         self._check_side(truncation_side)
         full = [prompt + text for text in texts] if prompt else list(texts)
         if truncate and truncation_side == "left" and prompt:
@@ -124,13 +142,14 @@ class Tokenization:
         with self._lock:
             if prompt:
                 self.prompt_length(prompt)
-            windows = self.cutter.plan(full, keep_end)
+            windows = (self.cutter.plan(full, keep_end) if truncate or refuse_long
+                       else [(0, len(text)) for text in full])
             pieces = [s[a:b] for s, (a, b) in zip(full, windows)]
             tokenizer = self._tokenizer_left if keep_end else self.tokenizer
             out = self._call(tokenizer, pieces, None, truncate=truncate, details=with_strings,
                              add_special_tokens=add_special_tokens)
         rows = [list(r) for r in out["ids"]]
-        if not truncate:
+        if not truncate and refuse_long:
             self._too_long(rows, "text", [None if (a, b) == (0, len(s)) else b - a
                                           for s, (a, b) in zip(full, windows)])
         result = [Details(r) for r in rows]

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from embedq import errors
-from embedq.backends.base import Head, ModelInfo, Prepared
+from embedq.backends.base import Encoded, Head, ModelInfo, Prepared
 from embedq.backends.encoder import Encoder
 from embedq.backends.modules import read_json
 from embedq.protocol import Fingerprint, encode_result
@@ -47,13 +47,33 @@ def resolve_prompt(info: ModelInfo, prompt: str | None, prompt_name: str | None)
     return info.prompts[name] or None
 
 
+def encode_items(encoder: Encoder, items: list[Any], *, prompt: str | None, truncate: bool,
+                 truncation_side: str) -> list[Encoded]:
+    """A job's inputs as the model takes them: texts tokenized as sentence-transformers does, an input of token
+    ids (TEI's routes take them) as those ids (:meth:`~embedq.backends.tokenizing.Tokenization.encode_ids`). With
+    a prompt, ids are decoded (special tokens skipped) and tokenized behind it as a text, as TEI does."""
+    if all(isinstance(item, str) for item in items):
+        return encoder.encode_texts(items, prompt=prompt, truncate=truncate, truncation_side=truncation_side)[0]
+    if prompt is not None:
+        tokenizer = encoder.tokenizer
+        vocabulary = len(tokenizer)
+        items = [item if isinstance(item, str) else
+                 tokenizer.decode([i for i in item if i < vocabulary], skip_special_tokens=True) for item in items]
+        return encoder.encode_texts(items, prompt=prompt, truncate=truncate, truncation_side=truncation_side)[0]
+    texts = [item for item in items if isinstance(item, str)]
+    encoded = iter(encoder.encode_texts(texts, truncate=truncate, truncation_side=truncation_side)[0] if texts
+                   else ())
+    return [next(encoded) if isinstance(item, str) else
+            encoder.encode_ids(item, truncate=truncate, truncation_side=truncation_side) for item in items]
+
+
 def prepare_texts(encoder: Encoder, info: ModelInfo | None, texts: list[Any], options: Any) -> Prepared:
-    """A job of texts for a head that runs the model: its prompt resolved (``state["prompt"]``), its texts
-    tokenized as sentence-transformers does, its token count."""
+    """A job of texts (or token-id inputs) for a head that runs the model: its prompt resolved
+    (``state["prompt"]``), its texts tokenized as sentence-transformers does, its token count."""
     assert info is not None
     prompt = resolve_prompt(info, options.prompt, options.prompt_name)
-    encoded, _ = encoder.encode_texts(texts, prompt=prompt, truncate=options.truncate,
-                                      truncation_side=options.truncation_side)
+    encoded = encode_items(encoder, texts, prompt=prompt, truncate=options.truncate,
+                           truncation_side=options.truncation_side)
     return Prepared(encoded, sum(len(e.ids) for e in encoded), {"prompt": prompt})
 
 
@@ -81,7 +101,7 @@ def prepare_texts_many(encoder: Encoder, info: ModelInfo | None, jobs: list[tupl
     for (prompt, truncate, side), members in groups.items():
         texts = [text for j in members for text in jobs[j][0]]
         try:
-            encoded, _ = encoder.encode_texts(texts, prompt=prompt, truncate=truncate, truncation_side=side)
+            encoded = encode_items(encoder, texts, prompt=prompt, truncate=truncate, truncation_side=side)
         except errors.EmbedqError:
             for j in members:
                 try:
@@ -127,7 +147,7 @@ class TokenizeHead(_TokenizerHead):
         prompt = resolve_prompt(self.info, options.prompt, options.prompt_name)
         details = self.encoder.details(items, prompt=prompt, truncate=options.truncate,
                                        truncation_side=options.truncation_side,
-                                       add_special_tokens=options.add_special_tokens)
+                                       add_special_tokens=options.add_special_tokens, refuse_long=False)
         return Prepared([], sum(len(d.ids) for d in details), {"details": details, "prompt": prompt})
 
     def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]:
@@ -145,7 +165,8 @@ class TokenizeHead(_TokenizerHead):
 
 class DecodeHead(_TokenizerHead):
     """Token ids to text, as ``tokenizer.decode`` does (the model's own tokenizer; special tokens skipped unless
-    ``skip_special_tokens=False``). An id outside the vocabulary fails the job, never the worker."""
+    ``skip_special_tokens=False``). An id outside the vocabulary is dropped, as the tokenizers library (and so TEI)
+    drops it."""
 
     name = "decode"
     kinds = ("decode",)
@@ -153,12 +174,7 @@ class DecodeHead(_TokenizerHead):
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
         tokenizer = self.encoder.tokenizer
         vocabulary = len(tokenizer)
-        for i, ids in enumerate(items):
-            top = max(ids)
-            if top >= vocabulary:
-                raise errors.InvalidType(f"ids[{i}] holds {top}, outside the model's vocabulary of {vocabulary} "
-                                         "tokens")
-        texts = tokenizer.batch_decode([list(ids) for ids in items],
+        texts = tokenizer.batch_decode([[i for i in ids if i < vocabulary] for ids in items],
                                        skip_special_tokens=options.skip_special_tokens)
         return Prepared([], sum(len(ids) for ids in items), {"texts": texts})
 

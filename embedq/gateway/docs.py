@@ -15,14 +15,16 @@ from pathlib import Path
 
 from fastapi import APIRouter, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
-from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 
 DOCS, REDOC, OAUTH2_REDIRECT = "/docs", "/redoc", "/docs/oauth2-redirect"
+#: TEI's path of its OpenAPI document (FastAPI's own is ``/openapi.json``; both answer the same document).
+TEI_OPENAPI = "/api-doc/openapi.json"
 #: The files the pages load, each served at ``/docs/<name>`` (their names in fastapi-offline's ``static`` folder).
 ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css",
           "redoc.standalone.js": "text/javascript", "favicon.png": "image/png"}
 #: Every path of the pages and their assets (all public).
-PATHS = frozenset({DOCS, REDOC, OAUTH2_REDIRECT, *(f"{DOCS}/{name}" for name in ASSETS)})
+PATHS = frozenset({DOCS, REDOC, OAUTH2_REDIRECT, TEI_OPENAPI, *(f"{DOCS}/{name}" for name in ASSETS)})
 # A week: the files change only with the installed package.
 _CACHE = {"Cache-Control": "public, max-age=604800"}
 
@@ -49,6 +51,12 @@ for _name, _type in ASSETS.items():
 
 def _url(request: Request, path: str) -> str:
     return f"{request.scope.get('root_path', '')}{path}"  # behind a proxy that mounts the gateway under a prefix
+
+
+@router.get(TEI_OPENAPI)
+async def tei_openapi(request: Request) -> JSONResponse:
+    """The OpenAPI document at TEI's path, for tools pointed at a TEI server's."""
+    return JSONResponse(request.app.openapi())
 
 
 @router.get(DOCS)

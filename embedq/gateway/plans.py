@@ -49,6 +49,21 @@ class Plan:
     options: dict[str, Any]
     answer: Callable[[list[dict[str, Any]]], Any]
     job: Callable[[list[Any]], Any] = _as_job
+    single: bool = False  # one input, not a batch (TEI's te_request_count method label)
+    extra_characters: int = 0  # characters each job adds to its items (rerank: the query, per text)
+
+    @property
+    def characters(self) -> int:
+        """Characters of the inputs, as TEI counts them (``x-compute-characters``): a token id counts one."""
+        return _characters(self.items) + self.extra_characters
+
+
+def _characters(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, (list, tuple)):
+        return sum(_characters(v) for v in value)
+    return 1
 
 
 #: Why token ids are refused, and the client switch that avoids them: LangChain's ``OpenAIEmbeddings`` (and other
@@ -62,11 +77,19 @@ TOKEN_IDS_REFUSED = (
 
 
 def _texts(inputs: Any) -> list[str]:
-    """Strings as a list; token-id arrays are refused (never read as text)."""
+    """Strings as a list; token-id arrays are refused (never read as text): the OpenAI route's and /tokenize's."""
     if isinstance(inputs, str):
         return [inputs]
     if any(not isinstance(x, str) for x in inputs):
         raise errors.InvalidType(TOKEN_IDS_REFUSED)
+    return list(inputs)
+
+
+def _inputs(inputs: Any) -> list[Any]:
+    """TEI's ``Input`` as a list of inputs: a text, or one list of token ids (the model's: embedded as they are),
+    is one input; any other list a batch of texts and id lists."""
+    if isinstance(inputs, str) or (inputs and all(isinstance(x, int) for x in inputs)):
+        return [inputs]
     return list(inputs)
 
 
@@ -90,20 +113,27 @@ def embed_plan(texts: list[str], answer: Callable[[np.ndarray, int], Any], **opt
 
 
 def plan_embed(body: EmbedRequest, settings: Settings) -> Plan:
-    return embed_plan(_texts(body.inputs), lambda vectors, tokens: vectors, normalize=body.normalize,
+    plan = embed_plan(_inputs(body.inputs), lambda vectors, tokens: vectors, normalize=body.normalize,
                       dimensions=body.dimensions, prompt_name=body.prompt_name, **body.job_options())
+    plan.single = _single(body.inputs)
+    return plan
+
+
+def _single(inputs: Any) -> bool:
+    return isinstance(inputs, str) or (bool(inputs) and all(isinstance(x, int) for x in inputs))
 
 
 def plan_sparse(body: TextsRequest, settings: Settings) -> Plan:
     answer = decoded("embed_sparse")
-    return Plan("embed_sparse", _texts(body.inputs), _options(prompt_name=body.prompt_name, **body.job_options()),
-                lambda payloads: [v.to_tei() for chunk in answer(payloads) for v in chunk])
+    return Plan("embed_sparse", _inputs(body.inputs), _options(prompt_name=body.prompt_name, **body.job_options()),
+                lambda payloads: [v.to_tei() for chunk in answer(payloads) for v in chunk],
+                single=_single(body.inputs))
 
 
 def plan_all(body: TextsRequest, settings: Settings) -> Plan:
     answer = decoded("embed_all")
-    return Plan("embed_all", _texts(body.inputs), _options(prompt_name=body.prompt_name, **body.job_options()),
-                lambda payloads: [m for chunk in answer(payloads) for m in chunk])
+    return Plan("embed_all", _inputs(body.inputs), _options(prompt_name=body.prompt_name, **body.job_options()),
+                lambda payloads: [m for chunk in answer(payloads) for m in chunk], single=_single(body.inputs))
 
 
 def plan_rerank(body: RerankRequest, settings: Settings) -> Plan:
@@ -116,24 +146,27 @@ def plan_rerank(body: RerankRequest, settings: Settings) -> Plan:
             ranked = [{"index": e["index"], "text": body.texts[e["index"]], "score": e["score"]} for e in ranked]
         return ranked
 
-    return Plan("rerank", body.texts, _options(raw_scores=bool(body.raw_scores), **body.job_options()), answer,
-                lambda texts: (body.query, texts))
+    return Plan("rerank", body.texts, _options(raw_scores=body.raw_scores, **body.job_options()), answer,
+                lambda texts: (body.query, texts), extra_characters=len(body.query) * len(body.texts))
 
 
 def plan_predict(body: PredictRequest, settings: Settings) -> Plan:
-    inputs = body.inputs  # TEI: "text" and ["a", "b"] (a pair) are one input; anything else a batch
-    single = isinstance(inputs, str) or (len(inputs) == 2 and all(isinstance(x, str) for x in inputs))
-    items: list[Any] = [inputs] if single else [[x] if isinstance(x, str) else list(x) for x in inputs]
-    for item in items:
-        if isinstance(item, list) and len(item) not in (1, 2):
-            raise errors.InvalidType(f"a /predict input is a text or a pair of texts, got {len(item)} texts")
-    items = [item[0] if isinstance(item, list) and len(item) == 1 else item for item in items]
+    inputs = body.inputs  # TEI's PredictInput: a text, or [a] / [a, b], is one input; [[...], ...] a batch
+    single = isinstance(inputs, str) or not inputs or isinstance(inputs[0], str)
+    rows: list[Any] = [inputs] if isinstance(inputs, str) else [inputs] if single else list(inputs)
+    items: list[Any] = []
+    for row in rows:
+        if isinstance(row, list) and len(row) not in (1, 2):
+            raise errors.InvalidType(f"Input validation error: a /predict input is a text or a pair of texts "
+                                     f"[string, string], got {len(row)} texts")
+        items.append(row if isinstance(row, str) else row[0] if len(row) == 1 else list(row))
 
     def answer(payloads: list[dict[str, Any]]) -> Any:
         scores = [row for chunk in decoded("predict")(payloads) for row in chunk]
         return scores[0] if single else scores
 
-    return Plan("predict", items, _options(raw_scores=bool(body.raw_scores), **body.job_options()), answer)
+    return Plan("predict", items, _options(raw_scores=body.raw_scores, **body.job_options()), answer,
+                single=single)
 
 
 def plan_tokenize(body: TokenizeRequest, settings: Settings) -> Plan:
@@ -141,26 +174,27 @@ def plan_tokenize(body: TokenizeRequest, settings: Settings) -> Plan:
 
     def answer(payloads: list[dict[str, Any]]) -> Any:
         size, out = settings.max_texts_per_job, []
-        for n, payload in enumerate(payloads):  # TEI's offsets are bytes of the prompted text; none on specials
+        for n, payload in enumerate(payloads):  # TEI: byte offsets into the prompted text, its slice as the token's
             for text, tokens in zip(texts[n * size:(n + 1) * size], KINDS["tokenize"].decode(payload)):
-                seen = (payload.get("prompt") or "") + text
+                seen = (payload.get("prompt") or "") + text  # text (the vocabulary's string only for specials)
                 for t in tokens:
                     if t["special"]:
                         t["start"] = t["stop"] = None
                     else:
+                        t["text"] = seen[t["start"]:t["stop"]]
                         t["start"] = len(seen[:t["start"]].encode())
-                        t["stop"] = len(seen[:t["stop"]].encode())
+                        t["stop"] = t["start"] + len(t["text"].encode())
                 out.append(tokens)
         return out
 
+    # TEI's /tokenize never truncates: every token of the text, however many the model would read
     return Plan("tokenize", texts, _options(add_special_tokens=body.add_special_tokens,
-                                            prompt_name=body.prompt_name), answer)
+                                            prompt_name=body.prompt_name, truncate=False), answer)
 
 
 def plan_decode(body: DecodeRequest, settings: Settings) -> Plan:
     lists = id_lists(body.ids)
-    skip = True if body.skip_special_tokens is None else body.skip_special_tokens
-    return Plan("decode", lists, {"skip_special_tokens": skip},
+    return Plan("decode", lists, {"skip_special_tokens": body.skip_special_tokens},
                 lambda payloads: [t for p in payloads for t in KINDS["decode"].decode(p)])
 
 

@@ -16,6 +16,7 @@ from embedq.gateway.schemas import (
     responses,
 )
 from embedq.gateway.state import gateway_of
+from embedq.gateway.tei_meta import respond
 
 router = APIRouter()
 
@@ -26,7 +27,7 @@ router = APIRouter()
 async def openai_embeddings(request: Request, body: OpenAIEmbeddingRequest) -> Response:
     gateway = gateway_of(request)
     name = gateway.target(request, body.model)[0]
-    return JSONResponse(await gateway.run(request, plan_openai(body, gateway.settings, name), body.model))
+    return await respond(gateway, request, lambda: plan_openai(body, gateway.settings, name), body.model)
 
 
 @router.get("/v1/models", summary="OpenAI: the models this gateway serves (ready: a live worker serves it)",

@@ -1,15 +1,19 @@
 """TEI's routes: ``POST /embed``, ``/embed_sparse``, ``/embed_all``, ``/rerank``, ``/predict``, ``/tokenize``,
-``/decode``, ``/similarity``, ``POST /`` and ``/invocations`` (the served model's own route), ``GET /info``,
+``/decode``, ``/similarity``, ``POST /`` and ``/invocations`` (the served model's own route), ``POST /vertex``
+(Google Vertex AI's instances), ``GET /info``,
 ``GET /health`` (and ``/``, ``/ping``), and ``GET /metrics``. Each job route plans its body
 (:mod:`embedq.gateway.plans`), sends it and awaits its answer on the app's :class:`~embedq.gateway.state.Gateway`."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
+from pydantic import ValidationError as PydanticValidationError
 
 from embedq import errors
 from embedq.gateway.errors import tei_error
@@ -28,18 +32,21 @@ from embedq.gateway.schemas import (
     TeiError,
     TextsRequest,
     TokenizeRequest,
+    VertexRequest,
     responses,
 )
 from embedq.gateway.state import gateway_of
+from embedq.gateway.tei_meta import respond
 from embedq.version import __version__
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 
-async def _answer(request: Request, kind: str, body: BaseModel) -> Response:
-    """``body`` planned as jobs of ``kind``, sent, awaited: the route's answer."""
+async def _answer(request: Request, kind: str, body: BaseModel, *, headers: bool = True) -> Response:
+    """``body`` planned as jobs of ``kind``, sent, awaited: the route's answer, with TEI's headers and metrics."""
     gateway = gateway_of(request)
-    return JSONResponse(await gateway.run(request, ROUTE_PLANS[kind][1](body, gateway.settings)))
+    return await respond(gateway, request, lambda: ROUTE_PLANS[kind][1](body, gateway.settings), headers=headers)
 
 
 def _job_route(path: str, summary: str) -> Any:
@@ -71,14 +78,14 @@ async def predict(request: Request, body: PredictRequest) -> Response:
     return await _answer(request, "predict", body)
 
 
-@_job_route("/tokenize", "TEI: the tokens the model sees (byte offsets; truncated at its limit)")
+@_job_route("/tokenize", "TEI: the tokens of each text, every one (byte offsets; its slice of the text)")
 async def tokenize(request: Request, body: TokenizeRequest) -> Response:
-    return await _answer(request, "tokenize", body)
+    return await _answer(request, "tokenize", body, headers=False)  # TEI sends none on /tokenize, /decode
 
 
 @_job_route("/decode", "TEI: token ids back to text (the model's tokenizer)")
 async def decode(request: Request, body: DecodeRequest) -> Response:
-    return await _answer(request, "decode", body)
+    return await _answer(request, "decode", body, headers=False)
 
 
 @_job_route("/similarity", "TEI: cosine similarity of a sentence to others")
@@ -89,15 +96,43 @@ async def similarity(request: Request, body: SimilarityRequest) -> Response:
 @_job_route("/", "TEI: the served model's own route (embed, rerank, predict or embed_sparse)")
 @_job_route("/invocations", "SageMaker's path of POST /")
 async def root(request: Request) -> Response:
+    kind = await _model_route(request)
+    return await _answer(request, kind, parse(ROUTE_PLANS[kind][0], await _json(request)))
+
+
+async def _model_route(request: Request) -> str:
+    """The route of the served model's kind (TEI: reranker, classifier, SPLADE, else embeddings)."""
     gateway = gateway_of(request)
     workers = await gateway.workers(gateway.target(request)[1])
     kinds = set((workers[0].get("kinds") or []) if workers else [])
+    return next((k for k in ("rerank", "predict", "embed_sparse") if k in kinds), "embed")  # TEI's order
+
+
+async def _json(request: Request) -> Any:
     try:
-        payload = await request.json()
+        return await request.json()
     except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes (other routes: 400)
         raise errors.InvalidType("Input validation error: the body is not JSON, or is nested too deeply") from None
-    kind = next((k for k in ("rerank", "predict", "embed_sparse") if k in kinds), "embed")  # TEI's order
-    return await _answer(request, kind, parse(ROUTE_PLANS[kind][0], payload))
+
+
+@router.post("/vertex", summary="Google Vertex AI: {\"instances\": [...]}, each instance a request of the served "
+             "model's route", responses=TEI_ERRORS, openapi_extra=JOB_HEADERS)
+async def vertex(request: Request, body: VertexRequest) -> Response:
+    """TEI's ``/vertex``: each instance is a rerank request if it reads as one, else a request of the model's own
+    route (predict for a classifier or reranker, embed_sparse for SPLADE, else embed); the answer is
+    ``{"predictions": [each instance's answer]}``. The instances' jobs are sent together and awaited at once."""
+    gateway = gateway_of(request)
+    own = await _model_route(request)
+    plans = []
+    for instance in body.instances:
+        try:
+            kind, parsed = "rerank", RerankRequest.model_validate(instance)
+        except PydanticValidationError:
+            kind = "predict" if own == "rerank" else own
+            parsed = parse(ROUTE_PLANS[kind][0], instance)
+        plans.append(ROUTE_PLANS[kind][1](parsed, gateway.settings))
+    payloads = await gateway.payloads(request, plans) if plans else []
+    return JSONResponse({"predictions": [plan.answer(p) for plan, p in zip(plans, payloads)]})
 
 
 @router.get("/metrics", summary="Prometheus: the gateway's requests, latencies, disconnects (public)",
@@ -106,7 +141,12 @@ async def root(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-    return Response(generate_latest(gateway_of(request).meter.registry), media_type=CONTENT_TYPE_LATEST)
+    gateway = gateway_of(request)
+    try:  # TEI's te_queue_size: the messages waiting now (Redis away: the last figure stays)
+        gateway.tei.queue_size.set(await asyncio.to_thread(gateway.queue_size))
+    except Exception as exc:
+        log.debug("te_queue_size: cannot read the queues (%s)", exc)
+    return Response(generate_latest(gateway.meter.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/", summary="TEI: health (GET)", response_class=Response,

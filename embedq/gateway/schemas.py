@@ -85,26 +85,32 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+# TEI's fields with a default and no `null` (serde's ``#[serde(default)]`` on a plain type: `null` is refused, 422)
+# are plain types here; only its ``Option`` fields (truncate, prompt_name, dimensions, model, user) take `null`.
 class OpenAIEmbeddingRequest(_Body):
     input: str | list[str] | list[int] | list[list[int]]
     model: str | None = None
-    encoding_format: Literal["float", "base64"] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
 
 
 class _TeiOptions(_Body):
     truncate: bool | None = None
-    truncation_direction: Literal["left", "right", "Left", "Right"] | None = None
+    truncation_direction: Literal["left", "right", "Left", "Right"] = "right"
 
     def job_options(self) -> dict[str, Any]:
         return {"truncate": True if self.truncate is None else self.truncate,
-                "truncation_side": (self.truncation_direction or "right").lower()}
+                "truncation_side": self.truncation_direction.lower()}
+
+
+#: TEI's ``Input``: a text, one input's token ids, or a batch of texts and id lists mixed.
+TeiInput = str | list[int] | list[str | list[int]]
 
 
 class EmbedRequest(_TeiOptions):
-    inputs: str | list[str] | list[int] | list[list[int]]
-    normalize: bool | None = True
+    inputs: TeiInput
+    normalize: bool = True
     prompt_name: str | None = None
     dimensions: int | None = None
 
@@ -112,31 +118,34 @@ class EmbedRequest(_TeiOptions):
 class TextsRequest(_TeiOptions):
     """``/embed_sparse`` and ``/embed_all``."""
 
-    inputs: str | list[str] | list[int] | list[list[int]]
+    inputs: TeiInput
     prompt_name: str | None = None
 
 
 class TokenizeRequest(_Body):
     inputs: str | list[str]
-    add_special_tokens: bool | None = True
+    add_special_tokens: bool = True
     prompt_name: str | None = None
 
 
 class DecodeRequest(_Body):
     ids: list[int] | list[list[int]]
-    skip_special_tokens: bool | None = True
+    skip_special_tokens: bool = True
 
 
 class RerankRequest(_TeiOptions):
     query: str
     texts: list[str]
-    raw_scores: bool | None = False
-    return_text: bool | None = False
+    raw_scores: bool = False
+    return_text: bool = False
 
 
 class PredictRequest(_TeiOptions):
+    """TEI's ``PredictInput``: a text, a pair ``[a, b]`` (or ``[a]``: one text) — one input, answered as one list of
+    scores; or a batch ``[[a], [a, b], ...]`` — one list per input. Three texts, or texts after a list, are refused."""
+
     inputs: str | list[str] | list[list[str]]
-    raw_scores: bool | None = False
+    raw_scores: bool = False
 
 
 class SimilarityInputs(_Body):
@@ -151,6 +160,12 @@ class SimilarityParameters(_TeiOptions):
 class SimilarityRequest(_Body):
     inputs: SimilarityInputs
     parameters: SimilarityParameters | None = None
+
+
+class VertexRequest(_Body):
+    """Google Vertex AI's prediction body (TEI's ``/vertex``): each instance a request body of a TEI route."""
+
+    instances: list[dict[str, Any]]
 
 
 class JobInputs(BaseModel):

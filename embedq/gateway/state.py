@@ -19,6 +19,7 @@ from embedq.gateway.admit import GatewayAdmission, identity
 from embedq.gateway.middleware import GatewayMetrics
 from embedq.gateway.plans import Plan
 from embedq.gateway.results import AsyncResults
+from embedq.gateway.tei_meta import TeiMetrics
 from embedq.producers.client import Client
 from embedq.producers.handle import DEADLINE_GRACE, DEFAULT_RESULT_TIMEOUT
 from embedq.protocol import MAX_DEADLINE_SECONDS
@@ -52,6 +53,7 @@ class Gateway:
         self.client = Client(settings, follow_results=False)
         self.results: AsyncResults | None = None
         self.meter = GatewayMetrics()
+        self.tei = TeiMetrics(self.meter.registry)  # TEI's metric names, beside the gateway's own
         self.admission = GatewayAdmission(self.client)  # per-identity texts in flight; the fast 429
         self._cancelling: set[asyncio.Future[Any]] = set()  # cancels of jobs sent for requests gone meanwhile
         self._watch: asyncio.Task[None] | None = None
@@ -90,16 +92,17 @@ class Gateway:
 
     def target(self, request: Request, model: str | None = None) -> tuple[str, Settings]:
         """The model a request is for, and its settings (its queues): ``model`` (OpenAI's field), else the
-        ``X-Embedq-Model`` header, else the gateway's own model. A gateway of one model takes any name (and
-        answers with it, as TEI does); a gateway of several refuses a name it does not serve (404)."""
+        ``X-Embedq-Model`` header, else the gateway's own model; the name is the served one (TEI answers
+        ``/v1/embeddings`` with its ``--served-model-name``, whatever the request's ``model``). A gateway of one
+        model takes any name; a gateway of several refuses a name it does not serve (404)."""
         name = model or request.headers.get("x-embedq-model") or self.settings.model
         if name in self.models:
             return name, self.models[name]
         if len(self.models) == 1:
-            return name, self.settings
+            return self.settings.model, self.settings
         short = {k.rstrip("/").rsplit("/", 1)[-1]: k for k in self.models}  # "all-MiniLM-L6-v2" for a repo id
         if name in short:
-            return name, self.models[short[name]]
+            return short[name], self.models[short[name]]
         raise errors.ModelNotFound(f"The model `{name}` is not served here (served: {', '.join(self.models)})")
 
     async def workers(self, target: Settings | None = None) -> list[dict[str, Any]]:
@@ -111,6 +114,11 @@ class Gateway:
         if records is None:
             records = await asyncio.to_thread(registry.records, self.client.redis())
         return monitor.serving(records, (target or self.settings).queue_name).ready
+
+    def queue_size(self) -> int:
+        """Messages waiting in the served models' queues, online and bulk (TEI's ``te_queue_size``)."""
+        queues = {q for target in self.models.values() for q in (target.queue_name, target.bulk_queue_name)}
+        return sum(monitor.waiting(self.client.redis(), queue) for queue in sorted(queues))
 
     async def send(self, request: Request, plan: Plan, model: str | None = None, *,
                    require_worker: bool = False, held: list[tuple[str, str, int]] | None = None) -> list[Any]:
@@ -157,19 +165,33 @@ class Gateway:
         cancelling.add_done_callback(self._cancelling.discard)
 
     async def run(self, request: Request, plan: Plan, model: str | None = None) -> Any:
-        """``plan`` sent and awaited: its answer; 503 at once when no live worker serves its queue
-        (``gateway_require_worker``), where the request would wait for a worker with nobody to say so."""
+        """``plan`` sent and awaited: its answer (:meth:`payloads`)."""
+        return plan.answer((await self.payloads(request, [plan], model))[0])
+
+    async def payloads(self, request: Request, plans: list[Plan], model: str | None = None) -> list[list[Any]]:
+        """``plans`` sent (each as its jobs) and awaited together: each plan's result payloads, in order. 503 at
+        once when no live worker serves their queue (``gateway_require_worker``), where the request would wait for
+        a worker with nobody to say so."""
         assert self.results is not None
         held: list[tuple[str, str, int]] = []
         try:
-            return await self._run(request, plan, model, held)
+            return await self._run(request, plans, model, held)
         finally:  # answered, failed or abandoned: its texts are no longer in flight
             for reservation in held:
                 self.admission.release(*reservation)
 
-    async def _run(self, request: Request, plan: Plan, model: str | None, held: list[tuple[str, str, int]]) -> Any:
-        handles = await self.send(request, plan, model, require_worker=self.settings.gateway_require_worker,
-                                  held=held)
+    async def _run(self, request: Request, plans: list[Plan], model: str | None,
+                   held: list[tuple[str, str, int]]) -> list[list[Any]]:
+        assert self.results is not None
+        sent: list[list[Any]] = []
+        try:
+            for plan in plans:
+                sent.append(await self.send(request, plan, model, require_worker=self.settings.gateway_require_worker,
+                                            held=held))
+        except BaseException:  # a later plan refused: the jobs of those sent already must not run
+            await asyncio.gather(*(self._forget(h) for handles in sent for h in handles))
+            raise
+        handles = [h for part in sent for h in part]
         deadline = _deadline(request)
         # past its deadline (and a grace for a job that started just in time) no result will come
         timeout = DEFAULT_RESULT_TIMEOUT if deadline is None else deadline + DEADLINE_GRACE
@@ -199,7 +221,11 @@ class Gateway:
                 raise errors.Expired(f"the request's jobs did not run within its deadline ({deadline:g}s)")
             if isinstance(outcome, BaseException):
                 raise outcome
-        return plan.answer(list(outcomes))
+        out, start = [], 0
+        for part in sent:
+            out.append(list(outcomes[start:start + len(part)]))
+            start += len(part)
+        return out
 
     async def _forget(self, handle: Any) -> None:
         self.client.pending.discard(handle)

@@ -40,6 +40,8 @@ class Job:
     done: bool = False
     suspect: bool = False  # redelivered after its worker died: runs alone (see workers/delivery.py)
     started: float | None = None  # monotonic time its first micro-batch started (set under the service lock)
+    finished: float | None = None  # monotonic time its last row landed
+    tokenize_seconds: float = 0.0  # its share of the tokenizer call that prepared it
     traffic_class: TrafficClass = ONLINE  # from the queue it came from
     deadline: float | None = None  # monotonic time after which it is dropped unless it has started
     canvas: Any = None  # the Celery canvas work its message carries (workers/canvas.py), None for most jobs

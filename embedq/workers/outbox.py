@@ -123,6 +123,12 @@ class Outbox:
         job.rows, job.prepared = None, None  # the job's memory goes with its result
         assert prepared is not None
         payload = self.backend.finish(job.kind, rows, prepared, job.options)
+        # where its time went, in ms (the gateway's TEI headers: x-tokenization-time, x-inference-time): tokenizing
+        # it, and from its first micro-batch's start to its last row (none for a job that runs no model)
+        usage = payload["usage"]
+        usage["tokenization_ms"] = round(job.tokenize_seconds * 1000, 3)
+        if job.started is not None and job.finished is not None:
+            usage["inference_ms"] = round((job.finished - job.started) * 1000, 3)
         size = result_size(payload)
         if size > self.settings.max_result_bytes:
             raise errors.ResultTooLarge(

@@ -179,6 +179,7 @@ class EmbeddingService(MicroBatches):
                     if self.metrics is not None:  # a job's share of the call (jobs that failed it are not counted)
                         self.metrics.observe("tokenize_seconds", each)
                     job.prepared = outcome
+                    job.tokenize_seconds = each
                     job.rows = [None] * job.n_items
                     job.remaining = job.n_items
                     ready.append(job)
@@ -457,7 +458,7 @@ class EmbeddingService(MicroBatches):
     # -- completion --------------------------------------------------------------------------
     def _finish(self, job: Job) -> None:
         """Every item of ``job`` has its row; the results thread does the rest."""
-        job.done = True
+        job.done, job.finished = True, time.monotonic()
         self._outbox.put(job)
 
     def fail(self, job: Job, exc: errors.EmbedqError) -> None:

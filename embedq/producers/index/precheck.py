@@ -10,10 +10,9 @@ from embedq import errors
 from embedq.producers.index.idset import IdSet, digest
 from embedq.producers.index.kinds import index_kind
 from embedq.producers.index.runner import IndexConfig, storage_options
-from embedq.producers.index.sources import Source
+from embedq.producers.index.sources import Source, record_text
 from embedq.producers.index.summary import Summary
 from embedq.producers.index.targets import Target, output_target
-from embedq.protocol import validate_texts
 
 
 def nothing_to_embed(source: Source, output: Path | str | Target, output_format: str | None, config: IndexConfig,
@@ -44,7 +43,7 @@ def nothing_to_embed(source: Source, output: Path | str | Target, output_format:
                 key = digest(rec.id)
                 if rec.error is not None or key in seen or key not in sink.committed:
                     return None
-                validate_texts([rec.text], max_texts=1, max_chars=max_chars)
+                record_text(rec.text, max_chars)
                 seen.add(key)
                 count += 1
             summary = Summary(input=source.describe(), output=target.describe(), skipped=count,

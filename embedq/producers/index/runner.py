@@ -38,11 +38,11 @@ from embedq.producers.client import Client, JobHandle
 from embedq.producers.index.idset import IdSet, digest
 from embedq.producers.index.kinds import INDEX_KINDS, IndexKind, index_kind
 from embedq.producers.index.sinks import Sink, VectorDtype
-from embedq.producers.index.sources import Record, Source
+from embedq.producers.index.sources import Record, Source, record_text
 from embedq.producers.index.stopping import Stop, Stopper, ride_out, say, wait_for_worker
 from embedq.producers.index.summary import Summary
 from embedq.producers.index.targets import Target, output_target
-from embedq.protocol import Fingerprint, decode_result, validate_texts
+from embedq.protocol import Fingerprint, decode_result
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ class Indexer:
                     self.bar.total -= 1
                 continue
             try:
-                validate_texts([rec.text], max_texts=1, max_chars=limits.max_chars)
+                record_text(rec.text, limits.max_chars)
             except errors.EmbedqError as exc:
                 self._fail(rec.id, exc)
                 continue

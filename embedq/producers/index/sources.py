@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from embedq import errors
+from embedq.protocol import validate_texts
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,16 @@ def detect_format(path: str) -> str:
         raise errors.InvalidOption(f"cannot tell the format of {path!r} from its name; pass --input-format "
                                    f"({', '.join(FORMATS)})")
     return fmt
+
+
+def record_text(text: Any, max_chars: int) -> str:
+    """A record's text as the indexer embeds it: what a job takes (:func:`~embedq.protocol.validate_texts`), and
+    not blank. A job embeds a text of whitespace (as TEI does); a record of one is a hole in the data, not a
+    document, so it goes to the errors file instead of becoming a vector."""
+    validate_texts([text], max_texts=1, max_chars=max_chars)
+    if text.isspace():
+        raise errors.EmptyText("inputs[0] is whitespace only (a blank record is not embedded)")
+    return text
 
 
 def clean_id(value: Any, where: str) -> str:
