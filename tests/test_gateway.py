@@ -167,6 +167,18 @@ def test_b_rerank_predict_and_sparse_models_behind_the_gateway(redis_server, cor
                 assert [e["text"] for e in got] == [texts[e["index"]] for e in got]
                 assert max(abs(a["score"] - b["score"]) for a, b in zip(got, want)) <= 1e-6
                 assert [e["index"] for e in httpx.post(g.url + "/", json=body).json()] == [e["index"] for e in want]
+                # TEI: a (query, text) pair is empty only when both are
+                for query, docs, status in (("q", ["", "x"], 200), ("", ["x"], 200), ("", ["x", ""], 400)):
+                    r = httpx.post(g.url + "/rerank", json={"query": query, "texts": docs})
+                    assert r.status_code == status, (query, docs, r.text)
+                    if status == 200:
+                        want_scores = worker.client.rerank(query, docs)
+                        assert [e["index"] for e in r.json()] == [e["index"] for e in want_scores]
+                vertex = httpx.post(g.url + "/vertex", json={"instances": [body, {"inputs": [texts[0], texts[1]]}]})
+                first, second = vertex.json()["predictions"]  # a rerank, then a pair scored as /predict scores it
+                assert [e["index"] for e in first] == [e["index"] for e in want]
+                pair_score = httpx.post(g.url + "/predict", json={"inputs": [texts[0], texts[1]]}).json()
+                assert abs(second[0]["score"] - pair_score[0]["score"]) <= 1e-6
             elif kind == "predict":
                 one = httpx.post(g.url + "/predict", json={"inputs": texts[0]}).json()
                 pair = httpx.post(g.url + "/predict", json={"inputs": [texts[0], texts[1]]}).json()
@@ -183,6 +195,14 @@ def test_b_rerank_predict_and_sparse_models_behind_the_gateway(redis_server, cor
                 # TEI's single-input answer is a flat list, which the hub's client reads as its top element
                 top = InferenceClient(model=g.url).text_classification(texts[0])
                 assert top.label == one[0]["label"] and abs(top.score - one[0]["score"]) <= 1e-6
+                # TEI's PredictInput: ["a"] is one input (a flat list of labels); three texts are refused; a pair
+                # with one empty side is scored, a pair of two empty sides is empty
+                assert httpx.post(g.url + "/predict", json={"inputs": [texts[0]]}).json() == one
+                assert httpx.post(g.url + "/predict", json={"inputs": texts[:3]}).status_code == 422
+                assert httpx.post(g.url + "/predict", json={"inputs": [[texts[0]], "b"]}).status_code == 422
+                assert httpx.post(g.url + "/predict", json={"inputs": [texts[0], ""]}).status_code == 200
+                empty = httpx.post(g.url + "/predict", json={"inputs": [["", ""]]})
+                assert empty.status_code == 400 and empty.json()["error_type"] == "Empty"
                 model_type = httpx.get(g.url + "/info").json()["model_type"]
                 assert set(model_type) == {"classifier"} and len(model_type["classifier"]["id2label"]) == 3
             else:
@@ -199,7 +219,20 @@ def test_b_rerank_predict_and_sparse_models_behind_the_gateway(redis_server, cor
                 routed = httpx.post(g.url + "/", json={"inputs": texts[:2]}).json()
                 assert len(routed) == 2 and max(delta(x, y) for x, y in zip(routed, got[:2])) <= 1e-5
                 wrong = httpx.post(g.url + "/embed", json={"inputs": texts[:2]})
-                assert wrong.status_code == 424 and wrong.json()["error_type"] == "Backend"  # TEI: wrong model type
+                assert wrong.status_code == 424 and wrong.json()["error_type"] == "Backend"  # TEI: normalize on SPLADE
+                assert "normalize" in wrong.json()["error"]
+                # TEI: /embed with normalize:false answers the SPLADE weights densely (a vocabulary-sized vector)
+                dense = httpx.post(g.url + "/embed", json={"inputs": texts[:2], "normalize": False})
+                assert dense.status_code == 200, dense.text
+                for row, sparse in zip(np.asarray(dense.json(), np.float32), got[:2]):
+                    nonzero = np.flatnonzero(row)
+                    assert sparse_delta(list(nonzero), list(row[nonzero]), [e["index"] for e in sparse],
+                                        [e["value"] for e in sparse]) <= 1e-5
+                ids = [t["id"] for t in worker.client.tokenize([texts[0]])[0]]  # TEI: ids as inputs here too
+                by_ids = httpx.post(g.url + "/embed_sparse", json={"inputs": ids}).json()
+                assert delta(by_ids[0], got[0]) <= 1e-5
+                vertex = httpx.post(g.url + "/vertex", json={"instances": [{"inputs": texts[0]}]}).json()
+                assert delta(vertex["predictions"][0][0], got[0]) <= 1e-5
         finally:
             g.stop()
             worker.stop()
@@ -582,7 +615,7 @@ def test_b_decode_as_tei(gateway, worker):
     assert one.status_code == 200 and one.json() == worker.client.decode([ids])
     both = httpx.post(gateway.url + "/decode", json={"ids": [ids, ids[1:3]], "skip_special_tokens": False}).json()
     assert both == worker.client.decode([ids, ids[1:3]], skip_special_tokens=False) and both[0].startswith("[CLS]")
-    assert httpx.post(gateway.url + "/decode", json={"ids": [ids], "skip_special_tokens": None}).json() == one.json()
+    assert httpx.post(gateway.url + "/decode", json={"ids": [ids], "skip_special_tokens": None}).status_code == 422
     bad = httpx.post(gateway.url + "/decode", json={"ids": [[-1]]})
     assert bad.status_code == 422 and bad.json()["error_type"] == "Validation"
     assert httpx.post(gateway.url + "/decode", json={"ids": []}).status_code == 400

@@ -146,7 +146,8 @@ async def metrics(request: Request) -> Response:
         gateway.tei.queue_size.set(await asyncio.to_thread(gateway.queue_size))
     except Exception as exc:
         log.debug("te_queue_size: cannot read the queues (%s)", exc)
-    return Response(generate_latest(gateway.meter.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(gateway.meter.registry) + gateway.tei.counters.exposition(),
+                    media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/", summary="TEI: health (GET)", response_class=Response,

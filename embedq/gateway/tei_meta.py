@@ -65,17 +65,19 @@ class _Counters:
         with self._lock:
             self._values[key] = self._values.get(key, 0.0) + amount
 
-    def collect(self) -> Any:
-        from prometheus_client.metrics_core import Metric
-
+    def exposition(self) -> bytes:
+        """The counters in Prometheus' text format, as TEI's exporter writes them (prometheus_client would name
+        a counter family ``..._total`` in its ``# TYPE`` line)."""
         with self._lock:
             values = dict(self._values)
+        lines = []
         for name, doc in COUNTERS.items():
-            family = Metric(name, doc, "counter")
-            for (sample, labels), value in values.items():
+            lines += [f"# HELP {name} {doc}", f"# TYPE {name} counter"]
+            for (sample, labels), value in sorted(values.items()):
                 if sample == name:
-                    family.add_sample(name, dict(labels), value)
-            yield family
+                    shown = ",".join(f'{k}="{v}"' for k, v in labels)
+                    lines.append(f"{name}{{{shown}}} {value}" if shown else f"{name} {value}")
+        return ("\n".join(lines) + "\n").encode()
 
 
 class TeiMetrics:
@@ -85,8 +87,7 @@ class TeiMetrics:
     def __init__(self, registry: Any) -> None:
         from prometheus_client import Gauge, Histogram
 
-        self.counters = _Counters()
-        registry.register(self.counters)
+        self.counters = _Counters()  # written after the registry's families (GET /metrics)
 
         def histogram(name: str, doc: str) -> Any:
             return Histogram(name, doc, registry=registry, buckets=DURATION_BUCKETS)
