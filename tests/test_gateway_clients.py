@@ -76,7 +76,7 @@ def test_node_openai_sdk_default_base64_dimensions_and_errors(node, gateway, wor
     ])
     # the SDK's default: it asks for base64, the gateway answers strings, the SDK decodes them as float32
     assert default["sent"]["encoding_format"] == "base64" and default["wire"] == "string", default["sent"]
-    assert default["index"] == list(range(len(texts))) and default["model"] == "text-embedding-3-small"
+    assert default["index"] == list(range(len(texts))) and default["model"] == worker.settings.model
     assert default["usage"]["prompt_tokens"] == default["usage"]["total_tokens"] > len(texts)
     assert _delta(default["embeddings"], worker.client.embed(texts)) <= TOLERANCE
     # dimensions: the first 64, renormalised, as the Client's dimensions=64

@@ -186,7 +186,7 @@ def test_every_job_is_checked_before_any_is_sent(redis_server):
     client = _client(redis_server, "invalid")
     r = client.redis()
     queue = client.settings.queue_name
-    bad = [(["fine", "  "], errors.EmptyText), ([], errors.EmptyInput),
+    bad = [(["fine", ""], errors.EmptyText), ([], errors.EmptyInput),
            (["x" * (client.settings.max_chars + 1)], errors.TextTooLong), (3, errors.InvalidType)]
     for job, error in bad:
         jobs = [["ok"], job]

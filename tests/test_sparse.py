@@ -73,7 +73,7 @@ def _dense(vectors: list[SparseVector], width: int) -> np.ndarray:
 @pytest.mark.parametrize("name", ["max", "sum", "max-log1p_relu", "legacy"])
 def test_a_weights_equal_sparse_encoder(name, kernel, models, corpus):
     backend = load_backend(str(models[name]), linear_kernel=kernel)
-    assert backend.info.kinds == ("embed_sparse", "tokenize", "decode")
+    assert backend.info.kinds == ("embed_sparse", "embed", "tokenize", "decode")
     if kernel == "onnxruntime":
         assert backend.info.linear_kernel == "onnxruntime"
     texts = _texts(corpus)
@@ -100,7 +100,7 @@ def test_a_weights_equal_sparse_encoder(name, kernel, models, corpus):
 def test_a_a_bare_masked_lm_folder_with_pooling_splade_equals_its_sparse_encoder_twin(models, corpus):
     texts = _texts(corpus, 20)
     bare = load_backend(str(models["mlm"]), pooling="splade", linear_kernel="torch")
-    assert bare.info.kinds == ("embed_sparse", "tokenize", "decode") and bare.info.pooling == "splade-max"
+    assert bare.info.kinds == ("embed_sparse", "embed", "tokenize", "decode") and bare.info.pooling == "splade-max"
     twin = load_backend(str(models["max"]), linear_kernel="torch")
     got, theirs = _run(bare, texts), _run(twin, texts)
     want = _reference(models["mlm"], texts)  # SparseEncoder on the bare folder: MLM + max SPLADE pooling
