@@ -107,12 +107,16 @@ async def _http_run(url: str, requests: list[list[str]], concurrency: int, path:
     gate = asyncio.Semaphore(concurrency)
     latencies: list[float] = [0.0] * len(requests)
     vectors: list = [None] * len(requests)
+    refused = [0]  # 429s answered (the request is sent again after Retry-After; its latency counts the wait)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as http:
         async def one(i: int) -> None:
             async with gate:
                 t0 = time.perf_counter()
-                r = await http.post(path, json={"input": requests[i], "model": "bench", "encoding_format": encoding})
+                body = {"input": requests[i], "model": "bench", "encoding_format": encoding}
+                while (r := await http.post(path, json=body)).status_code == 429:  # as the openai SDK does
+                    refused[0] += 1
+                    await asyncio.sleep(min(float(r.headers.get("retry-after") or 0.1), 5.0))
                 latencies[i] = time.perf_counter() - t0
                 r.raise_for_status()
                 data = r.json()["data"]
@@ -121,6 +125,8 @@ async def _http_run(url: str, requests: list[list[str]], concurrency: int, path:
 
         t0 = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(len(requests))))
+        if refused[0]:
+            print(f"    ({refused[0]} requests answered 429 and sent again after Retry-After)", flush=True)
         return time.perf_counter() - t0, latencies, vectors
 
 

@@ -156,9 +156,10 @@ class Client(DirectWrites, Collecting):
                             client=client)[0]
 
     def submit(self, texts: str | Sequence[str], **options: Any) -> JobHandle:
-        """Enqueue one embedding job (``embed``); returns a :class:`JobHandle` at once. Options: ``normalize``,
-        ``prompt``, ``prompt_name``, ``dimensions``, ``encoding``, ``truncate``, ``truncation_side``, ``model``;
-        ``queue``, ``traffic_class`` and ``deadline`` as for :meth:`submit_job`, the same for every kind."""
+        """Enqueue one embedding job (``embed``); returns a :class:`JobHandle` at once. An input may also be a list
+        of the model's token ids (embedded as they are). Options: ``normalize``, ``prompt``, ``prompt_name``,
+        ``dimensions``, ``encoding``, ``truncate``, ``truncation_side``, ``model``; ``queue``, ``traffic_class``
+        and ``deadline`` as for :meth:`submit_job`, the same for every kind."""
         return self.submit_job(EMBED, texts, **options)
 
     def submit_sparse(self, texts: str | Sequence[str], *, top_k: int | None = None, return_tokens: bool = False,
