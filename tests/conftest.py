@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import subprocess
@@ -138,6 +139,27 @@ class WorkerHandle:
             time.sleep(0.02)
         return stats
 
+    def view(self) -> WorkerHandle:
+        """The same worker process with a Client of its own (what one module's tests share)."""
+        other = copy.copy(self)
+        other.client = Client(self.settings)
+        return other
+
+    def settle(self, timeout: float = 300.0) -> dict:
+        """Idle: nothing waits in this worker's queues (purged) and it holds no job (those it holds run out)."""
+        import redis
+
+        from embedq import monitor
+
+        r = redis.Redis.from_url(self.settings.broker_url)
+        try:
+            for queue in (self.settings.queue_name, self.settings.bulk_queue_name):
+                r.delete(queue, *(f"{queue}{monitor.KOMBU_SEP}{step}" for step in monitor.KOMBU_PRIORITY_STEPS))
+        finally:
+            r.close()
+        return self.wait_until(lambda s: s.get("held_messages", 0) == 0 and s.get("buffered", 0) == 0,
+                               "idle: no job held, none buffered", timeout)
+
     def gate_closed(self) -> contextlib.AbstractContextManager[None]:
         """This worker (started by :func:`gated_handle`) starts no micro-batch inside the block; see
         :func:`closed_gate`."""
@@ -151,14 +173,26 @@ class WorkerHandle:
         self.client.close()
 
 
-@pytest.fixture(scope="module")
-def worker(redis_server, tmp_path_factory):
-    """One real `embedq worker` process with its own queue, per test module."""
-    queue = f"embedq.test.{tmp_path_factory.mktemp('q').name}"
-    settings = Settings(broker_url=redis_server.url, queue=queue)
-    handle = WorkerHandle(settings, tmp_path_factory.mktemp("logs") / "worker.log")
+@pytest.fixture(scope="session")
+def shared_worker(redis_server, tmp_path_factory):
+    """One real `embedq worker` (MiniLM, default settings) for the whole session, on a queue of its own: the
+    modules that only send jobs and read results share it through :func:`worker`."""
+    settings = Settings(broker_url=redis_server.url, queue="embedq.test.shared")
+    handle = WorkerHandle(settings, tmp_path_factory.mktemp("shared-worker") / "worker.log")
     yield handle
     handle.stop()
+
+
+@pytest.fixture(scope="module")
+def worker(shared_worker):
+    """The session's MiniLM worker (:func:`shared_worker`), idle when the module starts: what an earlier module
+    left in its queues (the jobs of an indexer it killed) is purged, and what the worker holds runs out first, so
+    a module's counter deltas are its own. A module that floods, gates, kills or reconfigures its worker starts
+    its own (``WorkerHandle``, or a ``worker`` fixture of its own). The module gets a Client of its own."""
+    shared_worker.settle()
+    mine = shared_worker.view()
+    yield mine
+    mine.client.close()
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from embedq.producers.embedded import RedisServer
 from embedq.protocol import decode_array, decode_result
 from embedq.settings import Settings
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 TESTS = Path(__file__).resolve().parent
 KILLER = [sys.executable, str(TESTS / "faults" / "canvas_kill_worker.py")]

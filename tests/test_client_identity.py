@@ -15,6 +15,8 @@ from embedq.producers.client import Client
 from embedq.protocol import CLIENT_HEADER, MAX_CLIENT_CHARS, client_of
 from embedq.settings import Settings
 
+pytestmark = pytest.mark.integration  # the session's redis-server
+
 
 def _client(redis_server, name: str, **kwargs) -> Client:
     settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.identity.{name}", online_queue_limit=0)

@@ -21,7 +21,7 @@ from embedq.protocol import TASK_NAME
 from embedq.settings import Settings
 from embedq.workers import transport
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 @pytest.fixture()

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from embedq.gateway.results import AsyncResults
 from embedq.producers.client import Client
 from embedq.producers.embedded import RedisServer
 from embedq.results import ResultStore
 from embedq.settings import Settings
+
+pytestmark = pytest.mark.integration  # a redis-server of its own
 
 
 def test_a_waiter_that_finds_redis_away_waits_for_it_and_gets_its_record():

@@ -29,6 +29,8 @@ from embedq.protocol import CLIENT_HEADER, SENT_HEADER, Fingerprint, encode_resu
 from embedq.results import ResultStore
 from embedq.settings import Settings
 
+pytestmark = pytest.mark.integration  # the session's redis-server, and real workers
+
 FINGERPRINT = Fingerprint(model="m", weights_sha256="0" * 64, pooling="mean", normalize=True, dimensions=4,
                           dtype="float32", embedq_version="test")
 

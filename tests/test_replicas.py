@@ -18,7 +18,7 @@ from embedq.producers.embedded import start_worker, stop_worker, wait_for_worker
 from embedq.settings import Settings
 from embedq.workers import replicas
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 
 def test_how_many_replicas(monkeypatch):

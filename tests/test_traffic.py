@@ -20,6 +20,8 @@ from embedq import errors, monitor
 from embedq.settings import Settings
 from tests.conftest import WorkerHandle, gated_handle
 
+pytestmark = pytest.mark.integration
+
 LIMIT = 4
 
 

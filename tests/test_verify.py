@@ -19,6 +19,8 @@ from embedq.cli import main
 from embedq.cli.verify import HALF_COSINE, STRICT, thresholds
 from embedq.settings import Settings
 
+pytestmark = pytest.mark.integration
+
 
 def _verify(monkeypatch, capsys, settings: Settings, *argv: str) -> tuple[int, str]:
     monkeypatch.setenv("EMBEDQ_BROKER_URL", settings.broker_url)

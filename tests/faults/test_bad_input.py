@@ -24,7 +24,7 @@ from embedq import errors
 from embedq.protocol import TASK_NAME
 from embedq.settings import Settings
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 SECRET = f"SECRET-{uuid.uuid4().hex[:12]}"  # in every text sent here; must never appear in the log
 MAX_TEXTS, MAX_CHARS, MAX_BYTES = 64, 5000, 64 * 1024

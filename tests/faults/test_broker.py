@@ -28,7 +28,7 @@ from embedq.producers.embedded import (
 )
 from embedq.settings import Settings
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 
 def _queue() -> str:

@@ -28,7 +28,7 @@ from embedq.protocol import decode_result
 from embedq.settings import Settings
 from embedq.workers.delivery import Ledger, Verdict, dead_letters
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 CRASHY = [sys.executable, str(Path(__file__).with_name("crashy_worker.py"))]
 

@@ -57,7 +57,7 @@ LOG_MARKERS = ("Connection to broker lost", "Unrecoverable error", "Exception in
                # the consumer's last resort: a message no check anticipated (it may have been counted, not held)
                "refusing a message that could not be handled")
 
-pytestmark = pytest.mark.timeout(600 + FUZZ_MESSAGES // 4)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600 + FUZZ_MESSAGES // 4)]
 
 
 def queue_lists(settings: Settings) -> list[str]:

@@ -28,7 +28,7 @@ from embedq.protocol import MAX_DEADLINE_SECONDS, TASK_NAME
 from embedq.settings import Settings
 from embedq.workers.messages import deadline_of
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 RUNTIME = "torch"  # a named runtime: no measurement at start
 
 MAX_BYTES = 64 * 1024

@@ -27,7 +27,7 @@ from embedq.protocol import TASK_NAME
 from embedq.settings import Settings
 from embedq.workers.stopping import EXIT_FAILED
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 FAULT = "FAULT_IN_MODEL"
 
