@@ -24,6 +24,8 @@ from embedq import errors  # noqa: E402
 from embedq.backends import load_backend, postprocess, resolve_model_path  # noqa: E402
 from embedq.backends.dense import DenseBackend  # noqa: E402
 
+pytestmark = pytest.mark.integration  # builds and loads models
+
 HIDDEN = 32
 MAX_LEN = 24
 TEXTS = [

