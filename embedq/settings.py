@@ -297,6 +297,11 @@ class Settings(BaseSettings):
         "architecture and serve other vectors silently). On: only modules inside the folder are run, never "
         "downloaded ones; their source is part of the weights hash.",
     )
+    allow_fake_backend: bool = Field(
+        default=False,
+        description="Let `EMBEDQ_MODEL=embedq-fake` load the deterministic fake model (embedq/backends/fake.py: "
+        "vectors from a hash of the token ids, for tests of the queue). Off: that name is refused.",
+    )
     kinds: str = Field(
         default="",
         description="Job kinds from plugins: comma-separated import paths, each 'package.module' (its KINDS list) or "

@@ -62,13 +62,22 @@ def load_backend(
     trust_remote_code: bool = False,
     on_runtime_chosen: Callable[[str], None] | None = None,
     plugin_kinds: Sequence[Any] = (),
+    allow_fake: bool = False,
 ) -> Backend:
     """Load ``model`` (an id or a local folder) with the heads its folder calls for (embed, rerank/predict;
     every model tokenizes; SPLADE: embed_sparse): see :mod:`embedq.backends.loader`. ``linear_kernel="auto"`` on a
     CPU times the runtimes on micro-batches of ``batch_tokens`` (and ``online_tokens``) and keeps the fastest
     faithful one (:mod:`embedq.backends.runtime`), then calls ``on_runtime_chosen`` with its name, before the
     duels (:func:`embedq.backends.runtime.choose`). ``plugin_kinds``: kinds from plugins
-    (:func:`embedq.kinds.load_plugins`) whose heads this backend also serves (``TaskSpec.head``)."""
+    (:func:`embedq.kinds.load_plugins`) whose heads this backend also serves (``TaskSpec.head``). ``embedq-fake``
+    is the tests' deterministic fake model (:mod:`embedq.backends.fake`), loaded only with ``allow_fake``."""
+    from embedq.backends.fake import FAKE_MODEL, FakeBackend
+
+    if isinstance(model, str) and model.strip().lower() == FAKE_MODEL:
+        if not allow_fake:
+            raise errors.UnknownModel(f"{FAKE_MODEL!r} is the tests' fake model (vectors from a hash of the token "
+                                      "ids): it serves only with EMBEDQ_ALLOW_FAKE_BACKEND=true")
+        return FakeBackend(model)
     path = resolve_model_path(model)
     if device == "cpu":
         from embedq.backends.cpu import guard_amx

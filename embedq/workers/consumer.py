@@ -168,7 +168,7 @@ class Worker(Messages, Acks, Stopping):
                 online_tokens=settings.online_tokens, pooling=settings.pooling,
                 trust_remote_code=settings.trust_remote_code,
                 on_runtime_chosen=partial(memory.settle, settings.memory_policy),
-                plugin_kinds=load_plugins(settings.kind_plugins),  # the kinds this worker's settings name
+                plugin_kinds=load_plugins(settings.kind_plugins), allow_fake=settings.allow_fake_backend,
             )
             metrics.model_load_seconds = time.perf_counter() - t0
             log.info("loaded %s on %s (%s, runtime %s) in %.1fs", backend.info.model_id, backend.info.device,
