@@ -70,8 +70,11 @@ def _wait(what: str, check, timeout: float = 180.0):
 
 
 def test_a_killed_replica_loses_no_job_and_comes_back(redis_server, tmp_path, corpus):
+    # the fake model (embedq/backends/fake.py): what a killed replica does to jobs, not to vectors (a SIGKILLed worker
+    # on the real model: tests/faults/test_crashes.py)
     settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.replicas.{uuid.uuid4().hex[:8]}",
-                        linear_kernel="torch", worker_processes=2, prefetch_window=20, visibility_timeout=5)
+                        model="embedq-fake", allow_fake_backend=True, worker_processes=2, prefetch_window=20,
+                        visibility_timeout=5)
     log = tmp_path / "worker.log"
     with closed_gate(settings):  # the replicas hold their jobs and run none
         proc = start_worker(settings, log_path=log, command=CONTROLLED_WORKER,
@@ -101,7 +104,7 @@ def test_a_killed_replica_loses_no_job_and_comes_back(redis_server, tmp_path, co
     try:
         # the gate is open: every job is answered, the killed replica's after its messages' visibility timeout
         vectors = [h.result(timeout=300) for h in handles]
-        assert all(v.shape == (1, 384) and np.isfinite(v).all() for v in vectors)
+        assert all(v.shape == (1, 32) and np.isfinite(v).all() for v in vectors)
         served = {n: s["jobs_succeeded"] for n, s in _replicas(client, proc.pid).items()}
         assert sum(served.values()) >= 10  # the survivor's ten and what the restarted replica took back
         assert "exited with status -9" in log.read_text() and "restarting it" in log.read_text()
