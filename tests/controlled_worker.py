@@ -29,6 +29,8 @@ import threading
 import time
 
 from embedq.backends import model
+from embedq.backends.base import Backend
+from embedq.backends.fake import FakeBackend
 from embedq.cli import main
 from embedq.workers.service import EmbeddingService
 
@@ -39,37 +41,41 @@ FAULT_MARKER = "FAULT_IN_MODEL"
 class InjectedDeath(BaseException):
     """Escapes every ``except Exception`` of the service: the thread that raises it dies."""
 HOLD_AT = 20  # of MiniLM's 54 points: inside the fourth of its six layers
-_prepare, _forward = model.ModelBackend.prepare, model.ModelBackend.forward
-_prepare_many = model.ModelBackend.prepare_many
 _between_layers, _before_pick = EmbeddingService._between_layers, EmbeddingService._before_pick
 
 
-def _prepare_marked(self, kind, items, options):
-    prepared = _prepare(self, kind, items, options)
-    for item, text in zip(prepared.items, items):
+def _mark(prepared, items) -> None:
+    for item, text in zip(getattr(prepared, "items", ()), items):
         item.fails = isinstance(text, str) and MARKER in text
         item.fault = isinstance(text, str) and FAULT_MARKER in text
-    return prepared
 
 
-def _prepare_many_marked(self, kind, jobs):
-    out = _prepare_many(self, kind, jobs)
-    for (items, _), prepared in zip(jobs, out):
-        for item, text in zip(getattr(prepared, "items", ()), items):
-            item.fails = isinstance(text, str) and MARKER in text
-            item.fault = isinstance(text, str) and FAULT_MARKER in text
-    return out
+def _marking(cls: type[Backend]) -> None:
+    """``cls``'s prepare and forward with the markers (the real model's backend and the fake one alike)."""
+    prepare, prepare_many, forward = cls.prepare, cls.prepare_many, cls.forward
 
+    def prepare_marked(self, kind, items, options):
+        prepared = prepare(self, kind, items, options)
+        _mark(prepared, items)
+        return prepared
 
-def _forward_or_fail(self, batch):
-    fault = os.environ.get("EMBEDQ_TEST_FAULT")
-    if fault and any(getattr(item, "fault", False) for item in batch):
-        if fault == "stall":
-            threading.Event().wait()
-        raise InjectedDeath("injected death of the inference thread (FAULT_IN_MODEL)")
-    if any(getattr(item, "fails", False) for item in batch):
-        raise RuntimeError("injected failure (FAIL_IN_MODEL)")
-    return _forward(self, batch)
+    def prepare_many_marked(self, kind, jobs):
+        out = prepare_many(self, kind, jobs)
+        for (items, _), prepared in zip(jobs, out):
+            _mark(prepared, items)
+        return out
+
+    def forward_or_fail(self, batch):
+        fault = os.environ.get("EMBEDQ_TEST_FAULT")
+        if fault and any(getattr(item, "fault", False) for item in batch):
+            if fault == "stall":
+                threading.Event().wait()
+            raise InjectedDeath("injected death of the inference thread (FAULT_IN_MODEL)")
+        if any(getattr(item, "fails", False) for item in batch):
+            raise RuntimeError("injected failure (FAIL_IN_MODEL)")
+        return forward(self, batch)
+
+    cls.prepare, cls.prepare_many, cls.forward = prepare_marked, prepare_many_marked, forward_or_fail
 
 
 def _between_layers_or_hold(self):
@@ -105,8 +111,8 @@ def _redis():  # one client for the process: the hold asks at every bulk micro-b
     return redis.Redis.from_url(os.environ["EMBEDQ_BROKER_URL"])
 
 
-model.ModelBackend.prepare, model.ModelBackend.forward = _prepare_marked, _forward_or_fail
-model.ModelBackend.prepare_many = _prepare_many_marked
+_marking(model.ModelBackend)
+_marking(FakeBackend)
 EmbeddingService._between_layers = _between_layers_or_hold
 EmbeddingService._before_pick = _before_pick_gated
 

@@ -121,7 +121,8 @@ def test_a_dead_inference_thread_stops_the_worker_and_only_its_batch_is_blamed(r
 
 
 def test_a_hung_inference_thread_stops_the_worker_after_the_stall_timeout(redis_server, tmp_path):
-    settings = _settings(redis_server, "stall", stall_timeout=2.0)
+    # the fake model (embedq/backends/fake.py): the watchdog is under test (a dead thread: the real model, above)
+    settings = _settings(redis_server, "stall", stall_timeout=2.0, model="embedq-fake", allow_fake_backend=True)
     r = redis.Redis.from_url(settings.broker_url)
     worker = _faulty(settings, tmp_path / "stall.log", "stall")
     app = worker.client.app
