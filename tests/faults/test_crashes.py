@@ -33,6 +33,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 CRASHY = [sys.executable, str(Path(__file__).with_name("crashy_worker.py"))]
 
 
+#: The deterministic fake model (embedq/backends/fake.py) for the tests of what happens to messages; a SIGKILLed
+#: worker (test_a) and a SIGTERM mid-run (whose handed-back buffer needs the real model's pace) keep the real one.
+FAKE = {"model": "embedq-fake", "allow_fake_backend": True}
+
+
 def _settings(redis_server, **overrides) -> Settings:
     # online_queue_limit=0: these tests flood the queue on purpose (backpressure is tested in test_traffic.py)
     return Settings(broker_url=redis_server.url, queue=f"embedq.test.{uuid.uuid4().hex[:8]}",
@@ -228,7 +233,7 @@ def test_d_a_poison_job_is_dead_lettered_after_max_attempts_and_the_others_succe
     redis_server = own_redis
     # resend_after=30: a copy the client resends before the killed worker's messages come back (visibility 5 s)
     # would reach a new worker unmarked and crash it once more, uncounted; later copies meet the poison's record.
-    settings = _settings(redis_server, max_attempts=3, resend_after=30)
+    settings = _settings(redis_server, max_attempts=3, resend_after=30, **FAKE)
     client = Client(settings)
     before = [client.submit([f"an ordinary text {i}"]) for i in range(40)]
     poison = client.submit(["this text is POISON to the model"])
@@ -241,7 +246,7 @@ def test_d_a_poison_job_is_dead_lettered_after_max_attempts_and_the_others_succe
             poison.result(timeout=5)
         assert deaths == 3  # it took the worker down max_attempts times, then never again
         for handle in [*before, *after]:  # bystanders ran alone after the first crash, and succeeded
-            assert handle.result(timeout=5).shape == (1, 384)
+            assert handle.result(timeout=5).shape == (1, 32)
         [record] = [r for r in dead_letters(redis.Redis.from_url(redis_server.url)) if r["id"] == poison.id]
         assert record["crashes"] == 3 and record["queue"] == settings.queue_name and record["texts"] == 1
         assert "POISON" not in log.read_text()
@@ -301,7 +306,7 @@ def test_held_messages_are_not_redelivered_while_their_worker_lives(redis_server
     resend is set beyond the test, so a copy could only come from a redelivery."""
     from embedq import monitor
 
-    settings = _settings(redis_server, resend_after=3600)
+    settings = _settings(redis_server, resend_after=3600, **FAKE)
     worker = gated_handle(settings, tmp_path / "worker.log")
     client = Client(settings)
     r = redis.Redis.from_url(redis_server.url)
@@ -317,7 +322,7 @@ def test_held_messages_are_not_redelivered_while_their_worker_lives(redis_server
             stats = worker.stats()
             assert stats["held_messages"] == len(handles) and monitor.unacked_by_queue(r).get(queue, 0) == len(handles)
             assert stats["redelivered"] == 0 and stats["duplicates"] == 0, stats
-        assert all(h.result(timeout=300).shape == (1, 384) for h in handles)
+        assert all(h.result(timeout=300).shape == (1, 32) for h in handles)
         stats = worker.stats()
         assert stats["redelivered"] == 0 and stats["duplicates"] == 0, stats
         assert stats["peak_held_messages"] == len(handles)  # all of them held together, for three timeouts
@@ -328,11 +333,11 @@ def test_held_messages_are_not_redelivered_while_their_worker_lives(redis_server
 
 
 def test_worker_exits_cleanly_when_stopped_with_nothing_held(redis_server, tmp_path):
-    settings = _settings(redis_server)
+    settings = _settings(redis_server, **FAKE)
     proc = start_worker(settings, log_path=tmp_path / "w.log")
     client = Client(settings)
     try:
-        assert client.embed(["warm"], timeout=120).shape == (1, 384)
+        assert client.embed(["warm"], timeout=120).shape == (1, 32)
     finally:
         client.close()
     proc.send_signal(signal.SIGTERM)
