@@ -260,10 +260,11 @@ def _result(handle):
 def fuzz(tmp_path_factory):
     # A private Redis: "nothing unacknowledged" reads the whole `unacked` hash, which other workers would share.
     server = RedisServer().start()
-    # linear_kernel=torch: no runtime timing at start; online_queue_limit=0: the good job is never refused
+    # The fake model (embedq/backends/fake.py): the entries, not the vectors, are under test (hostile entries
+    # against the real model: test_hostile_messages.py). online_queue_limit=0: the good job is never refused
     # because hostile entries fill the queue.
-    settings = Settings(broker_url=server.url, queue=f"embedq.fuzz.{uuid.uuid4().hex[:8]}", linear_kernel="torch",
-                        online_queue_limit=0)
+    settings = Settings(broker_url=server.url, queue=f"embedq.fuzz.{uuid.uuid4().hex[:8]}", model="embedq-fake",
+                        allow_fake_backend=True, online_queue_limit=0)
     handle = None
     try:
         handle = WorkerHandle(settings, tmp_path_factory.mktemp("logs") / "worker.log")
