@@ -125,6 +125,8 @@ def test_vertex_instances_each_answered_as_the_model_s_route(gateway):
     assert _post(gateway, "/vertex", {"instances": []}).json() == {"predictions": []}
     bad = _post(gateway, "/vertex", {"instances": [{"inputs": "x"}, {"nothing": 1}]})
     assert bad.status_code == 422
+    many = _post(gateway, "/vertex", {"instances": [{"inputs": ["x"] * 1500}, {"inputs": ["y"] * 1000}]})
+    assert many.status_code == 422 and "2500 > maximum allowed batch size 2048" in many.json()["error"]
     rerank = _post(gateway, "/vertex", {"instances": [{"query": "q", "texts": ["x"]}]})  # a rerank on an embedder
     assert rerank.status_code == 424 and rerank.json()["error_type"] == "Backend"
 

@@ -131,6 +131,10 @@ async def vertex(request: Request, body: VertexRequest) -> Response:
             kind = "predict" if own == "rerank" else own
             parsed = parse(ROUTE_PLANS[kind][0], instance)
         plans.append(ROUTE_PLANS[kind][1](parsed, gateway.settings))
+    inputs, cap = sum(len(plan.items) for plan in plans), gateway.settings.max_client_batch_size
+    if inputs > cap:  # one request's inputs, however many instances carry them
+        raise errors.TooManyInputs(f"Input validation error: batch size {inputs} > maximum allowed batch size {cap} "
+                                   "(EMBEDQ_MAX_CLIENT_BATCH_SIZE), over all instances")
     payloads = await gateway.payloads(request, plans) if plans else []
     return JSONResponse({"predictions": [plan.answer(p) for plan, p in zip(plans, payloads)]})
 
