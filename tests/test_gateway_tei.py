@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from conftest import GatewayHandle
 
+from embedq import errors
+
 pytestmark = pytest.mark.integration
 
 
@@ -51,6 +53,12 @@ def test_token_ids_are_embedded_as_the_model_s_ids(gateway, worker, corpus):
     assert refused.status_code == 422 and refused.json()["error_type"] == "Validation"
     outside = _post(gateway, "/embed", {"inputs": [101, 10**7, 102]})
     assert outside.status_code == 422 and "vocabulary" in outside.json()["error"]
+    # with a prompt, ids are decoded (special tokens skipped) and tokenized behind it, as TEI does; an id past the
+    # vocabulary is refused there too, never dropped from the text
+    prompted = worker.client.embed([ids[0]], prompt="query: ")
+    assert np.abs(prompted - worker.client.embed([texts[0]], prompt="query: ")).max() <= 1e-6
+    with pytest.raises(errors.InvalidText, match="vocabulary"):
+        worker.client.embed([[101, 10**7, 102]], prompt="query: ")
     openai = _post(gateway, "/v1/embeddings", {"input": ids[0], "model": "x"})
     assert openai.status_code == 422 and "token-id inputs are not supported" in openai.json()["message"]
 

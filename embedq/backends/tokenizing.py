@@ -110,15 +110,19 @@ class Tokenization:
         plen = self.prompt_length(prompt) if prompt else 0
         return [Encoded(d.ids, None, plen) for d in details], plen
 
+    def check_ids(self, ids: Sequence[int]) -> None:
+        """:class:`~embedq.errors.InvalidText` for an id outside the vocabulary (the model has no row for it)."""
+        vocabulary = len(self.tokenizer)
+        bad = next((i for i in ids if i >= vocabulary), None)
+        if bad is not None:
+            raise errors.InvalidText(f"token id {bad} is outside the model's vocabulary of {vocabulary} tokens")
+
     def encode_ids(self, ids: Sequence[int], *, truncate: bool = True, truncation_side: str = "right") -> Encoded:
         """One input given as token ids (TEI's ``Input::Ids``): the model's own ids as they are, cut to the model's
         limit on ``truncation_side`` (or :class:`~embedq.errors.TooLong` without ``truncate``); an id outside the
         vocabulary is :class:`~embedq.errors.InvalidText` (the model has no row for it)."""
         self._check_side(truncation_side)
-        vocabulary = len(self.tokenizer)
-        bad = next((i for i in ids if i >= vocabulary), None)
-        if bad is not None:
-            raise errors.InvalidText(f"token id {bad} is outside the model's vocabulary of {vocabulary} tokens")
+        self.check_ids(ids)
         row, limit = list(ids), self.max_seq_length
         if len(row) > limit:
             if not truncate:

@@ -54,11 +54,12 @@ def encode_items(encoder: Encoder, items: list[Any], *, prompt: str | None, trun
     a prompt, ids are decoded (special tokens skipped) and tokenized behind it as a text, as TEI does."""
     if all(isinstance(item, str) for item in items):
         return encoder.encode_texts(items, prompt=prompt, truncate=truncate, truncation_side=truncation_side)[0]
-    if prompt is not None:
-        tokenizer = encoder.tokenizer
-        vocabulary = len(tokenizer)
-        items = [item if isinstance(item, str) else
-                 tokenizer.decode([i for i in item if i < vocabulary], skip_special_tokens=True) for item in items]
+    if prompt is not None:  # an id outside the vocabulary is refused here too, never dropped from the text
+        for item in items:
+            if not isinstance(item, str):
+                encoder.check_ids(item)
+        items = [item if isinstance(item, str) else encoder.tokenizer.decode(list(item), skip_special_tokens=True)
+                 for item in items]
         return encoder.encode_texts(items, prompt=prompt, truncate=truncate, truncation_side=truncation_side)[0]
     texts = [item for item in items if isinstance(item, str)]
     encoded = iter(encoder.encode_texts(texts, truncate=truncate, truncation_side=truncation_side)[0] if texts

@@ -88,9 +88,7 @@ def _texts(inputs: Any) -> list[str]:
 def _inputs(inputs: Any) -> list[Any]:
     """TEI's ``Input`` as a list of inputs: a text, or one list of token ids (the model's: embedded as they are),
     is one input; any other list a batch of texts and id lists."""
-    if isinstance(inputs, str) or (inputs and all(isinstance(x, int) for x in inputs)):
-        return [inputs]
-    return list(inputs)
+    return [inputs] if _single(inputs) else list(inputs)
 
 
 def _options(**options: Any) -> dict[str, Any]:
@@ -120,6 +118,7 @@ def plan_embed(body: EmbedRequest, settings: Settings) -> Plan:
 
 
 def _single(inputs: Any) -> bool:
+    """TEI's ``Input`` holds one input: a text, or one list of token ids."""
     return isinstance(inputs, str) or (bool(inputs) and all(isinstance(x, int) for x in inputs))
 
 

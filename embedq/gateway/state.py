@@ -164,10 +164,6 @@ class Gateway:
         self._cancelling.add(cancelling)
         cancelling.add_done_callback(self._cancelling.discard)
 
-    async def run(self, request: Request, plan: Plan, model: str | None = None) -> Any:
-        """``plan`` sent and awaited: its answer (:meth:`payloads`)."""
-        return plan.answer((await self.payloads(request, [plan], model))[0])
-
     async def payloads(self, request: Request, plans: list[Plan], model: str | None = None) -> list[list[Any]]:
         """``plans`` sent (each as its jobs) and awaited together: each plan's result payloads, in order. 503 at
         once when no live worker serves their queue (``gateway_require_worker``), where the request would wait for

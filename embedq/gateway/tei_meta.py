@@ -19,6 +19,7 @@ from typing import Any
 
 from embedq import errors
 from embedq.gateway.plans import Plan
+from embedq.gateway.schemas import JSONResponse
 
 #: TEI's duration buckets (its router/src/prometheus.rs): 35 steps of ×1.5 from 15 µs.
 DURATION_BUCKETS = tuple(0.00001 * 1.5 ** (i + 1) for i in range(35))
@@ -156,8 +157,6 @@ async def respond(gateway: Any, request: Any, make_plan: Callable[[], Plan], mod
     """A job route's answer: the plan ``make_plan`` makes sent and awaited on ``gateway``
     (:class:`~embedq.gateway.state.Gateway`), counted under TEI's metric names, with TEI's headers
     (``headers=False``: none, as TEI sends none on ``/tokenize`` and ``/decode``)."""
-    from embedq.gateway.schemas import JSONResponse
-
     started = time.perf_counter()
     tei: TeiMetrics = gateway.tei
     try:
