@@ -28,6 +28,41 @@ CORPUS = ROOT_DIR / "data" / "corpus.jsonl"  # carried by the repository (data/R
 CONTROLLED_WORKER = [sys.executable, str(Path(__file__).with_name("controlled_worker.py"))]
 
 
+#: The modules that take longest (CI's --durations, 2026-11-28), run first: under pytest-xdist (.ci/run: ``-n 2 --dist
+#: loadfile``, each module whole in one process) no long module then starts last while the other process idles.
+SLOW_FIRST = (
+    "test_index.py", "faults/test_hostile_canvas.py", "test_gateway.py", "faults/test_crashes.py",
+    "test_first_hour.py", "test_index_lancedb.py", "test_index_milvus.py", "faults/test_broker.py",
+    "test_integration.py", "test_index_pgvector.py", "test_fidelity.py", "test_kinds.py", "test_sparse.py",
+    "test_cli.py", "test_operations.py", "test_truncation_cut.py", "test_preempt.py", "faults/test_liveness.py",
+    "test_flow_control.py", "test_canvas.py", "test_index_kinds.py", "test_admission.py",
+)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (.ci/run: ``-n 2`` on a 2-core machine) each test process, and every worker, gateway or
+    model it starts, computes on its share of the cores (``OMP_NUM_THREADS``, which torch and ONNX Runtime follow):
+    two processes of two threads each on two cores lose more to threads waiting on threads than they gain. A value
+    set by the caller is kept."""
+    processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if processes > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules in :data:`SLOW_FIRST`'s order, then the others as collected; a module's tests keep their order."""
+    tests = Path(__file__).parent
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+
+    def key(item) -> int:
+        try:
+            return rank.get(item.path.relative_to(tests).as_posix(), len(rank))
+        except ValueError:  # (a test outside tests/)
+            return len(rank)
+
+    items.sort(key=key)
+
+
 def load_corpus(n: int | None = None) -> list[str]:
     texts = []
     with CORPUS.open() as fh:
@@ -179,6 +214,55 @@ def shared_worker(redis_server, tmp_path_factory):
     modules that only send jobs and read results share it through :func:`worker`."""
     settings = Settings(broker_url=redis_server.url, queue="embedq.test.shared")
     handle = WorkerHandle(settings, tmp_path_factory.mktemp("shared-worker") / "worker.log")
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_gateway(shared_worker, tmp_path_factory):
+    """One plain `embedq serve` on the shared worker's queue for the whole session (the modules that only send
+    requests and read answers get it through their ``gateway`` fixture, after :func:`worker` settled the worker),
+    answering /health once it has seen the worker's record."""
+    import httpx
+
+    settings = shared_worker.settings
+    g = GatewayHandle(settings.broker_url, settings.queue_name, tmp_path_factory.mktemp("shared-gw") / "gw.log")
+    deadline = time.monotonic() + 60  # the worker's registry record (written every second)
+    while (status := httpx.get(g.url + "/health").status_code) != 200:
+        if time.monotonic() > deadline:
+            g.stop()
+            raise AssertionError(f"the gateway's /health stayed {status}:\n{g.log.read_text(errors='replace')[-4000:]}")
+        time.sleep(0.2)
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="session")
+def cls_worker(redis_server, tmp_path_factory):
+    """MiniLM with CLS pooling (another embedding space of the same weights), for the session: the database sinks'
+    refusal tests only send it a probe."""
+    settings = Settings(broker_url=redis_server.url, queue="embedq.test.cls", pooling="cls")
+    handle = WorkerHandle(settings, tmp_path_factory.mktemp("cls-worker") / "worker.log")
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="session")
+def splade_worker(redis_server, tmp_path_factory):
+    """A tiny SPLADE model's worker (tests/indexdb.py's ``tiny_worker``) for the session's sparse sink tests."""
+    from indexdb import tiny_worker
+
+    handle = tiny_worker(redis_server.url, tmp_path_factory.mktemp("splade-worker"), "splade")
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="session")
+def m3_worker(redis_server, tmp_path_factory, corpus):
+    """A tiny BGE-M3 model's worker (tests/indexdb.py's ``tiny_worker``) for the session's hybrid sink tests."""
+    from indexdb import tiny_worker
+
+    handle = tiny_worker(redis_server.url, tmp_path_factory.mktemp("m3-worker"), "bge-m3", corpus)
     yield handle
     handle.stop()
 

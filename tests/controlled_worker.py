@@ -9,7 +9,7 @@ nothing else differs from ``python -m embedq worker``.
   would kill it); with ``EMBEDQ_TEST_FAULT=stall`` it blocks in the model for good (a hung kernel).
   tests/faults/test_liveness.py: the worker notices, hands the other messages back and exits.
 - Gate: while the Redis key named by ``EMBEDQ_TEST_GATE`` exists, no micro-batch starts (none at all: a batch, a
-  crash suspect's run alone, an online batch at a preemption point; the service's ``_before_pick``); the worker goes on
+  crash suspect's run alone, an online batch at a preemption point: ``ServiceHooks.before_pick``); the worker goes on
   receiving and buffering jobs up to its prefetch window, as it would behind a long micro-batch. Tests of
   coalescing and of the window so control what is buffered when the model runs, whatever the speed of the
   machine, the model or the producer: they wait until the worker's counters show the jobs held, then delete the key.
@@ -32,7 +32,7 @@ from embedq.backends import model
 from embedq.backends.base import Backend
 from embedq.backends.fake import FakeBackend
 from embedq.cli import main
-from embedq.workers.service import EmbeddingService
+from embedq.workers import hooks
 
 MARKER = "FAIL_IN_MODEL"
 FAULT_MARKER = "FAULT_IN_MODEL"
@@ -40,8 +40,9 @@ FAULT_MARKER = "FAULT_IN_MODEL"
 
 class InjectedDeath(BaseException):
     """Escapes every ``except Exception`` of the service: the thread that raises it dies."""
+
+
 HOLD_AT = 20  # of MiniLM's 54 points: inside the fourth of its six layers
-_between_layers, _before_pick = EmbeddingService._between_layers, EmbeddingService._before_pick
 
 
 def _mark(prepared, items) -> None:
@@ -78,30 +79,30 @@ def _marking(cls: type[Backend]) -> None:
     cls.prepare, cls.prepare_many, cls.forward = prepare_marked, prepare_many_marked, forward_or_fail
 
 
-def _between_layers_or_hold(self):
-    _between_layers(self)
-    key = os.environ.get("EMBEDQ_TEST_HOLD")
-    if not key or self._layer != HOLD_AT:
-        return
-    redis = _redis()
-    if not redis.exists(key):
-        return
-    redis.set(f"{key}:held", self._layer)
-    while redis.exists(key) and not self._stopping:
-        self._preempt()
-        time.sleep(0.005)
+class Controls(hooks.ServiceHooks):
+    """The gate and the hold, through the worker's public seams (embedq/workers/hooks.py)."""
 
+    def before_pick(self, service):
+        # Under the lock, before any micro-batch is picked: a batch, a crash suspect's run alone, an online batch at
+        # a preemption point. Waiting on the service's condition lets jobs arrive meanwhile.
+        key = os.environ.get("EMBEDQ_TEST_GATE")
+        if not key:
+            return
+        redis = _redis()
+        while redis.exists(key) and not service.stopping:
+            service.wait_locked(0.01)
 
-def _before_pick_gated(self):
-    # The service calls this under its lock before it picks any micro-batch: a batch, a crash suspect's run alone,
-    # an online batch at a preemption point. Waiting on its condition lets jobs arrive meanwhile.
-    _before_pick(self)
-    key = os.environ.get("EMBEDQ_TEST_GATE")
-    if not key:
-        return
-    redis = _redis()
-    while redis.exists(key) and not self._stopping:
-        self._cond.wait(0.01)
+    def at_point(self, service, point):
+        key = os.environ.get("EMBEDQ_TEST_HOLD")
+        if not key or point != HOLD_AT:
+            return
+        redis = _redis()
+        if not redis.exists(key):
+            return
+        redis.set(f"{key}:held", point)
+        while redis.exists(key) and not service.stopping:
+            service.preempt()
+            time.sleep(0.005)
 
 
 @functools.cache
@@ -113,8 +114,7 @@ def _redis():  # one client for the process: the hold asks at every bulk micro-b
 
 _marking(model.ModelBackend)
 _marking(FakeBackend)
-EmbeddingService._between_layers = _between_layers_or_hold
-EmbeddingService._before_pick = _before_pick_gated
+hooks.install(Controls())
 
 if __name__ == "__main__":
     sys.exit(main(["worker"]))

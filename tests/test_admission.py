@@ -70,11 +70,20 @@ def held(redis_server, tmp_path_factory):
     worker = gated_handle(settings, tmp_path_factory.mktemp("logs") / "worker.log")
     free = Client(settings.model_copy(update={"online_max_wait": 0}), client_id="warm-up")
     try:
-        # Throughput is measured while texts wait at two reports in a row: give it a few seconds of work.
-        handles = [free.submit([f"warm-up text {j} of job {i}, some words" for j in range(256)]) for i in range(4)]
-        _record(free, queue, lambda r: r.get("throughput"), "a measured throughput")
-        for handle in handles:
-            handle.result(timeout=300)
+        # Throughput is measured while texts wait at two reports in a row (a second apart): rounds of work, each
+        # twice the last, until the worker reports it (a fast machine runs a small round between two reports).
+        jobs, end = 4, time.monotonic() + 600
+        while True:
+            handles = [free.submit([f"warm-up text {j} of job {i}, some words" for j in range(256)])
+                       for i in range(jobs)]
+            for handle in handles:
+                handle.result(timeout=300)
+            # a rate is published by the report that measures it, so a round that spanned two reports shows it now
+            records = monitor.serving(monitor.live_workers(free.redis()), queue).ready
+            if records and records[0].get("throughput"):
+                break
+            assert time.monotonic() < end, f"the worker never reported a measured throughput; last {records}"
+            jobs *= 2
         flooder = Client(settings, client_id="A")
         with worker.gate_closed():
             flood = flooder.submit([f"A's text {i}" for i in range(FLOOD)])  # nothing ahead: admitted

@@ -32,17 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def gateway(worker, tmp_path_factory):
-    g = Gateway(worker.settings.broker_url, worker.settings.queue_name, tmp_path_factory.mktemp("gw") / "gw.log")
-    deadline = time.monotonic() + 30  # the worker's registry record (written every few seconds)
-    while (status := httpx.get(g.url + "/health").status_code) != 200 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if status != 200:
-        g.stop()
-        raise AssertionError(f"the gateway's /health stayed {status} for 30 s (no live worker record seen):\n"
-                             f"{g.log.read_text(errors='replace')[-4000:]}")
-    yield g
-    g.stop()
+def gateway(worker, shared_gateway):
+    """The session's gateway (conftest.py's ``shared_gateway``) on the shared worker, settled for this module."""
+    return shared_gateway
 
 
 def _openai(gateway, **kwargs):

@@ -8,12 +8,10 @@ import datetime as dt
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import GatewayHandle
 
 from embedq import errors
 from embedq.protocol import MAX_DEADLINE_SECONDS
@@ -36,17 +34,9 @@ expected-statuses = ["2xx", "3xx", "4xx", "503", "504"]
 
 
 @pytest.fixture(scope="module")
-def gateway(worker, tmp_path_factory):
-    g = GatewayHandle(worker.settings.broker_url, worker.settings.queue_name,
-                      tmp_path_factory.mktemp("gw") / "gw.log")
-    deadline = time.monotonic() + 30  # the worker's registry record (written every few seconds)
-    while (status := httpx.get(g.url + "/health").status_code) != 200 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if status != 200:
-        g.stop()
-        raise AssertionError(f"the gateway's /health stayed {status}:\n{g.log.read_text(errors='replace')[-4000:]}")
-    yield g
-    g.stop()
+def gateway(worker, shared_gateway):
+    """The session's gateway (conftest.py's ``shared_gateway``) on the shared worker, settled for this module."""
+    return shared_gateway
 
 
 def _log_size(gateway) -> int:

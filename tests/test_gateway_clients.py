@@ -8,13 +8,10 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
-from conftest import GatewayHandle as Gateway
 
 pytestmark = pytest.mark.integration
 
@@ -24,16 +21,9 @@ TOLERANCE = 1e-6
 
 
 @pytest.fixture(scope="module")
-def gateway(worker, tmp_path_factory):
-    g = Gateway(worker.settings.broker_url, worker.settings.queue_name, tmp_path_factory.mktemp("gw") / "gw.log")
-    deadline = time.monotonic() + 30  # the worker's registry record (written every few seconds)
-    while (status := httpx.get(g.url + "/health").status_code) != 200 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if status != 200:
-        g.stop()
-        raise AssertionError(f"the gateway's /health stayed {status} for 30 s:\n{g.log.read_text(errors='replace')}")
-    yield g
-    g.stop()
+def gateway(worker, shared_gateway):
+    """The session's gateway (conftest.py's ``shared_gateway``) on the shared worker, settled for this module."""
+    return shared_gateway
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,10 @@ MiniLM worker. The cross-encoder, classifier and SPLADE cases are in
 from __future__ import annotations
 
 import re
-import time
 
 import httpx
 import numpy as np
 import pytest
-from conftest import GatewayHandle
 
 from embedq import errors
 
@@ -19,15 +17,9 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def gateway(worker, tmp_path_factory):
-    g = GatewayHandle(worker.settings.broker_url, worker.settings.queue_name,
-                      tmp_path_factory.mktemp("gw") / "gw.log")
-    deadline = time.monotonic() + 30  # the worker's registry record (written every few seconds)
-    while httpx.get(g.url + "/health").status_code != 200:
-        assert time.monotonic() < deadline, g.log.read_text(errors="replace")[-4000:]
-        time.sleep(0.2)
-    yield g
-    g.stop()
+def gateway(worker, shared_gateway):
+    """The session's gateway (conftest.py's ``shared_gateway``) on the shared worker, settled for this module."""
+    return shared_gateway
 
 
 def _post(gateway, path: str, body) -> httpx.Response:

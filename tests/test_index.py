@@ -1,4 +1,10 @@
-"""`embedq index` end to end: real redis-server, real worker processes, real kills."""
+"""`embedq index` end to end: real redis-server, real worker processes, real kills.
+
+What these tests check is the indexer's bookkeeping (every id once, resumption, resubmission, refusals, its stops),
+not the model: the 20,000-text run and the two-worker run use workers of the fake model (``embedq-fake``: the same
+queue path, vectors in microseconds). A worker killed or a Redis restarted mid-run keeps MiniLM, whose pace leaves
+the run mid-way when the fault comes; the others use the session's MiniLM worker, so the indexer's vectors are also
+checked against a real model's (within the batch-invariance bound)."""
 
 from __future__ import annotations
 
@@ -14,11 +20,22 @@ import numpy as np
 import pytest
 from conftest import WorkerHandle
 
+from embedq.backends.fake import DIMENSION as FAKE_DIMENSION
 from embedq.settings import Settings
 
 pytestmark = pytest.mark.integration
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
+FAKE = {"model": "embedq-fake", "allow_fake_backend": True}
+
+
+@pytest.fixture(scope="module")
+def fake_worker(redis_server, tmp_path_factory):
+    """A worker of the fake model on a queue of its own, for the 20,000-text run."""
+    settings = Settings(broker_url=redis_server.url, queue="embedq.test.index.fake", **FAKE)
+    handle = WorkerHandle(settings, tmp_path_factory.mktemp("fake") / "worker.log")
+    yield handle
+    handle.stop()
 
 
 def _write_jsonl(path: Path, texts: list[str]) -> list[str]:
@@ -85,14 +102,15 @@ def _kill_after_commits(settings: Settings, src: Path, out: Path, rows: int, *ar
 
 
 @pytest.fixture(scope="module")
-def first_output(worker, corpus, tmp_path_factory):
+def first_output(fake_worker, corpus, tmp_path_factory):
     """a. 20,000 texts JSONL -> Parquet: the corpus' texts under 120 characters (1,965 of them), repeated (CI time:
-    the long ones would multiply it and add nothing this test checks; bench/index.py runs the whole corpus)."""
+    the long ones would multiply it and add nothing this test checks; bench/index.py runs the whole corpus), through
+    the fake model (the indexer's bookkeeping at scale; the tests below check its vectors against MiniLM's)."""
     tmp = tmp_path_factory.mktemp("index_a")
     short = _short(corpus, 120)
     texts = (short * (20_000 // len(short) + 1))[:20_000]
     ids = _write_jsonl(tmp / "in.jsonl", texts)
-    code, summary, stderr = _run(worker.settings, tmp / "in.jsonl", tmp / "out.parquet")
+    code, summary, stderr = _run(fake_worker.settings, tmp / "in.jsonl", tmp / "out.parquet")
     assert code == 0, stderr
     return tmp / "out.parquet", ids, texts, summary
 
@@ -111,13 +129,15 @@ def _bulk_reference(worker, texts, timeout=300):
     return worker.client.embed(texts, timeout=timeout, traffic_class="bulk")
 
 
-def test_a_twenty_thousand_texts_match_client_embed(worker, first_output):
+def test_a_twenty_thousand_texts_match_client_embed(fake_worker, first_output):
+    worker = fake_worker
     out, ids, texts, summary = first_output
     assert summary["texts"] == 20_000 and summary["failed"] == 0 and summary["rows"] == 20_000
     got_ids, vectors = _read_parquet(out)
     assert len(got_ids) == 20_000 and set(got_ids) == set(ids)  # every id, each once
     fingerprint = json.loads(pq.read_table(out).schema.metadata[b"embedq.fingerprint"])
-    assert fingerprint == summary["fingerprint"] and fingerprint["dimensions"] == 384
+    assert fingerprint == summary["fingerprint"] and fingerprint["dimensions"] == FAKE_DIMENSION
+    assert fingerprint["model"] == "embedq-fake"
 
     unique = sorted(set(texts))
     reference = {}
@@ -229,7 +249,7 @@ def test_d_other_dimensions_or_model_are_refused_and_output_untouched(worker, co
 
 
 def test_e_two_workers_both_take_part(redis_server, corpus, tmp_path):
-    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.{tmp_path.name}", torch_threads=1)
+    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.{tmp_path.name}", **FAKE)
     texts = [t for t in corpus if len(t) < 200][:800]
     ids = _write_jsonl(tmp_path / "in.jsonl", texts)
     handles = [WorkerHandle(settings, tmp_path / f"w{i}.log") for i in range(2)]

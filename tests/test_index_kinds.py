@@ -4,17 +4,14 @@ resumed without gaps or duplicates, and an output never continued with another k
 from __future__ import annotations
 
 import random
-import uuid
 
 import numpy as np
 import pytest
-import tiny_models
-from conftest import WorkerHandle, sparse_delta
+from conftest import sparse_delta
 from test_index import _kill_after_commits, _run, _write_jsonl
 
 from embedq import errors
 from embedq.producers.index import IndexConfig, run_index
-from embedq.settings import Settings
 
 pytestmark = pytest.mark.integration
 pa = pytest.importorskip("pyarrow")
@@ -24,28 +21,6 @@ pq = pytest.importorskip("pyarrow.parquet")
 def _short(corpus, n, seed=0) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(t.split()[:rng.randint(1, 40)]) for t in rng.sample(corpus, n)]
-
-
-@pytest.fixture(scope="module")
-def splade_worker(redis_server, tmp_path_factory):
-    root = tmp_path_factory.mktemp("splade-index")
-    folder = tiny_models.splade(root / "splade", tiny_models.bert_mlm(root / "mlm"), "max")
-    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.ix-splade.{uuid.uuid4().hex[:8]}",
-                        model=str(folder), linear_kernel="torch")
-    handle = WorkerHandle(settings, root / "worker.log")
-    yield handle
-    handle.stop()
-
-
-@pytest.fixture(scope="module")
-def m3_worker(redis_server, corpus, tmp_path_factory):
-    root = tmp_path_factory.mktemp("m3-index")
-    folder = tiny_models.bge_m3(root / "bge-m3", corpus[:400])
-    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.ix-m3.{uuid.uuid4().hex[:8]}",
-                        model=str(folder), linear_kernel="torch")
-    handle = WorkerHandle(settings, root / "worker.log")
-    yield handle
-    handle.stop()
 
 
 def _lists(table, name: str) -> list[np.ndarray]:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import WorkerHandle
 from indexdb import (
     cmd,
     corpus_texts,
@@ -21,7 +20,6 @@ from indexdb import (
     query_texts,
     run,
     run_without,
-    tiny_worker,
     write_jsonl,
 )
 
@@ -139,18 +137,14 @@ def test_c_other_options_or_kind_are_refused_and_the_table_untouched(worker, loa
     assert _state(db) == before and items_received(worker) == received  # refused before anything was embedded
 
 
-def test_c_another_pooling_is_refused_before_writing(redis_server, loaded, tmp_path):
+def test_c_another_pooling_is_refused_before_writing(cls_worker, loaded, tmp_path):
     """Another embedding space (the same weights, CLS pooling): the probe's fingerprint is refused."""
     db = loaded[0]
-    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.cls.{tmp_path.name}", pooling="cls")
-    other = WorkerHandle(settings, tmp_path / "cls.log")
-    try:
-        src = tmp_path / "more.jsonl"
-        src.write_text('{"id": "new-1", "text": "a new document"}\n')
-        before = _state(db)
-        code, _, out = run(settings, src, _url(db), cwd=tmp_path)
-    finally:
-        other.stop()
+    settings = cls_worker.settings
+    src = tmp_path / "more.jsonl"
+    src.write_text('{"id": "new-1", "text": "a new document"}\n')
+    before = _state(db)
+    code, _, out = run(settings, src, _url(db), cwd=tmp_path)
     assert code == 2 and "another embedding space" in out and "cls pooling" in out, out
     assert _state(db) == before
 
@@ -279,25 +273,22 @@ def test_a_second_writer_is_refused_and_an_adopted_empty_table_gets_the_record(w
     assert _manifest(tbl)["fingerprint"] == summary["fingerprint"]
 
 
-def test_b_bge_m3_into_lancedb_dense_sparse_and_colbert_equal_the_client(redis_server, corpus, tmp_path):
+def test_b_bge_m3_into_lancedb_dense_sparse_and_colbert_equal_the_client(m3_worker, corpus, tmp_path):
     """--kind bge-m3 (a tiny BGE-M3, tests/tiny_models.py): ``dense`` a vector column, ``lexical_indices`` /
     ``lexical_values`` plain lists, ``colbert`` a multivector column, each equal to Client.embed_hybrid."""
     from conftest import sparse_delta
 
-    m3 = tiny_worker(redis_server.url, tmp_path, "bge-m3", corpus)
+    m3 = m3_worker
     settings = m3.settings
-    try:
-        texts = [" ".join(t.split()[:20]) for t in corpus[400:430]]
-        src = tmp_path / "in.jsonl"
-        ids = write_jsonl(src, texts)
-        db = tmp_path / "db"
-        code, summary, out = run(settings, src, _url(db, "m3"), "--kind", "bge-m3", "--chunk-size", "8",
-                                 cwd=tmp_path)
-        assert code == 0 and summary["rows"] == len(texts), out
-        data = _table(db, "m3").to_arrow()
-        want = m3.client.embed_hybrid(texts)
-    finally:
-        m3.stop()
+    texts = [" ".join(t.split()[:20]) for t in corpus[400:430]]
+    src = tmp_path / "in.jsonl"
+    ids = write_jsonl(src, texts)
+    db = tmp_path / "db"
+    code, summary, out = run(settings, src, _url(db, "m3"), "--kind", "bge-m3", "--chunk-size", "8",
+                             cwd=tmp_path)
+    assert code == 0 and summary["rows"] == len(texts), out
+    data = _table(db, "m3").to_arrow()
+    want = m3.client.embed_hybrid(texts)
     dim = want.dense.shape[1]
     assert data.column_names == ["id", "dense", "lexical_indices", "lexical_values", "colbert"]
     assert data.schema.field("dense").type == lancedb.vector(dim)

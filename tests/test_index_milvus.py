@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import WorkerHandle
 from indexdb import (
     cmd,
     corpus_texts,
@@ -25,12 +24,10 @@ from indexdb import (
     query_texts,
     run,
     run_without,
-    tiny_worker,
     write_jsonl,
 )
 
 from embedq.producers.embedded import free_port
-from embedq.settings import Settings
 
 pytestmark = pytest.mark.integration
 pymilvus = pytest.importorskip("pymilvus")
@@ -192,31 +189,20 @@ def test_c_other_options_or_kind_are_refused_and_the_collection_untouched(worker
     assert _state(uri) == before and items_received(worker) == items  # refused before anything was embedded
 
 
-def test_c_another_pooling_is_refused_before_writing(redis_server, loaded, tmp_path):
+def test_c_another_pooling_is_refused_before_writing(cls_worker, loaded, tmp_path):
     """Another embedding space (the same weights, CLS pooling): the probe's fingerprint is refused."""
     uri, target = loaded[:2]
-    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.mcls.{tmp_path.name}", pooling="cls")
-    other = WorkerHandle(settings, tmp_path / "cls.log")
-    try:
-        src = tmp_path / "more.jsonl"
-        src.write_text('{"id": "new-1", "text": "a new document"}\n')
-        before = _state(uri)
-        code, _, out = run(settings, src, target, cwd=tmp_path)
-    finally:
-        other.stop()
+    settings = cls_worker.settings
+    src = tmp_path / "more.jsonl"
+    src.write_text('{"id": "new-1", "text": "a new document"}\n')
+    before = _state(uri)
+    code, _, out = run(settings, src, target, cwd=tmp_path)
     assert code == 2 and "another embedding space" in out and "cls pooling" in out, out
     assert _state(uri) == before
 
 
 def _lite(path: Path, collection: str) -> str:
     return f"milvus://{path}?collection={collection}"
-
-
-@pytest.fixture(scope="module")
-def splade_worker(redis_server, tmp_path_factory):
-    handle = tiny_worker(redis_server.url, tmp_path_factory.mktemp("splade-milvus"), "splade")
-    yield handle
-    handle.stop()
 
 
 def test_b_sparse_into_milvus_lite_is_a_sparse_float_vector_equal_to_the_client(splade_worker, corpus, tmp_path):
@@ -252,43 +238,40 @@ def test_b_sparse_into_milvus_lite_is_a_sparse_float_vector_equal_to_the_client(
     assert np.allclose([h["distance"] for h in hits], exact, rtol=1e-5), (hits, exact)
 
 
-def test_b_bge_m3_into_milvus_is_dense_and_lexical_equal_to_the_client(redis_server, corpus, tmp_path):
+def test_b_bge_m3_into_milvus_is_dense_and_lexical_equal_to_the_client(m3_worker, corpus, tmp_path):
     """--kind bge-m3 (a tiny BGE-M3): ``dense`` FLOAT_VECTOR and ``lexical`` SPARSE_FLOAT_VECTOR in one collection
     (a hybrid search), equal to Client.embed_hybrid; ColBERT is left out with a note, and asked for it is refused."""
     from conftest import sparse_delta
 
-    m3 = tiny_worker(redis_server.url, tmp_path, "bge-m3", corpus)
+    m3 = m3_worker
     settings = m3.settings
-    try:
-        texts = [" ".join(t.split()[:20]) for t in corpus[400:430]]
-        src = tmp_path / "in.jsonl"
-        ids = write_jsonl(src, texts)
-        db = tmp_path / "m3.db"
-        before = m3.stats()["items_received"]
-        code, _, out = run(settings, src, _lite(db, "m3"), "--kind", "bge-m3", "--outputs", "dense,colbert",
-                           cwd=tmp_path)
-        assert code == 2 and "colbert (ragged) cannot be stored in" in out and "no field for a list of vectors" \
-            in out, out
-        assert m3.stats()["items_received"] == before and not db.exists()
-        code, summary, out = run(settings, src, _lite(db, "m3"), "--kind", "bge-m3", "--chunk-size", "8",
-                                 "--build-index", cwd=tmp_path)
-        want = m3.client.embed_hybrid(texts, outputs=["dense", "lexical"])
-        # the tiny random model gives some texts no lexical weight: Milvus refuses an empty sparse vector, so those
-        # records are errors (the errors file), the others rows
-        empty = [doc for doc, lexical in zip(ids, want.lexical) if not len(lexical.indices)]
-        assert code == (1 if empty else 0) and summary["rows"] == len(texts) - len(empty), out
-        assert summary["failed"] == len(empty) and len(empty) < len(texts) // 2
-        if empty:
-            errors_file = Path(summary["errors_file"])  # in the current folder, named after the collection
-            assert errors_file.parent == tmp_path and errors_file.name.startswith("m3."), errors_file
-            errors = [json.loads(line) for line in errors_file.read_text().splitlines()]
-            assert sorted(e["id"] for e in errors) == sorted(empty)
-            assert all("Milvus refuses an empty sparse vector" in e["message"] for e in errors), errors
-        assert summary["notes"] == [f"colbert is not written to {_lite(db, 'm3')}: Milvus has no field for a list "
-                                    "of vectors per text (ColBERT's, --kind multi's); write it to LanceDB or Parquet "
-                                    "(the other outputs are; --outputs chooses)"], summary
-    finally:
-        m3.stop()
+    texts = [" ".join(t.split()[:20]) for t in corpus[400:430]]
+    src = tmp_path / "in.jsonl"
+    ids = write_jsonl(src, texts)
+    db = tmp_path / "m3.db"
+    before = m3.stats()["items_received"]
+    code, _, out = run(settings, src, _lite(db, "m3"), "--kind", "bge-m3", "--outputs", "dense,colbert",
+                       cwd=tmp_path)
+    assert code == 2 and "colbert (ragged) cannot be stored in" in out and "no field for a list of vectors" \
+        in out, out
+    assert m3.stats()["items_received"] == before and not db.exists()
+    code, summary, out = run(settings, src, _lite(db, "m3"), "--kind", "bge-m3", "--chunk-size", "8",
+                             "--build-index", cwd=tmp_path)
+    want = m3.client.embed_hybrid(texts, outputs=["dense", "lexical"])
+    # the tiny random model gives some texts no lexical weight: Milvus refuses an empty sparse vector, so those
+    # records are errors (the errors file), the others rows
+    empty = [doc for doc, lexical in zip(ids, want.lexical) if not len(lexical.indices)]
+    assert code == (1 if empty else 0) and summary["rows"] == len(texts) - len(empty), out
+    assert summary["failed"] == len(empty) and len(empty) < len(texts) // 2
+    if empty:
+        errors_file = Path(summary["errors_file"])  # in the current folder, named after the collection
+        assert errors_file.parent == tmp_path and errors_file.name.startswith("m3."), errors_file
+        errors = [json.loads(line) for line in errors_file.read_text().splitlines()]
+        assert sorted(e["id"] for e in errors) == sorted(empty)
+        assert all("Milvus refuses an empty sparse vector" in e["message"] for e in errors), errors
+    assert summary["notes"] == [f"colbert is not written to {_lite(db, 'm3')}: Milvus has no field for a list "
+                                "of vectors per text (ColBERT's, --kind multi's); write it to LanceDB or Parquet "
+                                "(the other outputs are; --outputs chooses)"], summary
     fields = {name: f["type"] for name, f in _fields(str(db), "m3").items()}
     assert fields == {"id": pymilvus.DataType.VARCHAR, "dense": pymilvus.DataType.FLOAT_VECTOR,
                       "lexical": pymilvus.DataType.SPARSE_FLOAT_VECTOR}

@@ -12,7 +12,6 @@ from urllib.parse import quote
 
 import numpy as np
 import pytest
-from conftest import WorkerHandle
 from indexdb import (
     cmd,
     corpus_texts,
@@ -22,7 +21,6 @@ from indexdb import (
     query_texts,
     run,
     run_without,
-    tiny_worker,
     write_jsonl,
 )
 
@@ -133,19 +131,15 @@ def test_c_other_options_or_kind_are_refused_and_the_table_untouched(worker, pg,
         assert _state(conn, "docs") == before
 
 
-def test_c_another_pooling_is_refused_before_writing(redis_server, pg, loaded, tmp_path):
+def test_c_another_pooling_is_refused_before_writing(cls_worker, pg, loaded, tmp_path):
     """Another embedding space (the same weights, CLS pooling): the probe's fingerprint is refused."""
     db = loaded[0]
-    settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.cls.{tmp_path.name}", pooling="cls")
-    other = WorkerHandle(settings, tmp_path / "cls.log")
-    try:
-        src = tmp_path / "more.jsonl"
-        src.write_text('{"id": "new-1", "text": "a new document"}\n')
-        with pg.connect(db) as conn:
-            before = _state(conn, "docs")
-        code, _, out = run(settings, src, pg.url(db, table="docs"), cwd=tmp_path)
-    finally:
-        other.stop()
+    settings = cls_worker.settings
+    src = tmp_path / "more.jsonl"
+    src.write_text('{"id": "new-1", "text": "a new document"}\n')
+    with pg.connect(db) as conn:
+        before = _state(conn, "docs")
+    code, _, out = run(settings, src, pg.url(db, table="docs"), cwd=tmp_path)
     assert code == 2 and "another embedding space" in out and "cls pooling" in out, out
     with pg.connect(db) as conn:
         assert _state(conn, "docs") == before
@@ -340,13 +334,6 @@ def _hnsw_crashes(cluster) -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def splade_worker(redis_server, tmp_path_factory):
-    handle = tiny_worker(redis_server.url, tmp_path_factory.mktemp("splade-pg"), "splade")
-    yield handle
-    handle.stop()
-
-
 def test_b_sparse_into_pgvector_0_8_is_a_sparsevec_equal_to_the_client(splade_worker, pg08, corpus, tmp_path):
     from conftest import sparse_delta
 
@@ -386,27 +373,24 @@ def test_float16_into_pgvector_0_8_is_a_halfvec(worker, pg08, corpus, tmp_path):
     assert np.abs(got - want).max() <= 1e-3  # float16's rounding of values under 1
 
 
-def test_b_bge_m3_into_pgvector_0_8_is_dense_and_lexical_equal_to_the_client(redis_server, corpus, pg08, tmp_path):
+def test_b_bge_m3_into_pgvector_0_8_is_dense_and_lexical_equal_to_the_client(m3_worker, corpus, pg08, tmp_path):
     """--kind bge-m3 (a tiny BGE-M3): ``dense vector(D)`` and ``lexical sparsevec(V)``, V the model's vocabulary
     size (the result's ``lexical_dimensions``), each with its HNSW index; ColBERT left out with a note."""
     from conftest import sparse_delta
     from transformers import AutoConfig
 
-    m3 = tiny_worker(redis_server.url, tmp_path, "bge-m3", corpus)
+    m3 = m3_worker
     settings = m3.settings
     vocab = AutoConfig.from_pretrained(settings.model).vocab_size
-    try:
-        # the short ones: some have no positive lexical weight (an empty sparsevec)
-        texts = [" ".join(t.split()[:20]) for t in corpus[400:440]] + [".", ",", "!", "?", "a"]
-        src = tmp_path / "in.jsonl"
-        ids = write_jsonl(src, texts)
-        url = pg08.url(table="m3")
-        code, summary, out = run(settings, src, url, "--kind", "bge-m3", "--chunk-size", "8", "--build-index",
-                                 cwd=tmp_path)
-        assert code == 0 and summary["rows"] == len(texts), out
-        want = m3.client.embed_hybrid(texts, outputs=["dense", "lexical"])
-    finally:
-        m3.stop()
+    # the short ones: some have no positive lexical weight (an empty sparsevec)
+    texts = [" ".join(t.split()[:20]) for t in corpus[400:440]] + [".", ",", "!", "?", "a"]
+    src = tmp_path / "in.jsonl"
+    ids = write_jsonl(src, texts)
+    url = pg08.url(table="m3")
+    code, summary, out = run(settings, src, url, "--kind", "bge-m3", "--chunk-size", "8", "--build-index",
+                             cwd=tmp_path)
+    assert code == 0 and summary["rows"] == len(texts), out
+    want = m3.client.embed_hybrid(texts, outputs=["dense", "lexical"])
     assert len(summary["notes"]) == 1 and summary["notes"][0].startswith("colbert is not written to ")
     assert "(dense vector_cosine_ops)" in summary["ann_index"]
     assert "(lexical sparsevec_ip_ops)" in summary["ann_index"]

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("sentence_transformers")
 
-from conftest import CORPUS, GatewayHandle, WorkerHandle
+from conftest import CORPUS, WorkerHandle
 from families import FAMILIES, save
 
 from embedq.cli import main
@@ -30,10 +30,9 @@ def _verify(monkeypatch, capsys, settings: Settings, *argv: str) -> tuple[int, s
 
 
 @pytest.fixture(scope="module")
-def gateway(worker, tmp_path_factory):
-    g = GatewayHandle(worker.settings.broker_url, worker.settings.queue, tmp_path_factory.mktemp("gw") / "gw.log")
-    yield g
-    g.stop()
+def gateway(worker, shared_gateway):
+    """The session's gateway (conftest.py's ``shared_gateway``) on the shared worker, settled for this module."""
+    return shared_gateway
 
 
 @pytest.fixture(scope="module")

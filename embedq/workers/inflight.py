@@ -25,6 +25,7 @@ from typing import Any
 from embedq import errors
 from embedq.backends.base import Backend, row_is_finite
 from embedq.batching import batch_cost
+from embedq.workers.hooks import ServiceHooks
 from embedq.workers.jobs import Job
 from embedq.workers.stats import Stats
 
@@ -55,6 +56,7 @@ class MicroBatches:
     _layer: int  # ... and preemption points met
     _in_model: list[tuple[Job, ...]]  # the jobs of each micro-batch in the model now
     _between_layers: Callable[[], None]  # the preemption point of a bulk micro-batch
+    hooks: ServiceHooks  # a steering program's seams (workers/hooks.py)
     _finish: Callable[[Job], None]  # every item of the job has its row: to the results thread
     fail: Callable[[Job, errors.EmbedqError], None]  # the job fails with this error
 
@@ -79,6 +81,7 @@ class MicroBatches:
         lengths = [len(item.ids) for item in batch]
         if preemptible:  # (not in a preempting batch: that one runs inside the bulk batch's pause)
             self._paused, self._layer = 0.0, 0
+        self.hooks.before_launch(self, keys)
         jobs = tuple(dict.fromkeys(job for job, _ in keys))
         self._in_model.append(jobs)  # a preempting batch runs inside a bulk one: both are in the model
         t0 = time.perf_counter()

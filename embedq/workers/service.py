@@ -39,7 +39,7 @@ from embedq.backends.base import Backend
 from embedq.batching import Scheduler
 from embedq.batching.traffic import BULK, ONLINE, Deadlines, TrafficScheduler
 from embedq.settings import Settings
-from embedq.workers import memory
+from embedq.workers import hooks, memory
 from embedq.workers.inflight import Flight, MicroBatches
 from embedq.workers.jobs import DoneCallback, DoneManyCallback, Job, expired
 from embedq.workers.outbox import Outbox
@@ -97,6 +97,7 @@ class EmbeddingService(MicroBatches):
         self._suspects: collections.deque[Job] = collections.deque()
         self._aliases = _model_aliases(settings.model, self.info.model_id)
         self._thread = threading.Thread(target=self._loop, name="embedq-inference", daemon=True)
+        self.hooks = hooks.installed()  # seams for a program that steers the worker (workers/hooks.py)
         self.memory_policy = memory_policy or settings.memory_policy  # in force (auto settles on one)
         self._trimmer = memory.trimmer(self.memory_policy, settings.malloc_trim_interval)
         # Finished and failed jobs go to the results thread (workers/outbox.py), which stores their outcomes.
@@ -261,7 +262,7 @@ class EmbeddingService(MicroBatches):
                 stopping = self._stopping
                 picks = pending is None if self._suspects else bool(len(self.scheduler))
                 if not stopping and picks:
-                    self._before_pick()
+                    self.hooks.before_pick(self)
                     stopping = self._stopping
                 if not stopping:
                     if self._suspects:
@@ -319,10 +320,10 @@ class EmbeddingService(MicroBatches):
         self._preempt_exclude = clients
         return True
 
-    def _before_pick(self) -> None:
-        """Under the lock, before the inference thread picks what runs next (a micro-batch, a suspect to run alone,
-        an online micro-batch at a preemption point). Does nothing: a seam for tests (tests/controlled_worker.py's
-        gate waits here on ``_cond`` so that no micro-batch of any sort starts while it is closed)."""
+    def wait_locked(self, seconds: float) -> None:
+        """Under the lock (a hook's ``before_pick``): wait up to ``seconds``, letting jobs arrive meanwhile; returns
+        sooner on new work or a stop."""
+        self._cond.wait(seconds)
 
     def _start(self, jobs: Any) -> list[Job]:
         """Under the lock: mark the jobs among ``jobs`` whose first micro-batch starts now; returns them."""
@@ -349,9 +350,10 @@ class EmbeddingService(MicroBatches):
         """Inference thread, before a layer of a running bulk micro-batch (a preemption point)."""
         self._layer += 1
         self.beat = time.monotonic()
-        self._preempt()
+        self.preempt()
+        self.hooks.at_point(self, self._layer)
 
-    def _preempt(self) -> None:
+    def preempt(self) -> None:
         """Inference thread, at a preemption point: if online items wait (of clients other than the running online
         batch's), run micro-batches of them to completion, then return (the paused batch goes on). Never raises into
         the model."""
@@ -368,7 +370,7 @@ class EmbeddingService(MicroBatches):
                     if self._stopping:
                         break
                     self._expire(time.monotonic())
-                    self._before_pick()
+                    self.hooks.before_pick(self)
                     if self._stopping:
                         break
                     batch = self.scheduler.next_online_batch(exclude)

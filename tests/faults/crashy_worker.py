@@ -12,19 +12,18 @@ import signal
 import sys
 
 from embedq.cli import main
-from embedq.workers import service
+from embedq.workers import hooks
 
 MARKER = "POISON"
-_launch = service.EmbeddingService._launch  # every micro-batch enters the model here
 
 
-def _launch_or_die(self: service.EmbeddingService, keys: list, *args: object, **kwargs: object) -> object:
-    if any(isinstance(job.texts, list) and MARKER in job.texts[i] for job, i in keys):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return _launch(self, keys, *args, **kwargs)
+class DieOnPoison(hooks.ServiceHooks):
+    def before_launch(self, service, keys):  # every micro-batch enters the model here
+        if any(isinstance(job.texts, list) and MARKER in job.texts[i] for job, i in keys):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
-service.EmbeddingService._launch = _launch_or_die
+hooks.install(DieOnPoison())
 
 if __name__ == "__main__":
     sys.exit(main(["worker"]))
