@@ -26,6 +26,8 @@ ROOT_DIR = Path(__file__).resolve().parents[1]
 CORPUS = ROOT_DIR / "data" / "corpus.jsonl"  # carried by the repository (data/README.md)
 #: ``embedq worker`` with the tests' controls (a gate before each micro-batch, a hold inside one, a failing text).
 CONTROLLED_WORKER = [sys.executable, str(Path(__file__).with_name("controlled_worker.py"))]
+#: Settings of a worker of the fake model (embedq/backends/fake.py), for the tests of what happens to messages.
+FAKE = {"model": "embedq-fake", "allow_fake_backend": True}
 
 
 #: The modules that take longest (CI's --durations, 2026-11-28), run first: under pytest-xdist (.ci/run: ``-n 2 --dist

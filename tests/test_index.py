@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import WorkerHandle
+from conftest import FAKE, WorkerHandle
 
 from embedq.backends.fake import DIMENSION as FAKE_DIMENSION
 from embedq.settings import Settings
@@ -26,7 +26,6 @@ from embedq.settings import Settings
 pytestmark = pytest.mark.integration
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
-FAKE = {"model": "embedq-fake", "allow_fake_backend": True}
 
 
 @pytest.fixture(scope="module")

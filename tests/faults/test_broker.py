@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import redis
 import trustme
-from conftest import GatewayHandle, WorkerHandle
+from conftest import FAKE, GatewayHandle, WorkerHandle
 
 from embedq import errors
 from embedq.producers.client import Client
@@ -33,7 +33,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 #: The deterministic fake model (embedq/backends/fake.py) for the tests of the transport alone; the Redis restart
 #: tests keep the real model, whose pace keeps jobs waiting when Redis goes.
-FAKE = {"model": "embedq-fake", "allow_fake_backend": True}
 
 
 def _queue() -> str:

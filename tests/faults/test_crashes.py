@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from conftest import WorkerHandle, gated_handle
+from conftest import FAKE, WorkerHandle, gated_handle
 
 from embedq import errors
 from embedq.broker import make_app
@@ -35,7 +35,6 @@ CRASHY = [sys.executable, str(Path(__file__).with_name("crashy_worker.py"))]
 
 #: The deterministic fake model (embedq/backends/fake.py) for the tests of what happens to messages; a SIGKILLed
 #: worker (test_a) and a SIGTERM mid-run (whose handed-back buffer needs the real model's pace) keep the real one.
-FAKE = {"model": "embedq-fake", "allow_fake_backend": True}
 
 
 def _settings(redis_server, **overrides) -> Settings:
