@@ -202,6 +202,18 @@ class WorkerHandle:
         :func:`closed_gate`."""
         return closed_gate(self.settings)
 
+    def step(self) -> dict:
+        """Inside :meth:`gate_closed`: let one micro-batch through the gate and return the counters once it ran."""
+        import redis
+
+        batches = self.stats()["batches"]
+        r = redis.Redis.from_url(self.settings.broker_url)
+        try:
+            r.incr(f"{_gate_key(self.settings)}:pass")
+        finally:
+            r.close()
+        return self.wait_until(lambda s: s["batches"] > batches, "one micro-batch through the gate")
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -313,7 +325,7 @@ def closed_gate(settings: Settings):
     try:
         yield
     finally:
-        r.delete(_gate_key(settings))
+        r.delete(_gate_key(settings), f"{_gate_key(settings)}:pass")
         r.close()
 
 

@@ -13,6 +13,12 @@ nothing else differs from ``python -m embedq worker``.
   receiving and buffering jobs up to its prefetch window, as it would behind a long micro-batch. Tests of
   coalescing and of the window so control what is buffered when the model runs, whatever the speed of the
   machine, the model or the producer: they wait until the worker's counters show the jobs held, then delete the key.
+  ``INCR <key>:pass`` lets one micro-batch through the closed gate (``WorkerHandle.step``): a job is then running, its
+  first micro-batch done and the rest held, whatever the speed of the model.
+- Load gate: while the Redis key named by ``EMBEDQ_TEST_LOAD_GATE`` exists, the model does not load (the worker's
+  process has started and registered itself as "starting": :mod:`embedq.workers.announce`), as a first start that
+  exports and measures on a busy machine stays in that state. tests/test_first_hour.py so holds a worker in its start
+  for as long as a test needs, on any machine.
 - Hold: while the Redis key named by ``EMBEDQ_TEST_HOLD`` exists, a bulk micro-batch that reaches its
   ``HOLD_AT``-th preemption point stays there (it sets ``<key>:held`` to that point's number), running online
   micro-batches as they arrive, as at any preemption point. tests/test_preempt.py so knows, from a state it can
@@ -28,6 +34,7 @@ import sys
 import threading
 import time
 
+import embedq.backends
 from embedq.backends import model
 from embedq.backends.base import Backend
 from embedq.backends.fake import FakeBackend
@@ -88,8 +95,7 @@ class Controls(hooks.ServiceHooks):
         key = os.environ.get("EMBEDQ_TEST_GATE")
         if not key:
             return
-        redis = _redis()
-        while redis.exists(key) and not service.stopping:
+        while _closed(key) and not service.stopping:
             service.wait_locked(0.01)
 
     def at_point(self, service, point):
@@ -105,6 +111,23 @@ class Controls(hooks.ServiceHooks):
             time.sleep(0.005)
 
 
+def _closed(key: str) -> bool:
+    """Is the gate ``key`` closed to the next micro-batch? A pass (``INCR <key>:pass``) lets one through. While the
+    broker is away (a test restarts it) the gate stays closed; the restarted broker has no key: it is open."""
+    import redis as redis_py
+
+    client = _redis()
+    try:
+        if not client.exists(key):
+            return False
+        if int(client.get(f"{key}:pass") or 0) > 0:  # a test let one micro-batch through
+            client.decr(f"{key}:pass")
+            return False
+        return True
+    except redis_py.ConnectionError:
+        return True
+
+
 @functools.cache
 def _redis():  # one client for the process: the hold asks at every bulk micro-batch's HOLD_AT-th point
     import redis
@@ -112,9 +135,21 @@ def _redis():  # one client for the process: the hold asks at every bulk micro-b
     return redis.Redis.from_url(os.environ["EMBEDQ_BROKER_URL"])
 
 
+def _gated_load(load):
+    @functools.wraps(load)
+    def gated(*args, **kwargs):
+        key = os.environ.get("EMBEDQ_TEST_LOAD_GATE")
+        while key and _redis().exists(key):
+            time.sleep(0.05)
+        return load(*args, **kwargs)
+
+    return gated
+
+
 _marking(model.ModelBackend)
 _marking(FakeBackend)
 hooks.install(Controls())
+embedq.backends.load_backend = _gated_load(embedq.backends.load_backend)  # the worker imports it when it loads
 
 if __name__ == "__main__":
     sys.exit(main(["worker"]))

@@ -77,13 +77,16 @@ def _settled(worker, timeout: float = 5.0) -> dict:
 
 @pytest.mark.integration
 def test_worker_window_in_texts(redis_server, tmp_path, corpus):
+    """What the worker holds, not what it computes: a gated worker of the fake model (``FAKE``; the gate decides
+    when anything runs, so the model's speed plays no part)."""
     import redis
 
     from embedq import monitor
-    from tests.conftest import gated_handle
+    from embedq.backends.fake import DIMENSION
+    from tests.conftest import FAKE, gated_handle
 
     queue = "embedq.test.window"
-    settings = Settings(broker_url=redis_server.url, queue=queue, prefetch_texts=300, online_overflow_texts=0)
+    settings = Settings(broker_url=redis_server.url, queue=queue, prefetch_texts=300, online_overflow_texts=0, **FAKE)
     worker = gated_handle(settings, tmp_path / "worker.log")  # its gate holds the model back: see below
     r = redis.Redis.from_url(redis_server.url)
     try:
@@ -96,21 +99,25 @@ def test_worker_window_in_texts(redis_server, tmp_path, corpus):
             held = worker.wait_until(lambda st: st["held_messages"] == 300, "300 one-text jobs held")
             assert held["held_texts"] == 300 and monitor.waiting(r, queue) == 100  # the rest wait in Redis
         for h in handles:
-            assert h.result(timeout=300).shape == (1, 384)
+            assert h.result(timeout=300).shape == (1, DIMENSION)
         stats = worker.stats()
         assert stats["peak_held_messages"] == 300
         assert stats["peak_held_texts"] <= 300
         assert stats["jobs_succeeded"] == 400
         assert _settled(worker)["held_texts"] == 0
         # 12 jobs of 100 texts: at most 3 (plus one overshooting) are held, the rest wait in Redis (the unacked
-        # messages counted for this queue: kombu's hash is shared by every queue on the server)
-        big = [worker.client.submit(corpus[i * 100:(i + 1) * 100]) for i in range(12)]
-        peak_unacked = 0
+        # messages counted for this queue: kombu's hash is shared by every queue on the server). The gate closed,
+        # the window fills (3 jobs at least: 300 texts) and stays so; then they run, the rest follow.
+        with worker.gate_closed():
+            big = [worker.client.submit(corpus[i * 100:(i + 1) * 100]) for i in range(12)]
+            worker.wait_until(lambda st: st["held_texts"] >= 300, "the window full of 100-text jobs")
+            peak_unacked = monitor.unacked_by_queue(r).get(queue, 0)
+            assert 3 <= peak_unacked <= 4 and monitor.waiting(r, queue) == 12 - peak_unacked
         while not all(h.ready() for h in big):
             peak_unacked = max(peak_unacked, monitor.unacked_by_queue(r).get(queue, 0))
             time.sleep(0.005)  # leave the worker its cores
         for h in big:
-            assert h.result(timeout=300).shape == (100, 384)
+            assert h.result(timeout=300).shape == (100, DIMENSION)
         stats = worker.stats()
         assert stats["peak_held_texts"] <= 300 + 99
         assert 1 <= peak_unacked <= 4

@@ -1,10 +1,14 @@
 """`embedq index` end to end: real redis-server, real worker processes, real kills.
 
 What these tests check is the indexer's bookkeeping (every id once, resumption, resubmission, refusals, its stops),
-not the model: the 20,000-text run and the two-worker run use workers of the fake model (``embedq-fake``: the same
-queue path, vectors in microseconds). A worker killed or a Redis restarted mid-run keeps MiniLM, whose pace leaves
-the run mid-way when the fault comes; the others use the session's MiniLM worker, so the indexer's vectors are also
-checked against a real model's (within the batch-invariance bound)."""
+not the model: the 20,000-text run, the two-worker run and every run that a fault interrupts (a killed indexer, a
+SIGTERM, a killed worker, a Redis restart) use workers of the fake model (``embedq-fake``: the same queue path,
+vectors in microseconds). Where the fault must come mid-run, the worker is gated (tests/controlled_worker.py): it
+runs micro-batches one at a time (``WorkerHandle.step``) until the run has reached the point the test names, and
+holds the rest, so the fault comes mid-run on any machine. The faults themselves are tested against MiniLM in
+tests/faults/ (a SIGKILLed worker: test_crashes.py; a Redis restart: test_broker.py). The refusals and the stdin
+runs use the session's MiniLM worker, so the indexer's vectors are also checked against a real model's (within the
+batch-invariance bound)."""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FAKE, WorkerHandle
+from conftest import FAKE, WorkerHandle, gated_handle
 
 from embedq.backends.fake import DIMENSION as FAKE_DIMENSION
 from embedq.settings import Settings
@@ -35,6 +39,26 @@ def fake_worker(redis_server, tmp_path_factory):
     handle = WorkerHandle(settings, tmp_path_factory.mktemp("fake") / "worker.log")
     yield handle
     handle.stop()
+
+
+@pytest.fixture(scope="module")
+def gated_fake(redis_server, tmp_path_factory):
+    """A gated worker of the fake model (``step`` runs one micro-batch at a time), for the runs a fault interrupts."""
+    settings = Settings(broker_url=redis_server.url, queue="embedq.test.index.gated", **FAKE)
+    handle = gated_handle(settings, tmp_path_factory.mktemp("gated") / "worker.log")
+    yield handle
+    handle.stop()
+
+
+def _step_until(worker: WorkerHandle, jobs: int, proc: subprocess.Popen) -> None:
+    """Inside ``worker.gate_closed()``: micro-batches one at a time until ``jobs`` more of the jobs of the run ``proc``
+    sends have succeeded (the rest stay held; the items of every held job share each micro-batch, so a count of
+    items would not tell that any job is done)."""
+    done = worker.stats()["jobs_succeeded"] + jobs
+    while worker.stats()["jobs_succeeded"] < done:
+        if proc.poll() is not None:
+            raise AssertionError(f"the indexer exited with {proc.returncode}: {proc.stderr.read()}")
+        worker.step()
 
 
 def _write_jsonl(path: Path, texts: list[str]) -> list[str]:
@@ -100,6 +124,22 @@ def _kill_after_commits(settings: Settings, src: Path, out: Path, rows: int, *ar
     return _committed_rows(out)
 
 
+def _kill_gated_after_commits(worker: WorkerHandle, src: Path, out: Path, rows: int, *args: str) -> int:
+    """Start ``embedq index`` on the gated ``worker``, SIGKILL it once ``rows`` rows are committed (the worker has
+    embedded those and holds the rest); returns the rows committed then."""
+    with worker.gate_closed():
+        proc = subprocess.Popen(_index_cmd(src, out, *args), env=_env(worker.settings), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            _step_until(worker, -(-rows // 16), proc)  # jobs of --chunk-size 16
+            _wait(lambda: _committed_rows(out) >= rows, 300, "the first commits", proc)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    return _committed_rows(out)
+
+
 @pytest.fixture(scope="module")
 def first_output(fake_worker, corpus, tmp_path_factory):
     """a. 20,000 texts JSONL -> Parquet: the corpus' texts under 120 characters (1,965 of them), repeated (CI time:
@@ -148,12 +188,14 @@ def test_a_twenty_thousand_texts_match_client_embed(fake_worker, first_output):
     assert np.abs(vectors - want).max() <= 1e-6
 
 
-def test_b_killed_indexer_resumes_without_gaps_or_duplicates(worker, corpus, tmp_path):
+def test_b_killed_indexer_resumes_without_gaps_or_duplicates(gated_fake, corpus, tmp_path):
+    worker = gated_fake
+    worker.settle()
     texts = _short(corpus, 400)[:2500]
     ids = _write_jsonl(tmp_path / "in.jsonl", texts)
     out = tmp_path / "out.parquet"
     args = ("--checkpoint-seconds", "1", "--chunk-size", "16")
-    committed = _kill_after_commits(worker.settings, tmp_path / "in.jsonl", out, 400, *args)
+    committed = _kill_gated_after_commits(worker, tmp_path / "in.jsonl", out, 400, *args)
     assert 400 <= committed < len(texts)
 
     code, summary, stderr = _run(worker.settings, tmp_path / "in.jsonl", out, *args)
@@ -172,18 +214,19 @@ def test_c_killed_worker_is_replaced_and_the_run_completes(corpus, tmp_path):
     from embedq.producers.embedded import RedisServer
 
     server = RedisServer().start()  # its own: the dead worker's messages stay in this Redis' unacked hash
-    settings = Settings(broker_url=server.url, queue=f"embedq.test.{tmp_path.name}")
+    settings = Settings(broker_url=server.url, queue=f"embedq.test.{tmp_path.name}", **FAKE)
     texts = _short(corpus, 400)[:1200]
     ids = _write_jsonl(tmp_path / "in.jsonl", texts)
     out = tmp_path / "out.parquet"
-    first = WorkerHandle(settings, tmp_path / "w1.log")
+    first = gated_handle(settings, tmp_path / "w1.log")
     proc = subprocess.Popen(_index_cmd(tmp_path / "in.jsonl", out, "--chunk-size", "16", "--job-timeout", "8"),
                             env=_env(settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     second = None
     try:
-        _wait(lambda: first.stats()["items"] >= 200, 300, "the first worker to embed", proc)
-        os.killpg(first.proc.pid, signal.SIGKILL)  # its buffered messages stay unacknowledged in Redis
-        first.proc.wait()
+        with first.gate_closed():  # it embeds 200 texts, holds its window of jobs, and is killed holding them
+            _step_until(first, 13, proc)  # 208 texts in jobs of 16
+            os.killpg(first.proc.pid, signal.SIGKILL)  # its buffered messages stay unacknowledged in Redis
+            first.proc.wait()
         second = WorkerHandle(settings, tmp_path / "w2.log")
         stdout, stderr = proc.communicate(timeout=600)
     finally:
@@ -266,28 +309,32 @@ def test_e_two_workers_both_take_part(redis_server, corpus, tmp_path):
     assert sorted(r["id"] for r in rows) == sorted(ids)
 
 
-def test_sigterm_commits_and_the_next_run_finishes(worker, corpus, tmp_path):
+def test_sigterm_commits_and_the_next_run_finishes(gated_fake, corpus, tmp_path):
+    worker = gated_fake
+    worker.settle()
     texts = corpus[:1500]
     ids = _write_jsonl(tmp_path / "in.jsonl", texts)
     out = tmp_path / "out.npy"
     args = ("--chunk-size", "16", "--checkpoint-seconds", "600")  # only the stop itself commits
-    proc = subprocess.Popen(_index_cmd(tmp_path / "in.jsonl", out, *args), env=_env(worker.settings),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait(lambda: out.exists() and out.stat().st_size > 128 + 200 * 384 * 4, 300, "rows on disk", proc)
-    proc.send_signal(signal.SIGTERM)  # while rows are being written (the stage "writing" of issue 39)
-    started = time.monotonic()
-    stdout, stderr = proc.communicate(timeout=120)
+    with worker.gate_closed():  # 200 rows and more on disk, the rest held by the worker: the run is mid-way
+        proc = subprocess.Popen(_index_cmd(tmp_path / "in.jsonl", out, *args), env=_env(worker.settings),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _step_until(worker, 16, proc)  # 256 texts in jobs of 16
+        _wait(lambda: out.exists() and out.stat().st_size > 128 + 200 * FAKE_DIMENSION * 4, 300, "rows on disk", proc)
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=120)
     assert time.monotonic() - started < 5.0  # issue 39: the first SIGTERM stops it promptly
     assert proc.returncode == 130 and "Traceback" not in stderr, stderr
     first = json.loads(stdout)
     assert first["interrupted"] and first["rows"] == first["texts"] > 200 and "run the same command" in stderr
-    assert np.load(out).shape == (first["rows"], 384)  # a valid .npy of what was committed
+    assert np.load(out).shape == (first["rows"], FAKE_DIMENSION)  # a valid .npy of what was committed
 
     code, second, stderr = _run(worker.settings, tmp_path / "in.jsonl", out, *args)
     assert code == 0, stderr
     assert second["skipped"] == first["rows"] and second["texts"] == len(texts) - first["rows"]
     got = (tmp_path / "out.ids.txt").read_text().splitlines()
-    assert sorted(got) == sorted(ids) and np.load(out).shape == (len(texts), 384)
+    assert sorted(got) == sorted(ids) and np.load(out).shape == (len(texts), FAKE_DIMENSION)
 
 
 def test_texts_a_worker_refuses_are_split_out_and_the_rest_embedded(worker, corpus, tmp_path):
@@ -371,23 +418,25 @@ def test_broker_restart_without_persistence_completes_by_resubmitting(corpus, tm
     The worker may die of the lost connection (a kombu bug in restoring unacked messages on close;
     worker reconnection belongs to the reliability work), at any time after the restart: the test
     supervises until the indexer exits and starts a new one whenever it finds none running, as a
-    supervisor would.
+    supervisor would. The first worker is gated (it has embedded 200 texts when Redis stops); its gate's key
+    goes with the restart, so from then on it runs freely, as do the workers started after it.
     """
     from embedq.producers.embedded import RedisServer
 
     server = RedisServer().start()
-    settings = Settings(broker_url=server.url, queue="embedq.test.restart")
+    settings = Settings(broker_url=server.url, queue="embedq.test.restart", **FAKE)
     texts = corpus[:1200]
     ids = _write_jsonl(tmp_path / "in.jsonl", texts)
     out = tmp_path / "out.parquet"
-    workers = [WorkerHandle(settings, tmp_path / "w0.log")]
+    workers = [gated_handle(settings, tmp_path / "w0.log")]
     proc = subprocess.Popen(_index_cmd(tmp_path / "in.jsonl", out, "--chunk-size", "16", "--job-timeout", "10"),
                             env=_env(settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait(lambda: workers[0].stats()["items"] >= 200, 300, "the worker to embed", proc)
-        server.stop()
-        time.sleep(1)  # the outage: how long Redis is away (a scenario's length, not a wait for a state)
-        server.start()
+        with workers[0].gate_closed():
+            _step_until(workers[0], 13, proc)  # 208 texts in jobs of 16
+            server.stop()
+            time.sleep(1)  # the outage: how long Redis is away (a scenario's length, not a wait for a state)
+            server.start()
         deadline = time.monotonic() + 600
         while True:
             try:  # communicate, not wait: the pipes are read while it runs (retrying loses no output)
