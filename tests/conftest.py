@@ -30,14 +30,16 @@ CONTROLLED_WORKER = [sys.executable, str(Path(__file__).with_name("controlled_wo
 FAKE = {"model": "embedq-fake", "allow_fake_backend": True}
 
 
-#: The modules that take longest (CI's --durations, 2026-11-28), run first: under pytest-xdist (.ci/run: ``-n 2 --dist
-#: loadfile``, each module whole in one process) no long module then starts last while the other process idles.
+#: The modules that take longest (their wall time in a full run under -n 2, 2026-11-28), run first: under pytest-xdist
+#: (.ci/run: ``-n 2 --dist loadfile``, each module whole in one process) no long module then starts last while the
+#: other process idles.
 SLOW_FIRST = (
-    "test_index.py", "faults/test_hostile_canvas.py", "test_gateway.py", "faults/test_crashes.py",
-    "test_first_hour.py", "test_index_lancedb.py", "test_index_milvus.py", "faults/test_broker.py",
-    "test_integration.py", "test_index_pgvector.py", "test_fidelity.py", "test_kinds.py", "test_sparse.py",
-    "test_cli.py", "test_operations.py", "test_truncation_cut.py", "test_preempt.py", "faults/test_liveness.py",
-    "test_flow_control.py", "test_canvas.py", "test_index_kinds.py", "test_admission.py",
+    "faults/test_hostile_canvas.py", "faults/test_crashes.py", "test_index.py", "test_gateway.py",
+    "test_index_lancedb.py", "faults/test_broker.py", "test_index_milvus.py", "test_fidelity.py", "test_integration.py",
+    "test_first_hour.py", "test_preempt.py", "test_operations.py", "test_cli.py", "test_truncation_cut.py",
+    "test_sparse.py", "test_index_pgvector.py", "faults/test_liveness.py", "test_kinds.py", "test_canvas.py",
+    "test_traffic.py", "test_verify.py", "test_replicas.py", "test_families.py", "test_backend_models.py",
+    "test_admission.py", "test_index_kinds.py",
 )
 
 
@@ -87,19 +89,47 @@ def sparse_delta(indices_a, values_a, indices_b, values_b) -> float:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def private_caches(tmp_path_factory):
+def private_caches(tmp_path_factory, worker_id):
     """ONNX exports and runtime choices go to private folders, for this process and its workers: no test reads
-    a choice measured outside the suite."""
+    a choice measured outside the suite. Under pytest-xdist the test processes of one run share them (a folder of the
+    run's temporary root; both caches write a file or folder aside and rename it into place), so the model is
+    exported and its runtimes measured once per run, not once per process (see :func:`_first_start`)."""
     names = {"EMBEDQ_ONNX_CACHE": "onnx-cache", "EMBEDQ_RUNTIME_CACHE": "runtime-cache"}
     old = {name: os.environ.get(name) for name in names}
     for name, folder in names.items():
-        os.environ[name] = str(tmp_path_factory.mktemp(folder))
+        if worker_id == "master":
+            os.environ[name] = str(tmp_path_factory.mktemp(folder))
+        else:
+            shared = tmp_path_factory.getbasetemp().parent / folder
+            shared.mkdir(exist_ok=True)
+            os.environ[name] = str(shared)
     yield
     for name, value in old.items():
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _first_start(settings: Settings):
+    """Around a worker's start: the first worker of the default model (runtime ``auto``) in the run's caches
+    (:func:`private_caches`) exports it and measures its runtimes, holding a lock that a second test process's start
+    of the same model waits on; that one then reads the caches instead of exporting and measuring again."""
+    root = os.environ.get("EMBEDQ_ONNX_CACHE")
+    if not root or settings.model != Settings.model_fields["model"].default or settings.linear_kernel != "auto":
+        yield
+        return
+    marker = Path(root) / ".default-model-ready"
+    if marker.exists():
+        yield
+        return
+    import fcntl
+
+    with open(Path(root) / ".default-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, whatever happens inside
+        yield
+        marker.touch()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -135,12 +165,13 @@ class WorkerHandle:
         self.settings = settings
         self.log_path = log_path
         self.client = Client(settings)
-        self.proc = start_worker(settings, log_path=log_path, command=command, extra_env=extra_env)
-        try:
-            wait_for_worker(self.client.app, self.proc, timeout=120, log_path=log_path)
-        except BaseException:
-            self.stop()
-            raise
+        with _first_start(settings):
+            self.proc = start_worker(settings, log_path=log_path, command=command, extra_env=extra_env)
+            try:
+                wait_for_worker(self.client.app, self.proc, timeout=120, log_path=log_path)
+            except BaseException:
+                self.stop()
+                raise
 
     def stats(self) -> dict:
         """This worker's counters (other tests' workers may share the broker). After the first call it asks this

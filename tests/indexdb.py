@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 from conftest import ROOT_DIR, WorkerHandle
 
 from embedq.settings import Settings
@@ -83,6 +84,22 @@ def write_jsonl(path: Path, texts: list[str]) -> list[str]:
     ids = [f"doc-{i}" for i in range(len(texts))]
     path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(ids, texts)))
     return ids
+
+
+#: Each text's bulk vector from a worker (by its queue), once per test process: the sinks' acceptance a embeds the
+#: same 2,000 texts (:func:`corpus_texts`) on the session's worker, and each compares its table with them.
+_BULK_VECTORS: dict[tuple[str, str], np.ndarray] = {}
+
+
+def bulk_vectors(worker, texts: list[str]) -> np.ndarray:
+    """``worker.client.embed(texts, traffic_class="bulk")`` (as the indexer sends its jobs), each text embedded once
+    per test process: the same text, the same worker, the same vector within the batch-invariance bound."""
+    queue = worker.settings.queue_name
+    missing = list(dict.fromkeys(t for t in texts if (queue, t) not in _BULK_VECTORS))
+    if missing:
+        vectors = worker.client.embed(missing, timeout=600, traffic_class="bulk")
+        _BULK_VECTORS.update(((queue, t), v) for t, v in zip(missing, np.asarray(vectors)))
+    return np.stack([_BULK_VECTORS[(queue, t)] for t in texts])
 
 
 def items_received(worker) -> int:

@@ -19,9 +19,10 @@ import httpx
 import numpy as np
 import pytest
 import tiny_models
+from conftest import FAKE, WorkerHandle, sparse_delta
 from conftest import GatewayHandle as Gateway
-from conftest import WorkerHandle, sparse_delta
 
+from embedq.backends.fake import DIMENSION as FAKE_DIMENSION
 from embedq.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -136,17 +137,21 @@ def test_b_embed_all_and_similarity_equal_the_client(gateway, worker, corpus):
         gateway.url + "/embed", json={"inputs": texts[:1]}).json()  # an embedding model's own route
 
 
-def test_b_rerank_predict_and_sparse_models_behind_the_gateway(redis_server, corpus, tmp_path):
+def test_b_rerank_predict_and_sparse_models_behind_the_gateway(redis_server, splade_worker, corpus, tmp_path):
     """A cross-encoder, a classifier and a SPLADE model, each with its worker and a gateway that splits requests
-    into jobs of 4: TEI's shapes, equal to the Client's results, and ``/`` routed by the model's kind."""
+    into jobs of 4: TEI's shapes, equal to the Client's results, and ``/`` routed by the model's kind. The SPLADE
+    model's worker is the session's (conftest.splade_worker: it only answers reads)."""
     models = {"rerank": tiny_models.bert_cross_encoder(tmp_path / "ce"),
               "predict": tiny_models.bert_classifier(tmp_path / "cls"),
-              "sparse": tiny_models.splade(tmp_path / "splade", tiny_models.bert_mlm(tmp_path / "mlm"))}
+              "sparse": Path(splade_worker.settings.model)}
     texts = corpus[600:610]
     for kind, folder in models.items():
-        settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.gw-{kind}", model=str(folder),
-                            linear_kernel="torch")
-        worker = WorkerHandle(settings, tmp_path / f"{kind}-worker.log")
+        if kind == "sparse":
+            worker, settings = splade_worker, splade_worker.settings
+        else:
+            settings = Settings(broker_url=redis_server.url, queue=f"embedq.test.gw-{kind}", model=str(folder),
+                                linear_kernel="torch")
+            worker = WorkerHandle(settings, tmp_path / f"{kind}-worker.log")
         g = Gateway(redis_server.url, settings.queue_name, tmp_path / f"{kind}-gw.log",
                     EMBEDQ_MODEL=str(folder), EMBEDQ_MAX_TEXTS_PER_JOB="4")
         try:
@@ -226,7 +231,8 @@ def test_b_rerank_predict_and_sparse_models_behind_the_gateway(redis_server, cor
                 assert delta(vertex["predictions"][0][0], got[0]) <= 1e-5
         finally:
             g.stop()
-            worker.stop()
+            if worker is not splade_worker:
+                worker.stop()
 
 
 def test_several_models_behind_one_gateway(redis_server, worker, corpus, tmp_path):
@@ -300,8 +306,8 @@ def test_two_thousand_requests_wait_at_once_without_a_thread_each(redis_server, 
             status = Path(f"/proc/{g.proc.pid}/status").read_text()
             seen["threads"] = float(status.split("Threads:")[1].split()[0])
             nonlocal worker
-            worker = await asyncio.to_thread(WorkerHandle, Settings(broker_url=redis_server.url, queue=queue),
-                                             tmp_path / "worker.log")
+            worker = await asyncio.to_thread(WorkerHandle, Settings(broker_url=redis_server.url, queue=queue, **FAKE),
+                                             tmp_path / "worker.log")  # (the gateway is under test: the fake model)
             return await asyncio.gather(*calls)
 
     try:
@@ -309,7 +315,7 @@ def test_two_thousand_requests_wait_at_once_without_a_thread_each(redis_server, 
         assert seen["in_flight"] >= n + 1, seen  # every request was waiting at once (plus the /metrics call)
         assert seen["threads"] < 40, seen  # no OS thread per waiting request
         assert [r.status_code for r in answers] == [200] * n
-        assert all(len(r.json()[0]) == 384 for r in answers)
+        assert all(len(r.json()[0]) == FAKE_DIMENSION for r in answers)
     finally:
         g.stop()
         if worker is not None:
@@ -346,7 +352,7 @@ def test_e_a_disconnected_client_s_job_never_runs_and_a_deadline_expires(redis_s
                 break
             assert time.monotonic() < deadline, f"the disconnected request's cancel was not sent in 60 s: {metrics}"
             time.sleep(0.1)
-        worker = WorkerHandle(Settings(broker_url=redis_server.url, queue=queue), tmp_path / "worker.log")
+        worker = WorkerHandle(Settings(broker_url=redis_server.url, queue=queue, **FAKE), tmp_path / "worker.log")
         probe = httpx.post(g.url + "/embed", json={"inputs": corpus[40:43]}, timeout=120)
         assert probe.status_code == 200
         # the probe's items are counted before its result is stored; the cancelled jobs, queued before the probe,

@@ -272,22 +272,18 @@ def test_d_other_dimensions_or_model_are_refused_and_output_untouched(worker, co
     handle = WorkerHandle(other, tmp_path / "tiny.log")
     try:
         code, _, stderr = _run(other, src, out, "--model", str(tiny))
-    finally:
-        handle.stop()
-    assert code == 2
-    assert "[output_mismatch]" in stderr and "another embedding space" in stderr and "tiny-bert" in stderr
-    assert snapshot() == before
-    assert pq.read_table(out).num_rows == 200
+        assert code == 2
+        assert "[output_mismatch]" in stderr and "another embedding space" in stderr and "tiny-bert" in stderr
+        assert snapshot() == before
+        assert pq.read_table(out).num_rows == 200
 
-    # refused even when nothing is missing: the space is probed before the input is read
-    src.write_text('{"id": "doc-5", "text": "already there"}\n')
-    handle = WorkerHandle(other, tmp_path / "tiny2.log")
-    try:
+        # refused even when nothing is missing: the space is probed before the input is read
+        src.write_text('{"id": "doc-5", "text": "already there"}\n')
         code, _, stderr = _run(other, src, out, "--model", str(tiny))
+        assert code == 2 and "another embedding space" in stderr
+        assert snapshot() == before
     finally:
         handle.stop()
-    assert code == 2 and "another embedding space" in stderr
-    assert snapshot() == before
 
 
 def test_e_two_workers_both_take_part(redis_server, corpus, tmp_path):

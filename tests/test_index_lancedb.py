@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from indexdb import (
+    bulk_vectors,
     cmd,
     corpus_texts,
     env,
@@ -96,7 +97,7 @@ def test_a_killed_run_resumes_into_exactly_the_texts_with_client_vectors(worker,
     assert manifest["rows"] == len(ids) and manifest["fingerprint"] == summary["fingerprint"]
     vectors = np.asarray(data.column("vector").to_pylist(), dtype=np.float32)
     by_id = dict(zip(ids, texts))
-    want = np.asarray(worker.client.embed([by_id[i] for i in got], timeout=600, traffic_class="bulk"))
+    want = bulk_vectors(worker, [by_id[i] for i in got])
     assert np.abs(vectors - want).max() <= 1e-6
 
 

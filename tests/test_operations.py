@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import WorkerHandle
+from conftest import FAKE, WorkerHandle
 from kombu import Connection
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -430,7 +430,7 @@ def test_a_taken_metrics_port_stops_the_worker_with_a_clear_message(stack, tmp_p
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        settings = stack["settings"].model_copy(update={"metrics_port": port})
+        settings = stack["settings"].model_copy(update={"metrics_port": port, **FAKE})  # (the port is under test)
         proc = start_worker(settings, log_path=tmp_path / "w.log")
         assert proc.wait(120) != 0
     assert f"cannot serve metrics on 127.0.0.1:{port}" in Path(tmp_path / "w.log").read_text()
@@ -485,7 +485,8 @@ def test_two_workers_on_one_host_both_serve_with_metrics_where_prometheus_looks(
     from embedq.workers.metrics import DEFAULT_PORTS
 
     settings = Settings(broker_url=stack["server"].url, queue=f"embedq.test.two-{uuid.uuid4().hex[:6]}",
-                        metrics_port=None)  # unset, as in the README: no EMBEDQ_METRICS_PORT in the workers' env
+                        metrics_port=None,  # unset, as in the README: no EMBEDQ_METRICS_PORT in the workers' env
+                        **FAKE)  # the fake model: the ports and the registry are under test, not the vectors
     workers = []
     try:
         for i in range(2):  # one after the other: the second one starts while the first holds its port

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -14,9 +15,10 @@ import numpy as np
 import pytest
 import redis
 import trustme
-from conftest import FAKE, GatewayHandle, WorkerHandle
+from conftest import FAKE, GatewayHandle, WorkerHandle, gated_handle
 
 from embedq import errors
+from embedq.backends.fake import DIMENSION as FAKE_DIMENSION
 from embedq.producers.client import Client
 from embedq.producers.embedded import (
     RedisServer,
@@ -31,8 +33,9 @@ from embedq.settings import Settings
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 
-#: The deterministic fake model (embedq/backends/fake.py) for the tests of the transport alone; the Redis restart
-#: tests keep the real model, whose pace keeps jobs waiting when Redis goes.
+#: The deterministic fake model (embedq/backends/fake.py) for the tests of the transport alone and for the gateway's
+#: restart (its worker is paused while the jobs wait); test_b's Redis restarts keep the real model, whose pace keeps
+#: jobs waiting when Redis goes.
 
 
 def _queue() -> str:
@@ -41,6 +44,9 @@ def _queue() -> str:
 
 @pytest.mark.parametrize("persist", [True, False], ids=["with-persistence", "without-persistence"])
 def test_b_redis_restarts_mid_run_the_worker_recovers_and_no_job_is_lost(persist, tmp_path, corpus):
+    """Without persistence: the real model, whose pace keeps jobs waiting when Redis goes. With persistence: a gated
+    worker of the fake model (tests/controlled_worker.py), its gate closed from before the 1,050 jobs are sent until
+    Redis is back (the gate's key is in the saved data), so they wait, queued or held, whatever the machine."""
     server = RedisServer(persist=persist).start()
     # a small window, so most jobs are still in the queue (not in the worker) when Redis goes
     # online_queue_limit=0: a deliberate flood (backpressure is tested in test_traffic.py)
@@ -48,8 +54,10 @@ def test_b_redis_restarts_mid_run_the_worker_recovers_and_no_job_is_lost(persist
     # lost, so only this resends, and the copies must be recognised. Every job sent before the restart has
     # waited longer than that once Redis is back (it is down for more than 2 s).
     settings = Settings(broker_url=server.url, queue=_queue(), visibility_timeout=10, prefetch_window=200,
-                        online_queue_limit=0, resend_after=1.0)
-    worker = WorkerHandle(settings, tmp_path / "worker.log")
+                        online_queue_limit=0, resend_after=1.0, **(FAKE if persist else {}))
+    log = tmp_path / "worker.log"
+    worker = gated_handle(settings, log) if persist else WorkerHandle(settings, log)
+    dimension = FAKE_DIMENSION if persist else 384
     client = Client(settings)
     texts = [f"{t[:300]} #{i}" for i, t in enumerate(corpus[:1200])]
     try:
@@ -59,23 +67,24 @@ def test_b_redis_restarts_mid_run_the_worker_recovers_and_no_job_is_lost(persist
         # Redis goes right after the other 1,050 are sent: a fast worker cannot have finished them, so
         # jobs are waiting (queued or held) on every machine. Waiting for results first made the test
         # flaky: a worker that had drained the queue left nothing to resend.
-        handles += [client.submit([t]) for t in texts[150:]]
-        # with persistence Redis saves its AOF on SIGTERM; without, SIGKILL and it comes back empty
-        server.proc.send_signal(signal.SIGTERM if persist else signal.SIGKILL)
-        server.proc.wait(30)
-        time.sleep(2)
-        server.start()
+        with worker.gate_closed() if persist else contextlib.nullcontext():
+            handles += [client.submit([t]) for t in texts[150:]]
+            # with persistence Redis saves its AOF on SIGTERM; without, SIGKILL and it comes back empty
+            server.proc.send_signal(signal.SIGTERM if persist else signal.SIGKILL)
+            server.proc.wait(30)
+            time.sleep(2)
+            server.start()
         # The last job first: it waits behind every other, so it is still waiting a whole wait slice after the
         # restart and is sent again. Waited in sending order, each handle kept pace with the worker and whether
         # any waited long enough to resend depended on how fast the worker reconnected (the test was flaky).
         vectors = [h.result(timeout=180) for h in reversed(handles[150:])][::-1]  # each completes (or job_lost)
-        assert all(v.shape == (1, 384) and np.isfinite(v).all() for v in vectors)
+        assert all(v.shape == (1, dimension) and np.isfinite(v).all() for v in vectors)
         # the handles noticed the restart and sent their waiting jobs again (with persistence the copies
         # are recognised by the worker: already stored, or held)
         assert sum(h.resent for h in handles) > 0
         assert worker.proc.poll() is None, "the worker died instead of reconnecting"
         assert "Unrecoverable" not in worker.log()
-        assert client.embed(["after the restart"], timeout=60).shape == (1, 384)
+        assert client.embed(["after the restart"], timeout=60).shape == (1, dimension)
     finally:
         worker.stop()
         client.close()
@@ -89,14 +98,16 @@ def test_gateway_requests_outlive_a_redis_restart_without_its_data(tmp_path, cor
     import httpx
 
     server = RedisServer(persist=False).start()
-    # a small window: most jobs are still in Redis (and lost with it) when it goes, not held by the worker
-    settings = Settings(broker_url=server.url, queue=_queue(), prefetch_window=4)
+    # a small window: most jobs are still in Redis (and lost with it) when it goes, not held by the worker. The fake
+    # model: the worker is paused while the jobs wait, so no pace is needed, and the restart with the real model is
+    # test_b's [without-persistence].
+    settings = Settings(broker_url=server.url, queue=_queue(), prefetch_window=4, **FAKE)
     worker = WorkerHandle(settings, tmp_path / "worker.log")
     gateway = GatewayHandle(server.url, settings.queue_name, tmp_path / "gateway.log")
     requests = [[f"{t[:400]} #{i}-{j}" for j, t in enumerate(corpus[i * 8:(i + 1) * 8])] for i in range(40)]
     stopped = False
     try:
-        assert worker.client.embed(["warm"], timeout=120).shape == (1, 384)
+        assert worker.client.embed(["warm"], timeout=120).shape == (1, FAKE_DIMENSION)
         # The worker is paused while the requests arrive, so every job is still in Redis when it dies (a fast machine
         # answered some requests before the last ones reached the gateway, and the 40 were never in flight at once).
         os.killpg(worker.proc.pid, signal.SIGSTOP)
