@@ -31,8 +31,8 @@ FAKE = {"model": "embedq-fake", "allow_fake_backend": True}
 
 
 #: The modules that take longest (their wall time in a full run under -n 2, 2026-11-28), run first: under pytest-xdist
-#: (.ci/run: ``-n 2 --dist loadfile``, each module whole in one process) no long module then starts last while the
-#: other process idles.
+#: (.ci/run: ``-n 3 --dist loadfile``, each module whole in one process) no long module then starts last while the
+#: other processes idle.
 SLOW_FIRST = (
     "faults/test_hostile_canvas.py", "faults/test_crashes.py", "test_index.py", "test_gateway.py",
     "test_index_lancedb.py", "faults/test_broker.py", "test_index_milvus.py", "test_fidelity.py", "test_integration.py",
@@ -44,7 +44,7 @@ SLOW_FIRST = (
 
 
 def pytest_configure(config):
-    """Under pytest-xdist (.ci/run: ``-n 2`` on a 2-core machine) each test process, and every worker, gateway or
+    """Under pytest-xdist (.ci/run: ``-n 3`` on a 2-core machine) each test process, and every worker, gateway or
     model it starts, computes on its share of the cores (``OMP_NUM_THREADS``, which torch and ONNX Runtime follow):
     two processes of two threads each on two cores lose more to threads waiting on threads than they gain. A value
     set by the caller is kept."""

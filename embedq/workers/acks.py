@@ -37,6 +37,43 @@ log = logging.getLogger(__name__)
 
 #: A job whose terminal record was already stored before this delivery (see delivery.Ledger.check).
 ALREADY_STORED = "already-stored"
+#: Seconds between two calls of a :class:`Ticker` while its worker holds no job.
+IDLE_TICK = 1.0
+
+
+class Ticker:
+    """``fun`` on the consumer's event loop every ``interval`` seconds while ``holding`` (the worker's held jobs) is
+    not empty, every :data:`IDLE_TICK` seconds while it is: an idle worker's event loop wakes once a second, not
+    every ACK_INTERVAL (a worker with nothing to acknowledge or cancel spent 2 % of a core waking 70 times a
+    second). :meth:`wake` (a delivery) brings a far call forward to ``interval`` from now."""
+
+    def __init__(self, timer: Any, interval: float, fun: Callable[[], Any], holding: Any) -> None:
+        self.timer, self.interval, self.fun, self.holding = timer, interval, fun, holding
+        self.entry: Any = None
+        self.due = 0.0
+        self.canceled = False
+        self._schedule()
+
+    def _tick(self) -> None:
+        try:
+            self.fun()
+        finally:
+            if not self.canceled:
+                self._schedule()
+
+    def _schedule(self) -> None:
+        delay = self.interval if self.holding else IDLE_TICK
+        self.due = time.monotonic() + delay
+        self.entry = self.timer.call_after(delay, self._tick)
+
+    def wake(self) -> None:
+        if not self.canceled and self.due - time.monotonic() > self.interval:
+            self.entry.cancel()
+            self._schedule()
+
+    def cancel(self) -> None:
+        self.canceled = True
+        self.entry.cancel()
 
 
 class Acks:

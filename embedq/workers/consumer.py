@@ -43,7 +43,7 @@ from embedq.kinds import TASKS, TaskSpec, load_plugins
 from embedq.protocol import RESENT_HEADER, SENT_HEADER, TASK_NAME, client_of
 from embedq.settings import Settings
 from embedq.workers import memory, transport
-from embedq.workers.acks import ALREADY_STORED, Acks, routing_key_of
+from embedq.workers.acks import ALREADY_STORED, Acks, Ticker, routing_key_of
 from embedq.workers.canvas import canvas_of
 from embedq.workers.canvas_rules import CanvasRules
 from embedq.workers.canvas_thread import CanvasThread
@@ -218,9 +218,7 @@ class Worker(Messages, Acks, Stopping):
         from celery.worker.request import create_request_cls
 
         service = self.load_service()
-        settings = service.settings
-        hostname = consumer.hostname
-        eventer = consumer.event_dispatcher
+        settings, hostname, eventer = service.settings, consumer.hostname, consumer.event_dispatcher
         if eventer is not None and getattr(eventer, "buffer_group", None):
             # Task events are buffered and published as one "task.multi" message when the event loop comes round
             # (Celery's own scheme); Celery also publishes every 24, which splits one fetch's events into several
@@ -243,9 +241,9 @@ class Worker(Messages, Acks, Stopping):
             self.reporter.start()
         for entry in self.timers:  # called once per task and consumer (re)start: the last set stands
             entry.cancel()
-        self.timers = [consumer.timer.call_repeatedly(ACK_INTERVAL, self.drain_finished),
+        self.timers = [Ticker(consumer.timer, ACK_INTERVAL, self.drain_finished, self.held),
                        consumer.timer.call_repeatedly(lease_interval(settings), self.renew_leases),
-                       consumer.timer.call_repeatedly(CANCEL_INTERVAL, self.follow_cancellations),
+                       Ticker(consumer.timer, CANCEL_INTERVAL, self.follow_cancellations, self.held),
                        consumer.timer.call_repeatedly(LIVENESS_INTERVAL, self.check_liveness)]
         self.follow_cancellations()
 
@@ -290,6 +288,8 @@ class Worker(Messages, Acks, Stopping):
                   traffic_class=klass, deadline=deadline_of(req.expires), canvas=canvas_of(req),
                   client=client_of(headers))
         self.held[job.id] = job
+        for ticker in (t for t in self.timers if isinstance(t, Ticker)):  # back to their pace of a worker holding jobs
+            ticker.wake()
         verdict = Verdict()
         sent_at = headers.get(SENT_HEADER)
         if isinstance(sent_at, (int, float)) and self.metrics is not None:
