@@ -124,14 +124,20 @@ def _kill_after_commits(settings: Settings, src: Path, out: Path, rows: int, *ar
     return _committed_rows(out)
 
 
+#: The indexer's jobs in flight in the runs a gated worker steps through: the output is written in input order, and a
+#: micro-batch takes the oldest item and its neighbours in length from every held job (embedq/batching/scheduler.py),
+#: so jobs finish out of order; with 2 in flight, of the first N+1 jobs at least N-1 are done when N are.
+IN_FLIGHT = ("--max-in-flight", "2")
+
+
 def _kill_gated_after_commits(worker: WorkerHandle, src: Path, out: Path, rows: int, *args: str) -> int:
-    """Start ``embedq index`` on the gated ``worker``, SIGKILL it once ``rows`` rows are committed (the worker has
-    embedded those and holds the rest); returns the rows committed then."""
+    """Start ``embedq index`` (``args`` with :data:`IN_FLIGHT`, jobs of 16) on the gated ``worker``, SIGKILL it once
+    ``rows`` rows are committed (the worker has embedded those and holds the rest); returns the rows committed then."""
     with worker.gate_closed():
         proc = subprocess.Popen(_index_cmd(src, out, *args), env=_env(worker.settings), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         try:
-            _step_until(worker, -(-rows // 16), proc)  # jobs of --chunk-size 16
+            _step_until(worker, -(-rows // 16) + 1, proc)  # jobs of --chunk-size 16; one more: see IN_FLIGHT
             _wait(lambda: _committed_rows(out) >= rows, 300, "the first commits", proc)
         finally:
             proc.send_signal(signal.SIGKILL)
@@ -194,7 +200,7 @@ def test_b_killed_indexer_resumes_without_gaps_or_duplicates(gated_fake, corpus,
     texts = _short(corpus, 400)[:2500]
     ids = _write_jsonl(tmp_path / "in.jsonl", texts)
     out = tmp_path / "out.parquet"
-    args = ("--checkpoint-seconds", "1", "--chunk-size", "16")
+    args = ("--checkpoint-seconds", "1", "--chunk-size", "16", *IN_FLIGHT)
     committed = _kill_gated_after_commits(worker, tmp_path / "in.jsonl", out, 400, *args)
     assert 400 <= committed < len(texts)
 
@@ -311,11 +317,11 @@ def test_sigterm_commits_and_the_next_run_finishes(gated_fake, corpus, tmp_path)
     texts = corpus[:1500]
     ids = _write_jsonl(tmp_path / "in.jsonl", texts)
     out = tmp_path / "out.npy"
-    args = ("--chunk-size", "16", "--checkpoint-seconds", "600")  # only the stop itself commits
+    args = ("--chunk-size", "16", "--checkpoint-seconds", "600", *IN_FLIGHT)  # only the stop itself commits
     with worker.gate_closed():  # 200 rows and more on disk, the rest held by the worker: the run is mid-way
         proc = subprocess.Popen(_index_cmd(tmp_path / "in.jsonl", out, *args), env=_env(worker.settings),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        _step_until(worker, 16, proc)  # 256 texts in jobs of 16
+        _step_until(worker, 16, proc)  # jobs of 16: at least the first 15 done (IN_FLIGHT), 240 rows
         _wait(lambda: out.exists() and out.stat().st_size > 128 + 200 * FAKE_DIMENSION * 4, 300, "rows on disk", proc)
         proc.send_signal(signal.SIGTERM)
         started = time.monotonic()
