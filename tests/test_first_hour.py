@@ -25,7 +25,7 @@ from conftest import CONTROLLED_WORKER, GatewayHandle, gated_handle
 
 from embedq import errors, monitor
 from embedq.producers.client import Client
-from embedq.producers.embedded import free_port
+from embedq.producers.embedded import free_port, stop_worker
 from embedq.settings import Settings, model_slug
 
 pytestmark = pytest.mark.integration
@@ -383,11 +383,6 @@ def test_an_indexer_started_together_with_its_worker_waits_for_it_while_it_loads
         r.delete(gate)
         r.close()
         for proc in (index, worker):
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_worker(proc, timeout=60)  # SIGTERM, then SIGKILL if it outlives the timeout
         log.close()
         stderr.close()

@@ -34,18 +34,10 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 @pytest.fixture(scope="module")
 def fake_worker(redis_server, tmp_path_factory):
-    """A worker of the fake model on a queue of its own, for the 20,000-text run."""
+    """A gated worker of the fake model on a queue of its own: the 20,000-text run uses it with its gate open (it runs
+    as a plain worker), the runs a fault interrupts close the gate and ``step`` one micro-batch at a time."""
     settings = Settings(broker_url=redis_server.url, queue="embedq.test.index.fake", **FAKE)
-    handle = WorkerHandle(settings, tmp_path_factory.mktemp("fake") / "worker.log")
-    yield handle
-    handle.stop()
-
-
-@pytest.fixture(scope="module")
-def gated_fake(redis_server, tmp_path_factory):
-    """A gated worker of the fake model (``step`` runs one micro-batch at a time), for the runs a fault interrupts."""
-    settings = Settings(broker_url=redis_server.url, queue="embedq.test.index.gated", **FAKE)
-    handle = gated_handle(settings, tmp_path_factory.mktemp("gated") / "worker.log")
+    handle = gated_handle(settings, tmp_path_factory.mktemp("fake") / "worker.log")
     yield handle
     handle.stop()
 
@@ -194,8 +186,8 @@ def test_a_twenty_thousand_texts_match_client_embed(fake_worker, first_output):
     assert np.abs(vectors - want).max() <= 1e-6
 
 
-def test_b_killed_indexer_resumes_without_gaps_or_duplicates(gated_fake, corpus, tmp_path):
-    worker = gated_fake
+def test_b_killed_indexer_resumes_without_gaps_or_duplicates(fake_worker, corpus, tmp_path):
+    worker = fake_worker
     worker.settle()
     texts = _short(corpus, 400)[:2500]
     ids = _write_jsonl(tmp_path / "in.jsonl", texts)
@@ -311,8 +303,8 @@ def test_e_two_workers_both_take_part(redis_server, corpus, tmp_path):
     assert sorted(r["id"] for r in rows) == sorted(ids)
 
 
-def test_sigterm_commits_and_the_next_run_finishes(gated_fake, corpus, tmp_path):
-    worker = gated_fake
+def test_sigterm_commits_and_the_next_run_finishes(fake_worker, corpus, tmp_path):
+    worker = fake_worker
     worker.settle()
     texts = corpus[:1500]
     ids = _write_jsonl(tmp_path / "in.jsonl", texts)

@@ -105,8 +105,7 @@ class Worker(Messages, Acks, Stopping):
         self.held: dict[str, Job] = {}  # job id -> job, from delivery until acknowledged (consumer thread only)
         self.intake: list[Job] = []  # delivered jobs not yet handed to the service (see flush_intake)
         self.timers: list[Any] = []
-        self.hostname = ""
-        self.started_at = 0.0  # Unix time the worker started consuming
+        self.hostname, self.started_at = "", 0.0  # the node's name; Unix time the worker started consuming
         self.stopped = False
         self.cancels_retry_at = 0.0  # monotonic time before which the stream is not read (after a failure)
         self.revoked_seen = 0  # size of Celery's revoked set at the last look (Flower's "revoke", celery control)
@@ -288,8 +287,9 @@ class Worker(Messages, Acks, Stopping):
                   traffic_class=klass, deadline=deadline_of(req.expires), canvas=canvas_of(req),
                   client=client_of(headers))
         self.held[job.id] = job
-        for ticker in (t for t in self.timers if isinstance(t, Ticker)):  # back to their pace of a worker holding jobs
-            ticker.wake()
+        if len(self.held) == 1:  # the first job held: the ack and cancellation timers back to a busy worker's pace
+            for ticker in (t for t in self.timers if isinstance(t, Ticker)):
+                ticker.wake()
         verdict = Verdict()
         sent_at = headers.get(SENT_HEADER)
         if isinstance(sent_at, (int, float)) and self.metrics is not None:
