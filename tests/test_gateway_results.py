@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -39,6 +40,54 @@ def test_a_waiter_that_finds_redis_away_waits_for_it_and_gets_its_record():
 
     try:
         assert asyncio.run(scenario()) == {"answer": 42}
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_waiters_that_subscribe_while_the_listener_reconnects_get_their_records():
+    """Redis restarts while requests wait, and new requests start waiting while the result listener reconnects and
+    re-subscribes its channels on the same pub/sub connection: each gets its record, none an error. A SUBSCRIBE sent
+    on that half-reconnected connection raised AttributeError ('NoneType' object has no attribute 'writelines',
+    redis-py 8.1) out of ``wait`` (a gateway 500 in tests/faults/test_broker.py with the fake model); now the key is
+    polled and subscribed again once Redis answers. Several restarts, with the new waits at different moments of the
+    reconnection, because the moment that fails is short."""
+    keys = [f"old-{i}" for i in range(40)] + [f"new-{r}-{i}" for r in range(12) for i in range(20)]
+    server = RedisServer().start()
+    client = Client(Settings(broker_url=server.url, queue="embedq.test.results"), follow_results=False)
+    store = ResultStore(client.app)
+
+    async def scenario() -> list[dict]:
+        results = AsyncResults(client.app, server.url)
+        await results.start()
+        waiting: list[asyncio.Future] = []
+        try:
+            # 40 at once on a fresh gateway, more than the pool's 32 connections: each unconnected SUBSCRIBE took a
+            # connection of its own, and the 40 waited for the pool (POOL_WAIT) with all 32 taken
+            old = [asyncio.ensure_future(results.wait(f"old-{i}", timeout=120)) for i in range(40)]
+            end = time.monotonic() + 20
+            while len(results.pubsub.channels) < len(old):  # all subscribed before the first restart
+                assert time.monotonic() < end, f"{len(results.pubsub.channels)} of {len(old)} waiters subscribed"
+                await asyncio.sleep(0.01)
+            waiting += old
+            for round_ in range(12):
+                server.proc.kill()  # SIGKILL: the listener's connection breaks under it
+                await asyncio.to_thread(server.proc.wait, 30)
+                await asyncio.sleep(0.6)  # the listener has met the closed connection
+                server.start()
+                await asyncio.sleep(round_ * 0.05)  # new waits at a different point of the reconnection each round
+                waiting += [asyncio.ensure_future(results.wait(f"new-{round_}-{i}", timeout=120)) for i in range(20)]
+                await asyncio.sleep(0.3)
+            await asyncio.to_thread(lambda: [store.store(k, {"key": k}) for k in keys])
+            return await asyncio.wait_for(asyncio.gather(*waiting), 60)
+        finally:
+            for future in waiting:
+                future.cancel()
+            await results.close()
+
+    try:
+        got = asyncio.run(scenario())
+        assert [g["key"] for g in got] == keys
     finally:
         client.close()
         server.stop()

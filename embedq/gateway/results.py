@@ -4,9 +4,10 @@ A job's outcome is the record :class:`embedq.results.ResultStore` writes: Celery
 ``celery-task-meta-<id>``, published on a channel of the same name when it is stored. :class:`AsyncResults`
 keeps one pub/sub connection subscribed to the channels of the jobs it waits for, reads the key once right
 after subscribing (a job that finished before the subscription) and reads every waiting key again every
-:data:`POLL_SECONDS` (a notification lost while Redis restarted; a waiter that meets Redis away while it subscribes
-waits on, read by the poller). Records are decoded by the app's own result
-backend, so a failed job raises its typed :class:`~embedq.errors.EmbedqError`, as ``JobHandle.result`` does.
+:data:`POLL_SECONDS` (a notification lost while Redis restarted; a waiter whose SUBSCRIBE fails while Redis restarts
+waits on, read by the poller, which subscribes its key again once Redis answers). Records are decoded by the app's
+own result backend, so a failed job raises its typed :class:`~embedq.errors.EmbedqError`, as ``JobHandle.result``
+does.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class AsyncResults:
         self._read: set[bytes] = set()
         self._unwatched: set[bytes] = set()
         self._tidy: asyncio.Future[Any] | None = None
+        self._unsubscribed: set[bytes] = set()  # waited-for keys whose SUBSCRIBE failed (see _subscribe)
+        self._connecting = asyncio.Lock()
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._listen(), name="embedq-results-listen"),
@@ -87,10 +90,9 @@ class AsyncResults:
         waiters = self._waiting.setdefault(key, set())
         waiters.add(future)
         try:
+            if len(waiters) == 1:
+                await self._subscribe(key)
             try:
-                if len(waiters) == 1:
-                    await self.pubsub.subscribe(key)
-                    self._subscribed.set()
                 stored = await self.redis.get(key)  # stored before the subscription took effect
             except BROKER_AWAY as exc:  # Redis went away just now: the poller reads the key once it is back
                 log.info("result of job %s: waiting for the broker (%s: %s)", job_id, type(exc).__name__, exc)
@@ -111,6 +113,30 @@ class AsyncResults:
             self._read.add(key)
             self._schedule_tidy()
         return self.decode(raw)
+
+    async def _subscribe(self, *keys: bytes) -> None:
+        """SUBSCRIBE to ``keys``; where that fails, the poller reads them and subscribes them again later.
+
+        Any error counts, not just :data:`BROKER_AWAY`: redis-py's pub/sub connection is shared with the listener,
+        which disconnects and reconnects it when Redis restarts, and a SUBSCRIBE sent in between fails on the
+        half-reconnected connection (``AttributeError: 'NoneType' object has no attribute 'writelines'``, redis-py
+        8.1). A notification only makes an answer earlier; the poller's read makes it certain."""
+        try:
+            if self.pubsub.connection is None:
+                # One connection, not one each: redis-py's PubSub takes a connection from the pool for every
+                # SUBSCRIBE that finds it unconnected, so the first 40 requests of a fresh gateway took all 32 of
+                # the pool's connections (the requests' GETs then waited POOL_WAIT for one) and leaked all but one.
+                async with self._connecting:
+                    if self.pubsub.connection is None:
+                        await self.pubsub.connect()
+            await self.pubsub.subscribe(*keys)
+        except Exception as exc:
+            log.info("cannot subscribe to %d result channel(s) now (%s: %s); polling them", len(keys),
+                     type(exc).__name__, exc)
+            self._unsubscribed.update(keys)
+            return
+        self._unsubscribed.difference_update(keys)
+        self._subscribed.set()
 
     def _schedule_tidy(self) -> None:
         if self._tidy is None:
@@ -182,3 +208,7 @@ class AsyncResults:
             for key, raw in zip(keys, values):
                 if raw is not None:
                     self._deliver(key, raw)
+            # Redis answers again: subscribe the keys whose SUBSCRIBE failed and that are still waited for
+            self._unsubscribed.intersection_update(self._waiting)
+            if self._unsubscribed:
+                await self._subscribe(*self._unsubscribed)

@@ -33,9 +33,9 @@ from embedq.settings import Settings
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 
-#: The deterministic fake model (embedq/backends/fake.py) for the tests of the transport alone and for test_b's
-#: restart with persistence (gated); test_b's restart without persistence and the gateway's restart keep the real
-#: model.
+#: The deterministic fake model (embedq/backends/fake.py) for the tests of the transport alone, for test_b's
+#: restart with persistence (gated) and for the gateway's restart (its worker is paused while the jobs wait); test_b's
+#: restart without persistence keeps the real model.
 
 
 def _queue() -> str:
@@ -98,16 +98,17 @@ def test_gateway_requests_outlive_a_redis_restart_without_its_data(tmp_path, cor
     import httpx
 
     server = RedisServer(persist=False).start()
-    # a small window: most jobs are still in Redis (and lost with it) when it goes, not held by the worker. The real
-    # model: with the fake one the answers came back while the gateway's result listener was still reconnecting, and
-    # a SUBSCRIBE on its half-reconnected connection raised AttributeError (a 500; see the notes of 2026-11-28).
-    settings = Settings(broker_url=server.url, queue=_queue(), prefetch_window=4)
+    # a small window: most jobs are still in Redis (and lost with it) when it goes, not held by the worker. The fake
+    # model: the worker is paused while the jobs wait, so no pace is needed, and the restart with the real model is
+    # test_b's [without-persistence]. Its answers come back while the gateway's result listener is still
+    # reconnecting: a SUBSCRIBE on the half-reconnected connection was a 500 (tests/test_gateway_results.py).
+    settings = Settings(broker_url=server.url, queue=_queue(), prefetch_window=4, **FAKE)
     worker = WorkerHandle(settings, tmp_path / "worker.log")
     gateway = GatewayHandle(server.url, settings.queue_name, tmp_path / "gateway.log")
     requests = [[f"{t[:400]} #{i}-{j}" for j, t in enumerate(corpus[i * 8:(i + 1) * 8])] for i in range(40)]
     stopped = False
     try:
-        assert worker.client.embed(["warm"], timeout=120).shape == (1, 384)
+        assert worker.client.embed(["warm"], timeout=120).shape == (1, FAKE_DIMENSION)
         # The worker is paused while the requests arrive, so every job is still in Redis when it dies (a fast machine
         # answered some requests before the last ones reached the gateway, and the 40 were never in flight at once).
         os.killpg(worker.proc.pid, signal.SIGSTOP)
