@@ -15,7 +15,7 @@ from conftest import WorkerHandle
 from embedq import errors
 from embedq.backends import load_backend
 from embedq.backends.fake import MAX_SEQ_LENGTH, FakeBackend
-from embedq.protocol import EmbedOptions
+from embedq.protocol import EmbedAllOptions, EmbedOptions, decode_arrays, decode_result
 from embedq.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,8 +28,6 @@ def _run(backend: FakeBackend, batches: list[list], options: EmbedOptions) -> np
         prepared = backend.prepare("embed", texts, options)
         rows = [row for i in range(0, len(prepared.items), 3) for row in backend.forward(prepared.items[i:i + 3])]
         out.append(backend.finish("embed", rows, prepared, options))
-    from embedq.protocol import decode_result
-
     return np.concatenate([decode_result(p)[0] for p in out])
 
 
@@ -49,6 +47,29 @@ def test_vectors_depend_on_the_text_alone_and_options_work():
         backend.prepare("embed", ["x"], EmbedOptions.parse({"dimensions": 33}))
     with pytest.raises(errors.UnsupportedTask):
         backend.prepare("rerank", ["x"], EmbedOptions.parse({}))
+
+
+def test_its_name_chooses_the_dimension_and_embed_all_returns_each_tokens_row():
+    backend = load_backend("embedq-fake-384", allow_fake=True)
+    assert backend.info.dimension == 384 and backend.kinds == ("embed", "embed_all")
+    texts = ["Hello, world", "another text"]
+    assert _run(backend, [texts], EmbedOptions.parse({})).shape == (2, 384)
+    options = EmbedAllOptions.parse({"encoding": "float16"})
+    prepared = backend.prepare("embed_all", texts, options)
+    rows = backend.forward(prepared.items)
+    result = decode_arrays(backend.finish("embed_all", rows, prepared, options))
+    offsets, tokens = result["offsets"], result["tokens"]
+    # [CLS] hello , world [SEP]; [CLS] another text [SEP]
+    assert list(offsets) == [0, 5, 9] and tokens.shape == (9, 384)
+    together = np.concatenate([backend.table[e.ids] for e in prepared.items])
+    assert np.allclose(tokens, together, atol=2e-3)  # float16
+    mean = _run(backend, [texts[:1]], EmbedOptions.parse({"normalize": False}))[0]
+    assert np.allclose(mean, together[:5].mean(axis=0), atol=1e-6)
+    for name in ("embedq-fake-0", "embedq-fake-99999"):
+        with pytest.raises(errors.UnknownModel, match="dimension"):
+            load_backend(name, allow_fake=True)
+    with pytest.raises(errors.UnknownModel, match="EMBEDQ_ALLOW_FAKE_BACKEND"):
+        load_backend("embedq-fake-384")
 
 
 def test_it_is_refused_unless_allowed_and_imports_no_torch():

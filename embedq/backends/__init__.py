@@ -70,10 +70,11 @@ def load_backend(
     faithful one (:mod:`embedq.backends.runtime`), then calls ``on_runtime_chosen`` with its name, before the
     duels (:func:`embedq.backends.runtime.choose`). ``plugin_kinds``: kinds from plugins
     (:func:`embedq.kinds.load_plugins`) whose heads this backend also serves (``TaskSpec.head``). ``embedq-fake``
-    is the tests' deterministic fake model (:mod:`embedq.backends.fake`), loaded only with ``allow_fake``."""
-    from embedq.backends.fake import FAKE_MODEL, FakeBackend
+    (or ``embedq-fake-<dimension>``) is the tests' deterministic fake model (:mod:`embedq.backends.fake`), loaded only
+    with ``allow_fake``."""
+    from embedq.backends.fake import FAKE_MODEL, FakeBackend, fake_dimension
 
-    if isinstance(model, str) and model.strip().lower() == FAKE_MODEL:
+    if isinstance(model, str) and fake_dimension(model) is not None:
         if not allow_fake:
             raise errors.UnknownModel(f"{FAKE_MODEL!r} is the tests' fake model (vectors from a hash of the token "
                                       "ids): it serves only with EMBEDQ_ALLOW_FAKE_BACKEND=true")

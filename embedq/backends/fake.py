@@ -1,15 +1,17 @@
 """A deterministic fake model for the tests of what happens to jobs, not to vectors (the queue, canvas,
-operations, flow control, replicas, faults): ``EMBEDQ_MODEL=embedq-fake`` with ``EMBEDQ_ALLOW_FAKE_BACKEND=true``.
+operations, flow control, replicas, faults): ``EMBEDQ_MODEL=embedq-fake`` (32-dimensional vectors; ``embedq-fake-384``:
+384, as all-MiniLM-L6-v2's, for tests of sizes) with ``EMBEDQ_ALLOW_FAKE_BACKEND=true``.
 It is refused without that setting (:func:`embedq.backends.load_backend`), so it cannot stand in for a real model
 by a typo, and its fingerprint names it (``model`` ``embedq-fake``, ``pooling`` ``fake-hash``): a store written
 with it is refused by every real model's run.
 
-It serves ``embed`` through the worker's real path: ``prepare`` tokenizes (words and punctuation, each a token id
-from a hash of its text, between ``[CLS]`` and ``[SEP]``; a prompt is prepended; ``truncate`` and
+It serves ``embed`` and ``embed_all`` through the worker's real path: ``prepare`` tokenizes (words and punctuation,
+each a token id from a hash of its text, between ``[CLS]`` and ``[SEP]``; a prompt is prepended; ``truncate`` and
 ``truncation_side`` as for a real model, :class:`~embedq.errors.TooLong` without truncation), the scheduler packs
-the items by token count, ``forward`` computes one row per item (the mean of a fixed random table's rows for its
-token ids: the same ids, the same vector, whatever shares the micro-batch), and ``finish`` post-processes
-(``normalize``, ``dimensions``) and encodes like the dense head. It imports neither torch nor transformers and
+the items by token count, ``forward`` computes one row per item (``embed``: the mean of a fixed random table's rows for
+its token ids, the same ids giving the same vector whatever shares the micro-batch; ``embed_all``: those rows, one a
+token), and ``finish`` post-processes (``normalize``, ``dimensions``) and encodes like the dense head (``embed_all``:
+like the per-token head, offsets and one tokens × dimension array). It imports neither torch nor transformers and
 loads in milliseconds.
 """
 
@@ -30,11 +32,25 @@ from embedq.version import __version__
 
 #: The model name that selects this backend.
 FAKE_MODEL = "embedq-fake"
-DIMENSION = 32
+DIMENSION = 32  # the vectors' size unless the model name says another (``embedq-fake-384``)
+MAX_DIMENSION = 4096
 MAX_SEQ_LENGTH = 128
 VOCABULARY = 30_000
 CLS, SEP, FIRST_ID = 101, 102, 1000
 _WORDS = re.compile(r"\w+|[^\w\s]")
+_NAME = re.compile(rf"{FAKE_MODEL}(?:-(\d+))?")
+
+
+def fake_dimension(model: str) -> int | None:
+    """The vectors' size that ``model`` names if it names the fake model (``embedq-fake``: 32, ``embedq-fake-384``:
+    384), else None."""
+    match = _NAME.fullmatch(model.strip().lower())
+    if match is None:
+        return None
+    dimension = int(match.group(1) or DIMENSION)
+    if not 1 <= dimension <= MAX_DIMENSION:
+        raise errors.UnknownModel(f"{model!r}: the fake model's dimension is 1 to {MAX_DIMENSION}")
+    return dimension
 
 
 def token_ids(text: str) -> list[int]:
@@ -48,11 +64,12 @@ class FakeBackend(Backend):
     is_padded = False
 
     def __init__(self, model_id: str = FAKE_MODEL) -> None:
-        self.table = np.random.default_rng(0).standard_normal((VOCABULARY, DIMENSION)).astype(np.float32)
+        self.dimension = fake_dimension(model_id) or DIMENSION
+        self.table = np.random.default_rng(0).standard_normal((VOCABULARY, self.dimension)).astype(np.float32)
         self.info = ModelInfo(
-            model_id=model_id, path="", dimension=DIMENSION, max_seq_length=MAX_SEQ_LENGTH, pooling="fake-hash",
-            normalizes=True, weights_sha256=hashlib.sha256(self.table.tobytes()).hexdigest(), dtype="float32",
-            device="cpu", linear_kernel="none", kinds=("embed",))
+            model_id=model_id, path="", dimension=self.dimension, max_seq_length=MAX_SEQ_LENGTH,
+            pooling="fake-hash", normalizes=True, weights_sha256=hashlib.sha256(self.table.tobytes()).hexdigest(),
+            dtype="float32", device="cpu", linear_kernel="none", kinds=("embed", "embed_all"))
 
     def _encode(self, item: Any, prompt: str | None, truncate: bool, side: str) -> Encoded:
         if side not in ("right", "left"):
@@ -76,21 +93,33 @@ class FakeBackend(Backend):
         if options.prompt_name is not None:
             raise errors.UnknownPromptName(f"prompt_name {options.prompt_name!r} is not defined by the model "
                                            "(known: none)")
-        if options.dimensions is not None and options.dimensions > DIMENSION:
-            raise errors.InvalidDimensions(f"dimensions={options.dimensions} but the model's vectors have "
-                                           f"{DIMENSION}")
+        dimensions = getattr(options, "dimensions", None)
+        if dimensions is not None and dimensions > self.dimension:
+            raise errors.InvalidDimensions(f"dimensions={dimensions} but the model's vectors have {self.dimension}")
         encoded = [self._encode(item, options.prompt, options.truncate, options.truncation_side) for item in items]
+        for e in encoded:
+            e.head = "tokens" if kind == "embed_all" else "mean"
         return Prepared(encoded, sum(len(e.ids) for e in encoded), {"prompt": options.prompt})
 
     def forward(self, batch: Sequence[Encoded]) -> list[np.ndarray]:
-        return [self.table[item.ids].mean(axis=0) for item in batch]
+        return [self.table[item.ids] if item.head == "tokens" else self.table[item.ids].mean(axis=0)
+                for item in batch]
 
     def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]:
+        info = self.info
+        if kind == "embed_all":
+            offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+            np.cumsum([len(r) for r in rows], out=offsets[1:])
+            tokens = np.concatenate(rows) if rows else np.zeros((0, self.dimension), np.float32)
+            fingerprint = Fingerprint(kind=kind, model=info.model_id, weights_sha256=info.weights_sha256,
+                                      pooling="none", normalize=False, dimensions=self.dimension, dtype=info.dtype,
+                                      prompt=prepared.state["prompt"], embedq_version=__version__)
+            return encode_result(kind, {"offsets": offsets, "tokens": tokens}, fingerprint, items=len(rows),
+                                 tokens=prepared.tokens, encoding=options.encoding)
         norm = self.info.normalizes if options.normalize is None else options.normalize
         vectors = postprocess(np.stack(rows), normalize=norm, dimensions=options.dimensions)
-        info = self.info
         fingerprint = Fingerprint(kind="embed", model=info.model_id, weights_sha256=info.weights_sha256,
-                                  pooling=info.pooling, normalize=norm, dimensions=options.dimensions or DIMENSION,
+                                  pooling=info.pooling, normalize=norm, dimensions=options.dimensions or self.dimension,
                                   dtype=info.dtype, prompt=prepared.state["prompt"], embedq_version=__version__)
         return encode_result("embed", {"vectors": vectors}, fingerprint, items=len(rows), tokens=prepared.tokens,
                              encoding=options.encoding)

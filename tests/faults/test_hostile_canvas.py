@@ -1,5 +1,8 @@
 """Hostile Celery canvases on a real worker (issue 50, acceptance a): sent with a plain Celery app, as a hostile
-client would (tests/canvas_user_app.py), to one real ``embedq worker`` (all-MiniLM-L6-v2 on CPU) and a private Redis.
+client would (tests/canvas_user_app.py), to one real ``embedq worker`` and a private Redis. The worker serves the fake
+model with 384-dimensional vectors (``embedq-fake-384``: all-MiniLM-L6-v2's sizes, the same token counts for these
+texts; embedq/backends/fake.py): what is under test is the canvas, the records' sizes and the memory, not the vectors.
+Hostile messages against the real model: tests/faults/test_hostile_messages.py and test_bad_input.py.
 
 * H1: an ``embed_all`` job of 2,048 texts of ~30 tokens, ``encoding=float16`` (a ~63 MB record, under
   ``max_result_bytes``) with one ``link``: its JSON form would be ~470 MB, so the callback fails for good without
@@ -38,7 +41,7 @@ import pytest
 import redis
 from canvas_user_app import make_app
 from celery import chain
-from conftest import WorkerHandle
+from conftest import FAKE, WorkerHandle
 
 from embedq.producers.embedded import RedisServer
 from embedq.settings import Settings
@@ -56,6 +59,7 @@ WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "it", "ran", "to"
          "was", "in", "his", "house", "by", "an", "old", "tree"]
 H1_TEXTS = [" ".join(WORDS[(i + k) % len(WORDS)] for k in range(28)) for i in range(2048)]  # 30 tokens with [CLS]/[SEP]
 H2_TEXTS = [chr(ord("a") + i % 26) for i in range(2048)]
+FAKE_384 = {**FAKE, "model": "embedq-fake-384"}
 STALL_WORKER = [sys.executable, str(Path(__file__).with_name("stall_worker.py"))]
 
 
@@ -134,7 +138,7 @@ def stack(tmp_path_factory):
     tag = uuid.uuid4().hex[:8]
     server = RedisServer().start()
     settings = Settings(broker_url=server.url, queue=f"embedq.hostile.{tag}", callback_queue=f"user.{tag}",
-                        result_ttl=RESULT_TTL, linear_kernel="torch", online_queue_limit=0)
+                        result_ttl=RESULT_TTL, online_queue_limit=0, **FAKE_384)
     worker = None
     try:
         worker = WorkerHandle(settings, tmp_path_factory.mktemp("logs") / "worker.log")
@@ -298,7 +302,7 @@ def test_a_results_or_canvas_thread_that_makes_no_progress_stops_the_worker(thre
     (exit status 70) after stall_timeout, naming the thread."""
     with RedisServer() as server:
         settings = Settings(broker_url=server.url, queue=f"embedq.stall.{thread}.{uuid.uuid4().hex[:6]}",
-                            linear_kernel="torch", stall_timeout=3, callback_queue="user.stall")
+                            stall_timeout=3, callback_queue="user.stall", **FAKE)
         log = tmp_path / "worker.log"
         worker = WorkerHandle(settings, log, command=STALL_WORKER)
         app = make_app(server.url, settings.queue_name)
@@ -318,8 +322,8 @@ def test_an_embedq_kind_allowed_as_a_callback_runs_once_on_the_online_queue(tmp_
     result's JSON is its argument, a list of texts it refuses with a typed error, not another hop); embed_all is
     still refused."""
     with RedisServer() as server:
-        settings = Settings(broker_url=server.url, queue=f"embedq.kinds.{uuid.uuid4().hex[:6]}", linear_kernel="torch",
-                            callback_kinds="embed", callback_queue="user.kinds")
+        settings = Settings(broker_url=server.url, queue=f"embedq.kinds.{uuid.uuid4().hex[:6]}", callback_kinds="embed",
+                            callback_queue="user.kinds", **FAKE)
         worker = WorkerHandle(settings, tmp_path / "worker.log")
         app = make_app(server.url, settings.queue_name)
         try:
@@ -343,6 +347,8 @@ def test_a_redis_restart_while_callbacks_are_sent_loses_none_and_fails_none(tmp_
     """A broker outage is ridden out, never taken for a refused message: Redis (with its AOF) stops while 40 jobs
     with a link run, and comes back; every job's callback arrives, and no canvas work failed for good."""
     server = RedisServer(persist=True).start()
+    # The real model: its 40 jobs take seconds, so callbacks are still being sent when Redis goes (the fake model's
+    # are all sent before the outage, and the test could not fail).
     settings = Settings(broker_url=server.url, queue=f"embedq.restart.{uuid.uuid4().hex[:6]}", linear_kernel="torch",
                         callback_queue="user.restart", visibility_timeout=10, online_queue_limit=0)
     worker = WorkerHandle(settings, tmp_path / "worker.log")

@@ -1,0 +1,154 @@
+"""Messages between a worker's host processes and its device process (issue 53, step 2): framed byte strings over a
+socket pair, each a kind, a numpy structured array of fixed-size records and raw bytes, never a pickle.
+
+The layout issue 53 builds: host processes receive, check and tokenize jobs and write their token ids into their
+:class:`~embedq.workers.arena.IdsArena`; one device process per device schedules and launches. Between them go
+small records:
+
+* host to device, :data:`ITEMS`: one :data:`ITEM` record per item (its job's slot on that host, its index in the job,
+  where its ids lie in the host's arena, its token cost, traffic class, client and deadline); :data:`CANCEL`: the
+  slots of jobs whose items the device drops unrun;
+* device to host, :data:`ROWS`: one :data:`ROW` record per array of a finished item's row (a row is one array, or a
+  tuple of them: BGE-M3's dense, lexical and per-token parts), the arrays' bytes one after the other in the
+  message's payload; the host reads them as views of the payload (:func:`unpack_rows`), nothing copied.
+
+:class:`multiprocessing.connection.Connection` frames the messages (a length before each) over a
+:func:`socket.socketpair`, and its ``recv`` raises :class:`EOFError` once the peer's end is closed, which the kernel
+does when the peer dies, SIGKILL included: the survivor learns of a death from the channel itself, with no timeout.
+A :class:`Channel` is sent to a child process as a ``multiprocessing`` argument (its descriptor goes with it).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+#: Message kinds.
+ITEMS, CANCEL, ROWS, FREE = 1, 2, 3, 4
+KINDS = {ITEMS: "items", CANCEL: "cancel", ROWS: "rows", FREE: "free"}
+
+#: An item handed to the device process: where its ids lie in the sending host's arena, and what the scheduler needs.
+ITEM = np.dtype([("slot", "<u8"), ("item", "<u4"), ("offset", "<i8"), ("length", "<u4"), ("cost", "<u4"),
+                 ("traffic", "u1"), ("client", "<u8"), ("deadline", "<f8")])
+#: A job's slot on its host, for CANCEL and FREE.
+SLOT = np.dtype([("slot", "<u8")])
+#: One array of a finished item's row: ``part`` is its place in the row's tuple (0 for a row that is one array),
+#: ``parts`` how many the row has; its bytes are ``nbytes`` at ``offset`` of the payload.
+ROW = np.dtype([("slot", "<u8"), ("item", "<u4"), ("part", "u1"), ("parts", "u1"), ("dtype", "S4"), ("ndim", "u1"),
+                ("shape", "<u4", (2,)), ("offset", "<u8"), ("nbytes", "<u8")])
+RECORDS = {ITEMS: ITEM, CANCEL: SLOT, ROWS: ROW, FREE: SLOT}
+
+_HEADER = struct.Struct("<BIQ")  # kind, records, payload bytes
+#: The array dtypes a row may hold (what the heads return), by their code in ROW's ``dtype``.
+ROW_DTYPES = {"f4": np.float32, "f2": np.float16, "i4": np.int32, "i8": np.int64, "u4": np.uint32}
+
+
+class ChannelError(Exception):
+    """A message that does not parse: a bug of the sender, never an input's fault (peers are this worker's own)."""
+
+
+@dataclass
+class Message:
+    kind: int
+    records: np.ndarray  # of RECORDS[kind]
+    payload: memoryview
+
+    def __repr__(self) -> str:
+        return f"Message({KINDS.get(self.kind, self.kind)}, {len(self.records)} records, {len(self.payload)} bytes)"
+
+
+class Channel:
+    """One end of a channel (see the module's docstring). ``send`` and ``recv`` may run on two threads at once; two
+    threads must not send, or receive, at once."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def send(self, kind: int, records: np.ndarray, payload: bytes | memoryview = b"") -> None:
+        dtype = RECORDS[kind]
+        if records.dtype != dtype:
+            raise ChannelError(f"{KINDS[kind]} records are {dtype}, not {records.dtype}")
+        self.conn.send_bytes(b"".join((_HEADER.pack(kind, len(records), len(payload)),
+                                       np.ascontiguousarray(records).data, payload)))
+
+    def recv(self) -> Message:
+        """The next message (blocks); :class:`EOFError` once the other end is closed or its process is gone."""
+        data = memoryview(self.conn.recv_bytes())
+        if len(data) < _HEADER.size:
+            raise ChannelError(f"a message of {len(data)} bytes has no header")
+        kind, count, size = _HEADER.unpack_from(data)
+        dtype = RECORDS.get(kind)
+        if dtype is None:
+            raise ChannelError(f"unknown message kind {kind}")
+        end = _HEADER.size + count * dtype.itemsize
+        if end + size != len(data):
+            raise ChannelError(f"a {KINDS[kind]} message of {len(data)} bytes announces {count} records and {size} "
+                               "bytes of payload")
+        return Message(kind, np.frombuffer(data[_HEADER.size:end], dtype=dtype), data[end:])
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        """Whether a message (or the end of the channel) is there to read within ``timeout`` seconds."""
+        return self.conn.poll(timeout)
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def pair() -> tuple[Channel, Channel]:
+    """Two connected ends: one for each process."""
+    a, b = socket.socketpair()
+    return Channel(Connection(a.detach())), Channel(Connection(b.detach()))
+
+
+def pack_rows(slots: Sequence[int], items: Sequence[int], rows: Sequence[np.ndarray | tuple[np.ndarray, ...]]
+              ) -> tuple[np.ndarray, bytes]:
+    """ROW records and the payload for finished items' rows (each an array of at most two dimensions, or a tuple of
+    them)."""
+    parts = [(slot, item, row if isinstance(row, tuple) else (row,)) for slot, item, row in zip(slots, items, rows)]
+    records = np.zeros(sum(len(p) for _, _, p in parts), dtype=ROW)
+    chunks: list[bytes | memoryview] = []
+    offset = k = 0
+    for slot, item, arrays in parts:
+        for index, array in enumerate(arrays):
+            array = np.asarray(array)
+            if not array.flags.c_contiguous:
+                array = array.copy()
+            code = array.dtype.str[1:]
+            if code not in ROW_DTYPES or array.ndim > 2:
+                raise ChannelError(f"a row's array is {array.dtype} with {array.ndim} dimensions")
+            shape = (*array.shape, 1, 1)[:2]
+            records[k] = (slot, item, index, len(arrays), code, array.ndim, shape, offset, array.nbytes)
+            chunks.append(memoryview(array.reshape(-1).view(np.uint8)))
+            offset += array.nbytes
+            k += 1
+    return records, b"".join(chunks)
+
+
+def unpack_rows(records: np.ndarray, payload: memoryview) -> list[tuple[int, int, np.ndarray | tuple[np.ndarray, ...]]]:
+    """(slot, item, row) for each finished item of a ROWS message, its arrays views of ``payload``."""
+    out: list[tuple[int, int, np.ndarray | tuple[np.ndarray, ...]]] = []
+    pending: list[np.ndarray] = []
+    for record in records:
+        offset, nbytes = int(record["offset"]), int(record["nbytes"])
+        if offset + nbytes > len(payload):
+            raise ChannelError(f"a row's array at {offset}:{offset + nbytes} lies outside {len(payload)} bytes")
+        dtype = ROW_DTYPES.get(record["dtype"].decode())
+        if dtype is None:
+            raise ChannelError(f"a row's array has dtype {record['dtype']!r}")
+        shape = tuple(int(n) for n in record["shape"][:int(record["ndim"])])
+        pending.append(np.frombuffer(payload[offset:offset + nbytes], dtype=dtype).reshape(shape))
+        if int(record["part"]) + 1 == int(record["parts"]):
+            row = pending[0] if len(pending) == 1 and record["parts"] == 1 else tuple(pending)
+            out.append((int(record["slot"]), int(record["item"]), row))
+            pending = []
+    if pending:
+        raise ChannelError("a row's last array is missing")
+    return out
