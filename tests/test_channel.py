@@ -27,17 +27,23 @@ def _items(n: int) -> np.ndarray:
     records["length"] = records["cost"] = 40
     records["traffic"] = np.arange(n) % 2
     records["client"] = 2**63 + 5
-    records["deadline"] = np.where(np.arange(n) % 2, np.inf, 1.5e9)
+    records["head"] = np.arange(n) % 2
+    records["prompt"] = 3
+    records["types"] = np.arange(n) % 3 == 0
+    records["deadline"] = np.where(np.arange(n) % 2, np.nan, 1.5e9)
     return records
 
 
 def test_records_and_rows_go_through_unchanged():
     a, b = channel.pair()
     try:
+        a.send_hello({"arena": "psm_1234", "pid": 77, "heads": ["mean", "tokens"]})
+        assert b.recv_hello() == {"arena": "psm_1234", "pid": 77, "heads": ["mean", "tokens"]}
         items = _items(7)
         a.send(ITEMS, items)
         got = b.recv()
-        assert got.kind == ITEMS and np.array_equal(got.records, items) and not len(got.payload)
+        assert got.kind == ITEMS and not len(got.payload)
+        assert got.records.tobytes() == items.tobytes()  # (NaN deadlines included)
         a.send(CANCEL, np.array([(3,), (9,)], dtype=SLOT))
         assert b.recv().records["slot"].tolist() == [3, 9]
         rng = np.random.default_rng(0)
@@ -78,6 +84,9 @@ def test_a_malformed_message_is_a_channel_error_not_a_wrong_read():
         a.conn.send_bytes(b"\x63" + bytes(12))
         with pytest.raises(ChannelError, match="unknown message kind"):
             b.recv()
+        a.send(CANCEL, np.zeros(1, dtype=SLOT))
+        with pytest.raises(ChannelError, match="before HELLO"):
+            b.recv_hello()
         records, payload = pack_rows([0], [0], [np.zeros(4, np.float32)])
         records["nbytes"] = 64
         with pytest.raises(ChannelError, match="outside"):

@@ -5,9 +5,12 @@ The layout issue 53 builds: host processes receive, check and tokenize jobs and 
 :class:`~embedq.workers.arena.IdsArena`; one device process per device schedules and launches. Between them go
 small records:
 
-* host to device, :data:`ITEMS`: one :data:`ITEM` record per item (its job's slot on that host, its index in the job,
-  where its ids lie in the host's arena, its token cost, traffic class, client and deadline); :data:`CANCEL`: the
-  slots of jobs whose items the device drops unrun;
+* host to device, :data:`HELLO` once, first (no records; its payload a small JSON object: the host's arena, its
+  process id, the head names its items' ``head`` codes index); :data:`ITEMS`: one :data:`ITEM` record per item (its
+  job's slot on that host, its index in the job, where its ids lie in the host's arena, with its segment ids right
+  after them for a pair, its head, prompt length, token cost, traffic class, client and deadline: ``time.monotonic``
+  is one clock for every process of a Linux host); :data:`CANCEL`: the slots of jobs whose items the device drops
+  unrun;
 * device to host, :data:`ROWS`: one :data:`ROW` record per array of a finished item's row (a row is one array, or a
   tuple of them: BGE-M3's dense, lexical and per-token parts), the arrays' bytes one after the other in the
   message's payload; the host reads them as views of the payload (:func:`unpack_rows`), nothing copied.
@@ -20,28 +23,36 @@ A :class:`Channel` is sent to a child process as a ``multiprocessing`` argument 
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 import numpy as np
 
 #: Message kinds.
-ITEMS, CANCEL, ROWS, FREE = 1, 2, 3, 4
-KINDS = {ITEMS: "items", CANCEL: "cancel", ROWS: "rows", FREE: "free"}
+HELLO, ITEMS, CANCEL, ROWS, FREE = 0, 1, 2, 3, 4
+KINDS = {HELLO: "hello", ITEMS: "items", CANCEL: "cancel", ROWS: "rows", FREE: "free"}
 
-#: An item handed to the device process: where its ids lie in the sending host's arena, and what the scheduler needs.
-ITEM = np.dtype([("slot", "<u8"), ("item", "<u4"), ("offset", "<i8"), ("length", "<u4"), ("cost", "<u4"),
-                 ("traffic", "u1"), ("client", "<u8"), ("deadline", "<f8")])
+#: An item handed to the device process: where its ids lie in the sending host's arena (``types``: its segment ids
+#: follow them, ``length`` more), which head turns its output into its row (an index into HELLO's head names), the
+#: length of a prompt at its start, and what the scheduler needs (cost, class, client, deadline: NaN for none;
+#: ``suspect``: its job runs alone).
+ITEM = np.dtype([("slot", "<u8"), ("item", "<u4"), ("offset", "<i8"), ("length", "<u4"), ("types", "u1"),
+                 ("head", "u1"), ("prompt", "<u2"), ("cost", "<u4"), ("traffic", "u1"), ("suspect", "u1"),
+                 ("client", "<u8"), ("deadline", "<f8")])
+#: HELLO's records: none (its payload says it all).
+NONE = np.dtype([])
 #: A job's slot on its host, for CANCEL and FREE.
 SLOT = np.dtype([("slot", "<u8")])
 #: One array of a finished item's row: ``part`` is its place in the row's tuple (0 for a row that is one array),
 #: ``parts`` how many the row has; its bytes are ``nbytes`` at ``offset`` of the payload.
 ROW = np.dtype([("slot", "<u8"), ("item", "<u4"), ("part", "u1"), ("parts", "u1"), ("dtype", "S4"), ("ndim", "u1"),
                 ("shape", "<u4", (2,)), ("offset", "<u8"), ("nbytes", "<u8")])
-RECORDS = {ITEMS: ITEM, CANCEL: SLOT, ROWS: ROW, FREE: SLOT}
+RECORDS = {HELLO: NONE, ITEMS: ITEM, CANCEL: SLOT, ROWS: ROW, FREE: SLOT}
 
 _HEADER = struct.Struct("<BIQ")  # kind, records, payload bytes
 #: The array dtypes a row may hold (what the heads return), by their code in ROW's ``dtype``.
@@ -86,10 +97,25 @@ class Channel:
         if dtype is None:
             raise ChannelError(f"unknown message kind {kind}")
         end = _HEADER.size + count * dtype.itemsize
-        if end + size != len(data):
+        if end + size != len(data) or (count and not dtype.itemsize):
             raise ChannelError(f"a {KINDS[kind]} message of {len(data)} bytes announces {count} records and {size} "
                                "bytes of payload")
-        return Message(kind, np.frombuffer(data[_HEADER.size:end], dtype=dtype), data[end:])
+        records = np.frombuffer(data[_HEADER.size:end], dtype=dtype) if dtype.itemsize else np.zeros(0, dtype)
+        return Message(kind, records, data[end:])
+
+    def send_hello(self, fields: dict[str, Any]) -> None:
+        """The first message of a host: ``fields`` as JSON (a few hundred bytes, once per connection)."""
+        self.send(HELLO, np.zeros(0, NONE), json.dumps(fields).encode())
+
+    def recv_hello(self) -> dict[str, Any]:
+        """The peer's HELLO, which must come first."""
+        message = self.recv()
+        if message.kind != HELLO:
+            raise ChannelError(f"a {KINDS[message.kind]} message came before HELLO")
+        fields = json.loads(bytes(message.payload))
+        if not isinstance(fields, dict):
+            raise ChannelError("HELLO's payload is not a JSON object")
+        return fields
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         """Whether a message (or the end of the channel) is there to read within ``timeout`` seconds."""
