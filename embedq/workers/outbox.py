@@ -78,19 +78,23 @@ class Outbox:
                     stop = True
                     break
                 entries.append(entry)
-            t0 = time.perf_counter()
-            done = [(job, self._outcome(job, outcome)) for job, outcome in entries]
-            try:
-                if self.on_done_many is not None:
-                    self.on_done_many(done)
-                else:
-                    for job, outcome in done:
-                        self.on_done(job, outcome)
-            except Exception:
-                log.exception("storing the outcomes of %d job(s) failed", len(done))
-            self.stats.time("results_seconds", time.perf_counter() - t0)
+            self._handle(entries)
             self.beat = time.monotonic()
         self.busy = False
+
+    def _handle(self, entries: list[tuple[Job, errors.EmbedqError | None]]) -> None:
+        """Results thread: the outcomes of ``entries`` to ``on_done_many`` (or ``on_done``), at once."""
+        t0 = time.perf_counter()
+        done = [(job, self._outcome(job, outcome)) for job, outcome in entries]
+        try:
+            if self.on_done_many is not None:
+                self.on_done_many(done)
+            else:
+                for job, outcome in done:
+                    self.on_done(job, outcome)
+        except Exception:
+            log.exception("storing the outcomes of %d job(s) failed", len(done))
+        self.stats.time("results_seconds", time.perf_counter() - t0)
 
     def stalled(self, stall_timeout: float) -> float | None:
         """Seconds without progress while results wait (a batch in hand, or jobs queued), past ``stall_timeout``;

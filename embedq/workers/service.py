@@ -55,7 +55,8 @@ class EmbeddingService(MicroBatches):
     def __init__(self, backend: Backend, settings: Settings, on_done: DoneCallback,
                  on_isolated_run: Callable[[Job, bool], None] | None = None,
                  on_started: Callable[[Job], None] | None = None, metrics: Any = None,
-                 memory_policy: str | None = None, on_done_many: DoneManyCallback | None = None) -> None:
+                 memory_policy: str | None = None, on_done_many: DoneManyCallback | None = None,
+                 outbox: Callable[[Stats], Any] | None = None) -> None:
         self.backend = backend
         self.settings = settings
         self.on_isolated_run = on_isolated_run
@@ -100,8 +101,9 @@ class EmbeddingService(MicroBatches):
         self.hooks = hooks.installed()  # seams for a program that steers the worker (workers/hooks.py)
         self.memory_policy = memory_policy or settings.memory_policy  # in force (auto settles on one)
         self._trimmer = memory.trimmer(self.memory_policy, settings.malloc_trim_interval)
-        # Finished and failed jobs go to the results thread (workers/outbox.py), which stores their outcomes.
-        self._outbox = Outbox(backend, settings, self.stats, on_done, on_done_many)
+        # Finished and failed jobs go to the results thread (workers/outbox.py), which stores their outcomes; a
+        # device process passes its own (workers/device.py: the rows go back to the job's host process).
+        self._outbox = outbox(self.stats) if outbox else Outbox(backend, settings, self.stats, on_done, on_done_many)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> EmbeddingService:
@@ -184,6 +186,11 @@ class EmbeddingService(MicroBatches):
                     job.rows = [None] * job.n_items
                     job.remaining = job.n_items
                     ready.append(job)
+        self.enqueue(ready)
+
+    def enqueue(self, ready: list[Job]) -> None:
+        """Put prepared jobs (``prepared``, ``rows`` and ``remaining`` set) into the scheduler under one lock: the
+        end of :meth:`submit_many`, and what a device process calls for the jobs its host processes prepared."""
         if not ready:
             return
         with self._cond:
