@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 
 from embedq import errors
+from embedq.protocol import Fingerprint, encode_result
+from embedq.version import __version__
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,20 @@ def row_is_finite(row: Any) -> bool:
     """A row is an array or a tuple of arrays (a sparse row: ids, values); all its floats must be finite."""
     parts = row if isinstance(row, tuple) else (row,)
     return all(np.isfinite(part).all() for part in parts if np.asarray(part).dtype.kind in "fc")
+
+
+def per_token_result(kind: str, rows: list[np.ndarray], info: ModelInfo, hidden: int, prepared: Prepared,
+                     encoding: Any) -> dict[str, Any]:
+    """The result of a per-token job (``embed_all``): each item's rows (tokens × ``hidden``) as token offsets and one
+    float32 array, with their fingerprint (no pooling, not normalized). The per-token head's and the fake model's."""
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum([len(r) for r in rows], out=offsets[1:])
+    tokens = np.concatenate(rows) if rows else np.zeros((0, hidden), np.float32)
+    fingerprint = Fingerprint(kind=kind, model=info.model_id, weights_sha256=info.weights_sha256, pooling="none",
+                              normalize=False, dimensions=hidden, dtype=info.dtype,
+                              prompt=prepared.state.get("prompt"), embedq_version=__version__)
+    return encode_result(kind, {"offsets": offsets, "tokens": tokens.astype(np.float32, copy=False)}, fingerprint,
+                         items=len(rows), tokens=prepared.tokens, encoding=encoding)
 
 
 def postprocess(vectors: np.ndarray, *, normalize: bool, dimensions: int | None) -> np.ndarray:

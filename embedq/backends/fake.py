@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from embedq import errors
-from embedq.backends.base import Backend, Encoded, ModelInfo, Prepared, postprocess
+from embedq.backends.base import Backend, Encoded, ModelInfo, Prepared, per_token_result, postprocess
 from embedq.protocol import Fingerprint, encode_result
 from embedq.version import __version__
 
@@ -106,16 +106,9 @@ class FakeBackend(Backend):
                 for item in batch]
 
     def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]:
-        info = self.info
         if kind == "embed_all":
-            offsets = np.zeros(len(rows) + 1, dtype=np.int32)
-            np.cumsum([len(r) for r in rows], out=offsets[1:])
-            tokens = np.concatenate(rows) if rows else np.zeros((0, self.dimension), np.float32)
-            fingerprint = Fingerprint(kind=kind, model=info.model_id, weights_sha256=info.weights_sha256,
-                                      pooling="none", normalize=False, dimensions=self.dimension, dtype=info.dtype,
-                                      prompt=prepared.state["prompt"], embedq_version=__version__)
-            return encode_result(kind, {"offsets": offsets, "tokens": tokens}, fingerprint, items=len(rows),
-                                 tokens=prepared.tokens, encoding=options.encoding)
+            return per_token_result(kind, rows, self.info, self.dimension, prepared, options.encoding)
+        info = self.info
         norm = self.info.normalizes if options.normalize is None else options.normalize
         vectors = postprocess(np.stack(rows), normalize=norm, dimensions=options.dimensions)
         fingerprint = Fingerprint(kind="embed", model=info.model_id, weights_sha256=info.weights_sha256,

@@ -14,11 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from embedq.backends.base import Encoded, Head, ModelInfo, Prepared
+from embedq.backends.base import Encoded, Head, ModelInfo, Prepared, per_token_result
 from embedq.backends.encoder import Encoder
 from embedq.backends.tokens import prepare_texts
-from embedq.protocol import Fingerprint, encode_result
-from embedq.version import __version__
 
 
 class TokenEmbeddingsHead(Head):
@@ -42,13 +40,5 @@ class TokenEmbeddingsHead(Head):
         return [states[i][real[i]] for i in range(len(states))]
 
     def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]:
-        info = self.info
-        assert info is not None
-        offsets = np.zeros(len(rows) + 1, dtype=np.int32)
-        np.cumsum([len(r) for r in rows], out=offsets[1:])
-        tokens = np.concatenate(rows) if rows else np.zeros((0, self.hidden), np.float32)
-        fingerprint = Fingerprint(kind=kind, model=info.model_id, weights_sha256=info.weights_sha256,
-                                  pooling="none", normalize=False, dimensions=self.hidden, dtype=info.dtype,
-                                  prompt=prepared.state.get("prompt"), embedq_version=__version__)
-        return encode_result(kind, {"offsets": offsets, "tokens": tokens.astype(np.float32, copy=False)},
-                             fingerprint, items=len(rows), tokens=prepared.tokens, encoding=options.encoding)
+        assert self.info is not None
+        return per_token_result(kind, rows, self.info, self.hidden, prepared, options.encoding)
