@@ -159,6 +159,46 @@ def redis_server():
     server.stop()
 
 
+#: The workers and gateways this test process started (``STARTED``, in order) and those not stopped yet
+#: (``LIVE_PROCESSES``, by pid): a failing test's report shows the state and the end of the log of each one alive, and
+#: of each one the test itself started (stopped in its ``finally`` or not), so that a red CI log says whether a worker
+#: had died (and why) or hung.
+STARTED: list[tuple[str, subprocess.Popen, Path]] = []
+LIVE_PROCESSES: dict[int, tuple[str, subprocess.Popen, Path]] = {}
+
+
+def _started(what: str, proc: subprocess.Popen, log_path: Path) -> None:
+    STARTED.append((what, proc, log_path))
+    LIVE_PROCESSES[proc.pid] = (what, proc, log_path)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    item.stash[_FIRST_STARTED] = len(STARTED)
+    yield
+
+
+_FIRST_STARTED = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    shown = {**LIVE_PROCESSES, **{proc.pid: (what, proc, path)
+                                  for what, proc, path in STARTED[item.stash.get(_FIRST_STARTED, len(STARTED)):]}}
+    for pid, (what, proc, log_path) in shown.items():
+        code = proc.poll()
+        state = "running" if code is None else f"exited with status {code}"
+        try:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
+        except OSError as exc:
+            tail = f"(no log: {exc})"
+        report.sections.append((f"{what} {pid}: {state}; the end of {log_path}", tail))
+
+
 class WorkerHandle:
     def __init__(self, settings: Settings, log_path: Path, *, command: list[str] | None = None,
                  extra_env: dict[str, str] | None = None) -> None:
@@ -172,6 +212,7 @@ class WorkerHandle:
             except BaseException:
                 self.stop()
                 raise
+        _started(f"worker ({settings.queue_name})", self.proc, log_path)
 
     def stats(self) -> dict:
         """This worker's counters (other tests' workers may share the broker). After the first call it asks this
@@ -249,6 +290,7 @@ class WorkerHandle:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
+        LIVE_PROCESSES.pop(self.proc.pid, None)
         stop_worker(self.proc)
         self.client.close()
 
@@ -380,6 +422,7 @@ class GatewayHandle:
                 raise RuntimeError(f"the gateway exited ({self.proc.returncode}):\n{log.read_text()}")
             try:
                 httpx.get(self.url + "/openapi.json", timeout=1)
+                _started(f"gateway ({queue})", self.proc, log)
                 return
             except httpx.HTTPError:
                 if time.monotonic() > deadline:
@@ -387,6 +430,7 @@ class GatewayHandle:
                 time.sleep(0.2)
 
     def stop(self) -> None:
+        LIVE_PROCESSES.pop(self.proc.pid, None)
         self.proc.terminate()
         try:
             self.proc.wait(10)

@@ -74,6 +74,7 @@ class CanvasThread:
                 self._cond.wait(1.0)
                 if on_wait is not None and time.monotonic() - self.beat < self.settings.stall_timeout:
                     on_wait()
+            self._ready_until_now()
             self._entries.append((jobs, size))
             self._held += size
             self._cond.notify_all()
@@ -83,8 +84,15 @@ class CanvasThread:
         (its worker died after storing and before deleting the marker): its work is sent for the stored outcome,
         then the job is acknowledged as already stored."""
         with self._cond:
+            self._ready_until_now()
             self._entries.append(([(job, record, RESEND)], 0))
             self._cond.notify_all()
+
+    def _ready_until_now(self) -> None:
+        """Under ``_cond``, as work is handed over: an idle thread was ready until now, so a stall is counted from
+        here, not from the last work it did (a worker idle past ``stall_timeout`` is not stopped by its next job)."""
+        if not self.busy and not self._entries:
+            self.beat = time.monotonic()
 
     def close(self) -> None:
         """The thread stops once it has sent (or, stopping with the broker away, left marked) what it was given."""

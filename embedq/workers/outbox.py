@@ -52,6 +52,8 @@ class Outbox:
 
     def put(self, job: Job, error: errors.EmbedqError | None = None) -> None:
         """``job`` is done: every item has its row (no ``error``), or it failed with ``error``."""
+        if not self.busy and self._queue.empty():  # an idle thread was ready until now: a stall counts from here
+            self.beat = time.monotonic()
         self._queue.put((job, error))
 
     def close(self) -> None:
