@@ -85,6 +85,11 @@ class Head(ABC):
     name: str = ""
     kinds: tuple[str, ...] = ()
 
+    def head_names(self) -> tuple[str, ...]:
+        """Every head name an item of this backend may carry (``Encoded.head``): what a host process tells its
+        device process once, so that items name their head by a small code (embedq/workers/channel.py)."""
+        return ()
+
     @abstractmethod
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared: ...
 

@@ -88,6 +88,9 @@ class FakeBackend(Backend):
             raise errors.InvalidText(f"a token id is outside the model's vocabulary of {VOCABULARY} tokens")
         return Encoded(ids, None, len(head))
 
+    def head_names(self) -> tuple[str, ...]:
+        return ("mean", "tokens")
+
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
         self.check_kind(kind)
         if options.prompt_name is not None:

@@ -37,6 +37,9 @@ class ModelBackend(Backend):
         self.info = info
         self.max_seq_length = encoder.max_seq_length
 
+    def head_names(self) -> tuple[str, ...]:
+        return tuple(self._by_name)
+
     def add_plugin_heads(self, specs: Sequence[Any]) -> None:
         """Serve the plugin kinds ``specs`` (:class:`~embedq.kinds.TaskSpec`) that name a head (``TaskSpec.head``):
         its factory is called with this backend and returns the :class:`Head` that serves the kind here."""

@@ -26,6 +26,7 @@ A :class:`Channel` is sent to a child process as a ``multiprocessing`` argument 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 from collections.abc import Sequence
@@ -126,7 +127,21 @@ class Channel:
     def fileno(self) -> int:
         return self.conn.fileno()
 
+    def shutdown(self) -> None:
+        """End the conversation and close this end: the peer's ``recv`` gets :class:`EOFError`, and so does a thread
+        of this process blocked in this end's ``recv`` (a plain :meth:`close` would leave it blocked). Not for the
+        parent's copy of an end it handed to a child: that ends the child's channel too."""
+        if self.conn.closed:
+            return
+        try:
+            with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # the peer's end is gone already
+            pass
+        self.conn.close()
+
     def close(self) -> None:
+        """Close this process's descriptor of this end (the peer sees EOF once no process holds one)."""
         self.conn.close()
 
 

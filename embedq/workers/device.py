@@ -127,7 +127,7 @@ class HostLink:
         log.info("host %d (pid %d) is gone: %d of its jobs dropped", self.number, self.pid, len(jobs))
 
     def close(self) -> None:
-        self.channel.close()
+        self.channel.shutdown()
         self.thread.join(5)
         self.arena.close()
 

@@ -31,7 +31,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from embedq import errors
@@ -194,12 +194,7 @@ class EmbeddingService(MicroBatches):
         if not ready:
             return
         with self._cond:
-            for job in ready:
-                if job.done:  # cancelled while it was tokenized
-                    continue
-                if not job.n_items:  # nothing to run (tokenize): the results thread finishes it
-                    self._finish(job)
-                    continue
+            for job in self._runnable(ready):
                 if job.suspect:
                     self._suspects.append(job)
                 else:
@@ -212,6 +207,17 @@ class EmbeddingService(MicroBatches):
                 if job.deadline is not None:
                     self.deadlines.add(job.deadline, job)
             self._cond.notify()
+
+    def _runnable(self, ready: list[Job]) -> Iterator[Job]:
+        """The prepared jobs with items to run: those cancelled while they were tokenized are left out, those with
+        nothing to run (tokenize) go to the results thread to be finished."""
+        for job in ready:
+            if job.done:
+                continue
+            if not job.n_items:
+                self._finish(job)
+                continue
+            yield job
 
     def count_received(self, items: int, traffic_class: str | None = None, kind: str | None = None) -> None:
         self.stats.add(jobs_received=1, items_received=items)
