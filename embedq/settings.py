@@ -272,6 +272,13 @@ class Settings(BaseSettings):
         description="Worker processes (replicas) `embedq worker` runs for its device, each a full worker with its own "
         "copy of the model, under one supervisor. None: one per four cores on a GPU (at most four), one on the CPU.",
     )
+    device_process: bool = Field(
+        default=False,
+        description="The split layout (`embedq worker --device-process`, embedq/workers/split.py): one device process "
+        "loads the model and schedules and runs the items of every host process; the host processes "
+        "(`worker_processes` of them) receive, check, tokenize, encode, store and acknowledge. False: each worker "
+        "process is a whole worker (replicas).",
+    )
     linear_kernel: Literal["auto", "onednn", "torch", "onnxruntime"] = Field(
         default="auto",
         description="The runtime of the model's forward pass on CPU. auto: the worker times torch, onednn and "

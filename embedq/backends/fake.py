@@ -13,12 +13,17 @@ its token ids, the same ids giving the same vector whatever shares the micro-bat
 token), and ``finish`` post-processes (``normalize``, ``dimensions``) and encodes like the dense head (``embed_all``:
 like the per-token head, offsets and one tokens × dimension array). It imports neither torch nor transformers and
 loads in milliseconds.
+
+``EMBEDQ_FAKE_ITEM_MS`` (default 0) makes each micro-batch take that many milliseconds per item, as a device would:
+for the tests of what a process holds while the model runs (a kill mid-run), where an instant model holds nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import time
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -65,6 +70,7 @@ class FakeBackend(Backend):
 
     def __init__(self, model_id: str = FAKE_MODEL) -> None:
         self.dimension = fake_dimension(model_id) or DIMENSION
+        self.item_seconds = float(os.environ.get("EMBEDQ_FAKE_ITEM_MS") or 0) / 1000
         self.table = np.random.default_rng(0).standard_normal((VOCABULARY, self.dimension)).astype(np.float32)
         self.info = ModelInfo(
             model_id=model_id, path="", dimension=self.dimension, max_seq_length=MAX_SEQ_LENGTH,
@@ -105,6 +111,8 @@ class FakeBackend(Backend):
         return Prepared(encoded, sum(len(e.ids) for e in encoded), {"prompt": options.prompt})
 
     def forward(self, batch: Sequence[Encoded]) -> list[np.ndarray]:
+        if self.item_seconds:
+            time.sleep(self.item_seconds * len(batch))
         return [self.table[item.ids] if item.head == "tokens" else self.table[item.ids].mean(axis=0)
                 for item in batch]
 

@@ -87,10 +87,16 @@ def cmd_worker(ns: argparse.Namespace, settings: Settings) -> int:
         return 2
     if ns.processes is not None:
         settings = settings.model_copy(update={"worker_processes": ns.processes})
+    if ns.device_process:
+        settings = settings.model_copy(update={"device_process": True})
     from embedq.workers import replicas
     from embedq.workers.main import default_hostname
 
     count = replicas.processes_for(settings)
+    if settings.device_process and not replicas.is_replica():
+        from embedq.workers.split import run_split
+
+        return run_split(settings, count, hostname=ns.hostname or default_hostname(settings), loglevel=ns.loglevel)
     if count > 1:
         return replicas.run_replicas(settings, count, hostname=ns.hostname or default_hostname(settings),
                                      loglevel=ns.loglevel)
@@ -248,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="worker processes (replicas) for the device, each with its own model copy, under one "
                    "supervisor (EMBEDQ_WORKER_PROCESSES; default: one per four cores on a GPU, at most four; one on "
                    "the CPU)")
+    w.add_argument("--device-process", action="store_true", default=None,
+                   help="the split layout: one device process runs the model and schedules the items of every host "
+                   "process; the hosts (--processes of them) receive, tokenize, encode and store "
+                   "(EMBEDQ_DEVICE_PROCESS; docs/ARCHITECTURE.md *Processes*)")
     w.add_argument("--hostname", help="Celery node name (replica i of several: NAME-r<i>)")
     w.add_argument("--loglevel", default="INFO")
     w.set_defaults(func=cmd_worker)

@@ -23,6 +23,7 @@ storing outcomes and acknowledging messages in ``workers/acks.py``, liveness, fa
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 from dataclasses import dataclass, field
@@ -39,20 +40,23 @@ from embedq.batching import PrefetchWindow
 from embedq.batching.traffic import BULK, ONLINE, TrafficClass
 from embedq.broker import BROKER_ERRORS, lease_interval, redis_client
 from embedq.cancellation import CancelFeed
-from embedq.kinds import TASKS, TaskSpec, load_plugins
+from embedq.kinds import TASKS, TaskSpec
 from embedq.protocol import RESENT_HEADER, SENT_HEADER, TASK_NAME, client_of
 from embedq.settings import Settings
-from embedq.workers import memory, transport
+from embedq.workers import transport
 from embedq.workers.acks import ALREADY_STORED, Acks, Ticker, routing_key_of
 from embedq.workers.canvas import canvas_of
 from embedq.workers.canvas_rules import CanvasRules
 from embedq.workers.canvas_thread import CanvasThread
 from embedq.workers.delivery import Ledger, Verdict
+from embedq.workers.host import HostService
 from embedq.workers.jobs import Job
+from embedq.workers.loading import load_model
 from embedq.workers.messages import Messages, deadline_of, expires_iso
 from embedq.workers.metrics import Reporter, WorkerMetrics
 from embedq.workers.observe import WorkerInfo, event_kwargs, short_args, window_stats, worker_record
 from embedq.workers.service import EmbeddingService
+from embedq.workers.split import DEVICE_SOCKET_ENV, connect
 from embedq.workers.stopping import LIVENESS_INTERVAL, Stopping
 
 log = logging.getLogger(__name__)
@@ -156,37 +160,20 @@ class Worker(Messages, Acks, Stopping):
         with a clear error and a non-zero exit instead of a consumer that dies inside Celery.
         """
         if self.service is None:
-            from embedq.backends import load_backend  # the worker process only: imports torch
-
             settings = self.settings
             metrics = self.metrics = WorkerMetrics()
-            t0 = time.perf_counter()
-            backend = load_backend(
-                settings.model, device=settings.device, dtype=settings.dtype, torch_threads=settings.torch_threads,
-                linear_kernel=settings.linear_kernel, batch_tokens=settings.batch_tokens,
-                online_tokens=settings.online_tokens, pooling=settings.pooling,
-                trust_remote_code=settings.trust_remote_code,
-                on_runtime_chosen=partial(memory.settle, settings.memory_policy),
-                plugin_kinds=load_plugins(settings.kind_plugins), allow_fake=settings.allow_fake_backend,
-            )
-            metrics.model_load_seconds = time.perf_counter() - t0
-            log.info("loaded %s on %s (%s, runtime %s) in %.1fs", backend.info.model_id, backend.info.device,
-                     backend.info.dtype, backend.info.linear_kernel, metrics.model_load_seconds)
-            if backend.info.linear_kernel == "onnxruntime" and (
-                    not settings.preempt or backend.preemption_blocker() is not None):  # no layered runtime in use
-                # ONNX Runtime runs the model on its own thread pool (torch_threads threads); PyTorch is left
-                # with the heads' small ops, and its idle OpenMP workers would compete with ONNX Runtime's for
-                # every core (bench/peers.py on 2 cores: 0.85x the raw ONNX Runtime loop with PyTorch's 2
-                # threads, 1.03x with 1).
-                import torch
-
-                torch.set_num_threads(1)
-            policy = memory.settle(settings.memory_policy, backend.info.linear_kernel)
-            log.info("memory policy %s (asked %s)", policy, settings.memory_policy)
-            self.service = EmbeddingService(backend, settings, on_done=self.store_outcome, memory_policy=policy,
-                                            on_done_many=self.store_outcomes,
-                                            on_isolated_run=self.count_run, on_started=self.job_started,
-                                            metrics=metrics).start()
+            device = os.environ.get(DEVICE_SOCKET_ENV)  # a host process of the split layout (workers/split.py)
+            backend, policy, metrics.model_load_seconds = load_model(settings, device="cpu" if device else None)
+            if device:
+                self.service = HostService(backend, settings, on_done=self.store_outcome, memory_policy=policy,
+                                           on_done_many=self.store_outcomes, on_isolated_run=self.count_run,
+                                           on_started=self.job_started, metrics=metrics,
+                                           channel=connect(device)).start()
+            else:
+                self.service = EmbeddingService(backend, settings, on_done=self.store_outcome,
+                                                memory_policy=policy, on_done_many=self.store_outcomes,
+                                                on_isolated_run=self.count_run, on_started=self.job_started,
+                                                metrics=metrics).start()
             self.canvas_thread = CanvasThread(settings, self.service.stats, self.finished,
                                               lambda: self.service is None or self.service.stopping,
                                               ALREADY_STORED).start()

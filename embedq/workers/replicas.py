@@ -91,7 +91,7 @@ def replica_env(settings: Settings, index: int, count: int, cpus: int | None = N
     return env
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -115,11 +115,15 @@ class Supervisor:
         name, _, host = self.hostname.partition("@")
         return f"{name}-r{index}@{host}" if host else f"{name}-r{index}"
 
-    def start(self, index: int) -> None:
+    def child_env(self, index: int) -> dict[str, str]:
+        """The environment of replica ``index``: the supervisor's, made replica *i* of ``count``."""
         env = dict(os.environ)
         env.update(replica_env(self.settings, index, self.count))
         env[REPLICA_NAME_ENV] = self.replica_name(index)
-        self.procs[index] = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent)
+        return env
+
+    def start(self, index: int) -> None:
+        self.procs[index] = subprocess.Popen(self.argv, env=self.child_env(index), preexec_fn=die_with_parent)
         self.started_at[index] = time.monotonic()
         log.info("replica %d started (pid %d, %s)", index, self.procs[index].pid, self.replica_name(index))
 

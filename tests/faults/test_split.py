@@ -1,0 +1,156 @@
+"""The split layout (issue 53: ``embedq worker --device-process``, embedq/workers/split.py): one device process and two
+host processes under one supervisor, on the fake model (what is under test is where jobs go when a process dies, not
+the vectors) and a Redis of the test's own.
+
+* Jobs sent to the worker are answered by its hosts with the vectors the model gives them alone.
+* A host process SIGKILLed during a burst: the device drops its jobs at once, the supervisor restarts the host, and
+  every job is answered, once (its messages come back after ``visibility_timeout``).
+* The device process SIGKILLed during a burst: every host sees it at once, hands every message it holds back and
+  exits with status 70; the supervisor restarts the device and the hosts, and every job is answered, once.
+
+"Once": every record stored for a job is a success with the same vectors (tests/faults/test_crashes.py's Recorder).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+
+import numpy as np
+import psutil
+import pytest
+from conftest import FAKE
+from test_crashes import Recorder
+
+from embedq.backends.fake import FakeBackend
+from embedq.producers.client import Client
+from embedq.producers.embedded import RedisServer, start_worker, stop_worker, wait_for_worker
+from embedq.protocol import EmbedOptions, decode_result
+from embedq.settings import Settings
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+HOSTS = 2
+STATE_TIMEOUT = 180.0  # bounds each wait for a state; never a pause
+#: One-text jobs of a burst, and the fake model's milliseconds per item (embedq/backends/fake.py): the burst runs for
+#: seconds, so a kill after the first answer lands while every process holds jobs (an instant model holds none).
+BURST = 2000
+ITEM_MS = 2
+
+
+@pytest.fixture
+def split(tmp_path):
+    """A Redis of the test's own and a split worker on it (supervisor, device, two hosts), with a Client."""
+    with RedisServer() as server:
+        settings = Settings(broker_url=server.url, queue=f"embedq.test.split.{uuid.uuid4().hex[:8]}",
+                            worker_processes=HOSTS, device_process=True, visibility_timeout=5,
+                            online_queue_limit=0, **FAKE)
+        log = tmp_path / "worker.log"
+        proc = start_worker(settings, log_path=log, extra_env={"EMBEDQ_FAKE_ITEM_MS": str(ITEM_MS)})
+        client = Client(settings)
+        try:
+            wait_for_worker(client.app, proc, timeout=STATE_TIMEOUT, log_path=log, processes=HOSTS)
+            yield settings, proc, client, log
+        finally:
+            stop_worker(proc)
+            client.close()
+
+
+def _children(proc) -> dict[str, int]:
+    """The supervisor's children by role: ``device`` and ``host-<pid>``."""
+    out = {}
+    for child in psutil.Process(proc.pid).children():
+        try:
+            cmd = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        out["device" if "embedq.workers.device_main" in cmd else f"host-{child.pid}"] = child.pid
+    return out
+
+
+def _texts(n: int, tag: str) -> list[str]:
+    return [f"{tag} text {i} about coalescing workers and one device" for i in range(n)]
+
+
+def _reference(texts: list[str]) -> np.ndarray:
+    backend = FakeBackend()
+    options = EmbedOptions.parse({})
+    out = [decode_result(backend.finish("embed", backend.forward(p.items), p, options))[0]
+           for p in (backend.prepare("embed", [t], options) for t in texts)]
+    return np.concatenate(out)
+
+
+def _wait(ready, what: str) -> None:
+    end = time.monotonic() + STATE_TIMEOUT
+    while not ready():
+        assert time.monotonic() < end, f"never reached: {what}"
+        time.sleep(0.05)
+
+
+def _burst_with_a_kill(settings, proc, client, kill) -> None:
+    """Send BURST one-text jobs in one round trip, call ``kill(children)`` as soon as the first is answered, and wait
+    for every answer: each equal to the model's alone, and none stored twice with different vectors."""
+    recorder = Recorder(settings.broker_url)
+    try:
+        texts = _texts(BURST, "burst")
+        handles = client.submit_many([[t] for t in texts])  # in one round trip: a backlog from the start
+        handles[0].result(timeout=STATE_TIMEOUT)
+        kill(_children(proc))
+        vectors = np.concatenate([h.result(timeout=STATE_TIMEOUT) for h in handles])
+        assert np.abs(vectors - _reference(texts)).max() <= 1e-6
+    finally:
+        recorder.close()
+    ids = {h.id for h in handles}
+    assert ids <= set(recorder.records)
+    for job_id in ids:  # none with two different results
+        stored = recorder.records[job_id]
+        assert all(r["status"] == "SUCCESS" for r in stored), stored
+        first = decode_result(stored[0]["result"])[0]
+        assert all(np.abs(decode_result(r["result"])[0] - first).max() <= 1e-6 for r in stored[1:])
+
+
+def test_jobs_through_the_device_process_equal_the_model_alone(split):
+    _, proc, client, log = split
+    children = _children(proc)
+    assert "device" in children and len(children) == HOSTS + 1, children
+    texts = _texts(200, "plain")
+    handles = [client.submit(texts[k:k + 4]) for k in range(0, len(texts), 4)]
+    vectors = np.concatenate([h.result(timeout=STATE_TIMEOUT) for h in handles])
+    assert np.abs(vectors - _reference(texts)).max() <= 1e-6
+    text = log.read_text()
+    assert "device process ready" in text and text.count("connected (pid") == HOSTS
+
+
+def test_a_host_sigkilled_during_a_burst_loses_no_job(split):
+    settings, proc, client, log = split
+    killed = {}
+
+    def kill(children):
+        host = next(pid for role, pid in children.items() if role != "device")
+        killed["pid"] = host
+        psutil.Process(host).kill()
+
+    _burst_with_a_kill(settings, proc, client, kill)
+    text = log.read_text()
+    dropped = re.search(rf"\(pid {killed['pid']}\) is gone: (\d+) of its jobs dropped", text)
+    assert dropped and int(dropped[1]) > 0, "the kill landed while the host had jobs at the device"
+    assert "exited with status -9" in text and "restarting it" in text
+    _wait(lambda: len(_children(proc)) == HOSTS + 1, "the host restarted")
+
+
+def test_the_device_process_sigkilled_during_a_burst_loses_no_job(split):
+    settings, proc, client, log = split
+    killed = {}
+
+    def kill(children):
+        killed["pid"] = children["device"]
+        psutil.Process(children["device"]).kill()
+
+    _burst_with_a_kill(settings, proc, client, kill)
+    text = log.read_text()
+    assert "the device process is gone" in text  # each host's watchdog stopped it and handed its messages back
+    handed = [int(n) for n in re.findall(r"handed (\d+) messages back", text)]
+    assert handed and max(handed) > 0, "the kill landed while the hosts held jobs"
+    assert text.count("device process ready") >= 2  # and a new device process served the rest
+    _wait(lambda: "device" in _children(proc) and _children(proc)["device"] != killed["pid"], "a new device")
