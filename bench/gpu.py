@@ -15,7 +15,8 @@ needed), each measurement run for at least ``--seconds``:
   4. end to end: a private redis-server and ``embedq worker`` with its defaults for the device (replicas
      chosen from the cores), fed by ``--producers`` producer processes in a closed loop (each keeps two
      ``submit_many`` batches in flight and ``collect``s them): 32-text bulk jobs, then one-text online jobs.
-     Only jobs collected after ``--warmup`` seconds count.
+     Only jobs collected after ``--warmup`` seconds count. ``e2e-split``: the same with ``embedq worker
+     --device-process`` (one device process, ``--processes`` host processes; issue 53).
 The headline per model is end to end / backend (32-text jobs), and one-text jobs/s.
 GPU utilisation (NVML, through torch) is sampled during the end-to-end runs.
 """
@@ -259,7 +260,7 @@ class Utilisation:
         return sum(self.samples) / len(self.samples) if self.samples else None
 
 
-def end_to_end(folder: Path, args: argparse.Namespace, logdir: Path) -> dict:
+def end_to_end(folder: Path, args: argparse.Namespace, logdir: Path, *, split: bool = False) -> dict:
     from embedq.producers.client import Client
     from embedq.producers.embedded import RedisServer, start_worker, stop_worker, wait_for_worker
     from embedq.settings import Settings
@@ -271,7 +272,10 @@ def end_to_end(folder: Path, args: argparse.Namespace, logdir: Path) -> dict:
         processes = args.processes or processes_for(settings)
         if args.processes:
             settings = settings.model_copy(update={"worker_processes": args.processes})
-        log = logdir / f"worker-{folder.name}.log"
+        if split:  # one device process and `processes` host processes (their nodes are always <name>-r<i>)
+            processes = max(processes, 2)
+            settings = settings.model_copy(update={"device_process": True, "worker_processes": processes})
+        log = logdir / f"worker-{folder.name}{'-split' if split else ''}.log"
         proc = start_worker(settings, log_path=log)
         client = Client(settings)
         try:
@@ -304,7 +308,8 @@ def end_to_end(folder: Path, args: argparse.Namespace, logdir: Path) -> dict:
                 print(f"    end to end {shape}: {rows[shape]}", flush=True)
             stats = next(iter(client.workers(2).values()), {})
             rows["worker"] = {"processes": processes, "linear_kernel": stats.get("linear_kernel"),
-                              "batch_tokens": settings.batch_tokens}
+                              "batch_tokens": settings.batch_tokens,
+                              "layout": "device process + hosts" if split else "replicas"}
         finally:
             stop_worker(proc)
             client.close()
@@ -360,7 +365,7 @@ def run_step(step: str, folder: Path, texts: list[str], args: argparse.Namespace
         return backend_row(folder, texts, args.device, args.dtype, args.job_size, args.seconds)
     if step == "st":
         return st_row(folder, texts, args.device, args.dtype, args.seconds)
-    return end_to_end(folder, args, logdir)
+    return end_to_end(folder, args, logdir, split=step == "e2e-split")
 
 
 def main() -> None:
@@ -369,7 +374,9 @@ def main() -> None:
     p.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--rows", nargs="+", default=["forward", "backend", "st", "e2e"],
-                   choices=["forward", "backend", "st", "e2e"])
+                   choices=["forward", "backend", "st", "e2e", "e2e-split"],
+                   help="e2e: replicas (the default layout); e2e-split: embedq worker --device-process, one device "
+                   "process and --processes host processes (at least 2)")
     p.add_argument("--n", type=int, default=16000, help="texts per pass of the in-process rows")
     p.add_argument("--seconds", type=float, default=10.0, help="at least this long per measurement")
     p.add_argument("--warmup", type=float, default=3.0, help="end to end: seconds of load before counting")

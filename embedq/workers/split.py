@@ -71,14 +71,16 @@ class SplitSupervisor(Supervisor):
 
     def child_env(self, index: int) -> dict[str, str]:
         """A host's environment: replica *i* of ``hosts`` (its share of the prefetch window), told where its device
-        listens; one torch thread unless set (it never runs the model). The device process's: the supervisor's, with
-        where to listen."""
+        listens; one torch thread and PyTorch's kernels unless set (it never runs the model). The device process's:
+        the supervisor's, with where to listen."""
         if index < self.hosts:
             env = dict(os.environ)
             env.update(replica_env(self.settings, index, self.hosts))
             env[REPLICA_NAME_ENV] = self.replica_name(index)
             if self.settings.torch_threads is None:
                 env["EMBEDQ_TORCH_THREADS"] = "1"
+            if self.settings.linear_kernel == "auto":  # no runtime to choose (or measure at start) for a host
+                env["EMBEDQ_LINEAR_KERNEL"] = "torch"
         else:
             env = dict(os.environ)
             env[REPLICA_ENV] = "device"  # never a supervisor of its own
