@@ -272,8 +272,7 @@ def end_to_end(folder: Path, args: argparse.Namespace, logdir: Path, *, split: b
         processes = args.processes or processes_for(settings)
         if args.processes:
             settings = settings.model_copy(update={"worker_processes": args.processes})
-        if split:  # one device process and `processes` host processes (their nodes are always <name>-r<i>)
-            processes = max(processes, 2)
+        if split:  # one device process and `processes` host processes
             settings = settings.model_copy(update={"device_process": True, "worker_processes": processes})
         log = logdir / f"worker-{folder.name}{'-split' if split else ''}.log"
         proc = start_worker(settings, log_path=log)
@@ -376,7 +375,7 @@ def main() -> None:
     p.add_argument("--rows", nargs="+", default=["forward", "backend", "st", "e2e"],
                    choices=["forward", "backend", "st", "e2e", "e2e-split"],
                    help="e2e: replicas (the default layout); e2e-split: embedq worker --device-process, one device "
-                   "process and --processes host processes (at least 2)")
+                   "process and --processes host processes")
     p.add_argument("--n", type=int, default=16000, help="texts per pass of the in-process rows")
     p.add_argument("--seconds", type=float, default=10.0, help="at least this long per measurement")
     p.add_argument("--warmup", type=float, default=3.0, help="end to end: seconds of load before counting")

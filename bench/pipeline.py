@@ -112,6 +112,20 @@ def tree_cpu(root: int) -> float:
     return sum(tree_times(root))
 
 
+def device_cpu(root: int) -> float:
+    """Seconds of CPU of the tree's device process (``embedq worker --device-process``: workers/device_main.py), its
+    own threads only; 0 without one."""
+    total = 0.0
+    for pid in tree_pids(root):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"embedq.workers.device_main" in cmdline and (found := _stat(f"/proc/{pid}/stat")):
+            total += sum(int(v) for v in found[1][11:13]) / TICK
+    return total
+
+
 def thread_cpu(root: int) -> dict[str, float]:
     """Seconds of CPU per thread of the tree, labelled ``pid/main`` or ``pid/tid comm``."""
     out = {}
@@ -188,6 +202,7 @@ def run_embedq(texts: list[str], job_size: int, traffic_class: str, worker_env: 
                 handles = submit(jobs, traffic_class)
                 submit_cpu = self_cpu() - c0
                 w0, r0, th0 = tree_times(proc.pid), tree_cpu(redis_server.proc.pid), thread_cpu(proc.pid)
+                d0 = device_cpu(proc.pid)
             finally:
                 pause(proc.pid, False)
             t0 = time.perf_counter()
@@ -201,6 +216,7 @@ def run_embedq(texts: list[str], job_size: int, traffic_class: str, worker_env: 
             while redis.hlen(KOMBU_UNACKED) and time.monotonic() < deadline:
                 time.sleep(0.005)
             w1, th1, procs = tree_times(proc.pid), thread_cpu(proc.pid), len(tree_pids(proc.pid))
+            d1 = device_cpu(proc.pid)
             after = _stats(client, proc.pid)
         finally:
             stop_worker(proc)
@@ -215,6 +231,7 @@ def run_embedq(texts: list[str], job_size: int, traffic_class: str, worker_env: 
     worker, system = sum(w1) - sum(w0), w1[1] - w0[1]
     return {"api": api, "jobs": n, "texts": t, "seconds": elapsed, "jobs_s": n / elapsed, "texts_s": t / elapsed,
             "worker_ms_job": worker * 1e3 / n, "worker_ms_text": worker * 1e3 / t, "worker_sys_share": system / worker,
+            "device_ms_text": (d1 - d0) * 1e3 / t,
             "submit_ms_job": submit_cpu * 1e3 / n, "collect_ms_result": collect_cpu * 1e3 / n,
             "redis_ms_job": (r1 - r0) * 1e3 / n, "worker_idle_ms_s": idle, "worker_processes": procs,
             "threads_ms_job": [[label, ms] for ms, label in threads], "worker_stats": delta}
@@ -506,6 +523,12 @@ def main() -> None:
     if "compare" in med:
         ratios.append((f"32-text texts/s with {' '.join(args.compare_env)} / without",
                        med["compare"]["texts_s"] / bulk["texts_s"], "", None))
+        ratios.append((f"worker CPU per text, 32-text jobs, with {' '.join(args.compare_env)} / without",
+                       med["compare"]["worker_ms_text"] / bulk["worker_ms_text"], "", None))
+        if med["compare"].get("device_ms_text"):  # the split layout: its device process apart (issue 53, a)
+            net = med["compare"]["device_ms_text"] - med["backend"]["ms_text"]
+            ratios.append(("(device process CPU per text - embedq backend alone) / tokenizer", net / tok["ms_text"],
+                           "≤ 0.25", net / tok["ms_text"] <= 0.25))
     print_report(args, med, ratios)
     if args.json:
         args.json.write_text(json.dumps({

@@ -100,7 +100,11 @@ class SplitSupervisor(Supervisor):
                  self.settings.device, self.socket)
 
     def replica_name(self, index: int) -> str:
-        return super().replica_name(index) if index < self.hosts else "device"
+        """Host *i*'s node name: ``<name>-r<i>``, or the worker's own name when it has one host; the device's is
+        only for the log (it is no Celery node)."""
+        if index >= self.hosts:
+            return "device"
+        return self.hostname if self.hosts == 1 else super().replica_name(index)
 
     def run(self) -> int:
         try:
