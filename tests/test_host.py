@@ -18,7 +18,7 @@ from embedq.batching.traffic import BULK
 from embedq.kinds import KINDS, decoded_arrays
 from embedq.settings import Settings
 from embedq.workers import channel
-from embedq.workers.device import HostLink, RowsOut
+from embedq.workers.device import DeviceService, HostLink
 from embedq.workers.host import HostService, client_code
 from embedq.workers.jobs import Job
 from embedq.workers.service import EmbeddingService
@@ -34,6 +34,7 @@ class Outcomes:
 
     def __init__(self) -> None:
         self.got: dict[str, object] = {}
+        self.started: list[Job] = []  # the jobs the device said it started (STARTED), in order
         self.cond = threading.Condition()
 
     def __call__(self, job: Job, outcome: object) -> None:
@@ -51,12 +52,13 @@ class Outcomes:
 def layout():
     """A device service (not started: the test starts it once what it needs is buffered) and two started hosts."""
     backend = Recording()
-    device = EmbeddingService(backend, SETTINGS, on_done=lambda job, outcome: None, outbox=RowsOut)
+    device = DeviceService(backend, SETTINGS)
     hosts, links, outcomes = [], [], []
     for n in range(2):
         mine, theirs = channel.pair()
         done = Outcomes()
-        hosts.append(HostService(FakeBackend(), SETTINGS, on_done=done, channel=mine).start())
+        hosts.append(HostService(FakeBackend(), SETTINGS, on_done=done, channel=mine,
+                                 on_started=done.started.append).start())
         links.append(HostLink(n, theirs, device).start())
         outcomes.append(done)
     yield backend, device, hosts, links, outcomes
@@ -117,6 +119,9 @@ def test_jobs_through_two_hosts_and_one_device_equal_a_plain_service_and_share_m
              for t in ONLINE_TEXTS}
     assert first <= set(backend.batches[0])  # host 1's online job ahead of host 0's older bulk job
     assert hosts[0].at_device == hosts[1].at_device == 0
+    for n, jobs in sent.items():  # each job was told started once, before its outcome
+        assert sorted(job.id for job in outcomes[n].started) == sorted(j[0] for j in jobs)
+        assert all(job.started is not None for job in outcomes[n].started)
     assert hosts[0].arena.spans is not None and len(hosts[0].arena.spans) == 0  # every span freed
     assert not links[0].jobs and not links[1].jobs
 
@@ -152,3 +157,39 @@ def test_client_codes_are_one_per_client_on_every_host():
     assert client_code("") == client_code(None) == 0
     assert client_code("tenant-a") == client_code("tenant-a") != client_code("tenant-b")
     assert client_code("tenant-a") > 0
+
+
+class Blocking(FakeBackend):
+    """The fake model, holding every micro-batch in the model until ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def forward(self, batch):
+        assert self.release.wait(STATE_TIMEOUT)
+        return super().forward(batch)
+
+
+def test_a_job_in_the_model_is_running_on_its_host_and_cannot_be_cancelled():
+    backend = Blocking()
+    device = DeviceService(backend, SETTINGS).start()
+    mine, theirs = channel.pair()
+    done = Outcomes()
+    host = HostService(FakeBackend(), SETTINGS, on_done=done, channel=mine, on_started=done.started.append).start()
+    link = HostLink(0, theirs, device).start()
+    try:
+        host.submit_many([_job("in-model", _texts("held", 3))])
+        wait_for(lambda: host.running, "the job started at the device (STARTED)")
+        job = host.running[0]
+        assert job.id == "in-model" and done.started == [job]
+        assert not host.cancel(job)  # too late: it runs out
+        backend.release.set()
+        assert isinstance(done.wait(1)["in-model"], dict)
+        assert host.running == ()
+    finally:
+        backend.release.set()
+        device.stop(5)
+        host.stop(5)
+        link.close()
+        host.close()

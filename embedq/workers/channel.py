@@ -15,7 +15,9 @@ small records:
   tuple of them: BGE-M3's dense, lexical and per-token parts), the arrays' bytes one after the other in the
   message's payload; the host reads them as views of the payload (:func:`unpack_rows`), nothing copied;
   :data:`FAILED`: the slots of jobs that failed in the model or were dropped (cancelled, expired), their errors'
-  codes and messages as a JSON list in the payload (rare: not the hot path).
+  codes and messages as a JSON list in the payload (rare: not the hot path); :data:`STARTED`: the slots of jobs whose
+  first micro-batch starts now, sent before it is launched (one message per micro-batch and host), so a host knows
+  which of its jobs were in the model if the device process dies (they are blamed, as a worker's are).
 
 :class:`multiprocessing.connection.Connection` frames the messages (a length before each) over a
 :func:`socket.socketpair`, and its ``recv`` raises :class:`EOFError` once the peer's end is closed, which the kernel
@@ -37,8 +39,9 @@ from typing import Any
 import numpy as np
 
 #: Message kinds.
-HELLO, ITEMS, CANCEL, ROWS, FREE, FAILED = 0, 1, 2, 3, 4, 5
-KINDS = {HELLO: "hello", ITEMS: "items", CANCEL: "cancel", ROWS: "rows", FREE: "free", FAILED: "failed"}
+HELLO, ITEMS, CANCEL, ROWS, FREE, FAILED, STARTED = 0, 1, 2, 3, 4, 5, 6
+KINDS = {HELLO: "hello", ITEMS: "items", CANCEL: "cancel", ROWS: "rows", FREE: "free", FAILED: "failed",
+         STARTED: "started"}
 
 #: An item handed to the device process: where its ids lie in the sending host's arena (``types``: its segment ids
 #: follow them, ``length`` more), which head turns its output into its row (an index into HELLO's head names), the
@@ -55,7 +58,7 @@ SLOT = np.dtype([("slot", "<u8")])
 #: ``parts`` how many the row has; its bytes are ``nbytes`` at ``offset`` of the payload.
 ROW = np.dtype([("slot", "<u8"), ("item", "<u4"), ("part", "u1"), ("parts", "u1"), ("dtype", "S4"), ("ndim", "u1"),
                 ("shape", "<u4", (2,)), ("offset", "<u8"), ("nbytes", "<u8")])
-RECORDS = {HELLO: NONE, ITEMS: ITEM, CANCEL: SLOT, ROWS: ROW, FREE: SLOT, FAILED: SLOT}
+RECORDS = {HELLO: NONE, ITEMS: ITEM, CANCEL: SLOT, ROWS: ROW, FREE: SLOT, FAILED: SLOT, STARTED: SLOT}
 
 _HEADER = struct.Struct("<BIQ")  # kind, records, payload bytes
 #: The array dtypes a row may hold (what the heads return), by their code in ROW's ``dtype``.

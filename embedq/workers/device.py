@@ -31,9 +31,10 @@ from embedq import errors
 from embedq.backends.base import Encoded, Prepared
 from embedq.batching.traffic import BULK, ONLINE
 from embedq.workers.arena import IdsArena
-from embedq.workers.channel import CANCEL, FAILED, ITEMS, ROWS, SLOT, Channel, pack_rows
+from embedq.workers.channel import CANCEL, FAILED, ITEMS, ROWS, SLOT, STARTED, Channel, pack_rows
 from embedq.workers.jobs import Job
 from embedq.workers.outbox import Outbox
+from embedq.workers.service import EmbeddingService
 from embedq.workers.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,23 @@ class HostLink:
         self.channel.shutdown()
         self.thread.join(5)
         self.arena.close()
+
+
+class DeviceService(EmbeddingService):
+    """The device process's service: an :class:`~embedq.workers.service.EmbeddingService` (its outbox a
+    :class:`RowsOut`) that tells each host which of its jobs start, before their micro-batch is launched (STARTED,
+    one message per host and micro-batch)."""
+
+    def __init__(self, backend: Any, settings: Any, **kwargs: Any) -> None:
+        super().__init__(backend, settings, on_done=lambda job, outcome: None, outbox=RowsOut, **kwargs)
+
+    def _started(self, starting: list[Job]) -> None:
+        by_host: dict[HostLink, list[int]] = {}
+        for job in starting:
+            host, slot = job.context
+            by_host.setdefault(host, []).append(slot)
+        for host, slots in by_host.items():
+            host.send(STARTED, np.array([(s,) for s in slots], dtype=SLOT))
 
 
 class RowsOut(Outbox):

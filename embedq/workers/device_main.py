@@ -2,11 +2,10 @@
 by the supervisor with ``EMBEDQ_DEVICE_SOCKET`` and the worker's settings in its environment.
 
 It loads the model (:func:`~embedq.workers.loading.load_model`, as any worker), runs one
-:class:`~embedq.workers.service.EmbeddingService` whose outbox sends rows back
-(:class:`~embedq.workers.device.RowsOut`), listens on the Unix socket and takes every host that connects
-(:class:`~embedq.workers.device.HostLink`). Its watchdog looks every second: a dead or stalled inference thread exits
-with status 70 (the supervisor restarts it; the hosts see EOF and hand their messages back). SIGTERM or SIGINT: the
-micro-batch in progress finishes, its rows go back, and it exits 0.
+:class:`~embedq.workers.device.DeviceService` (an ``EmbeddingService`` whose outbox sends rows back), listens on the
+Unix socket and takes every host that connects (:class:`~embedq.workers.device.HostLink`). Its watchdog looks every
+second: a dead or stalled inference thread exits with status 70 (the supervisor restarts it; the hosts see EOF and
+hand their messages back). SIGTERM or SIGINT: the micro-batch in progress finishes, its rows go back, and it exits 0.
 """
 
 from __future__ import annotations
@@ -22,9 +21,8 @@ from typing import Any
 from embedq.settings import Settings
 from embedq.workers import memory
 from embedq.workers.channel import Channel
-from embedq.workers.device import HostLink, RowsOut
+from embedq.workers.device import DeviceService, HostLink
 from embedq.workers.loading import load_model
-from embedq.workers.service import EmbeddingService
 from embedq.workers.split import DEVICE_SOCKET_ENV
 from embedq.workers.stopping import EXIT_FAILED, LIVENESS_INTERVAL
 
@@ -35,8 +33,7 @@ def serve(settings: Settings, path: str, stop: threading.Event) -> int:
     """Load the model, listen at ``path`` and serve the hosts that connect until ``stop`` is set; the exit status."""
     memory.configure(settings.memory_policy)  # before torch is imported
     backend, policy, _ = load_model(settings)
-    service = EmbeddingService(backend, settings, on_done=lambda job, outcome: None, outbox=RowsOut,
-                               memory_policy=policy).start()
+    service = DeviceService(backend, settings, memory_policy=policy).start()
     listener = Listener(path, family="AF_UNIX")
     links: list[HostLink] = []
 

@@ -33,7 +33,7 @@ import numpy as np
 from embedq import errors
 from embedq.batching.traffic import BULK
 from embedq.workers.arena import IdsArena
-from embedq.workers.channel import CANCEL, FAILED, ITEM, ITEMS, ROWS, SLOT, Channel, unpack_rows
+from embedq.workers.channel import CANCEL, FAILED, ITEM, ITEMS, ROWS, SLOT, STARTED, Channel, unpack_rows
 from embedq.workers.device import error_of
 from embedq.workers.jobs import Job
 from embedq.workers.service import EmbeddingService
@@ -156,6 +156,8 @@ class HostService(EmbeddingService):
         slot = self._slot_of.get(job)
         if slot is None or job.done:
             return super().cancel(job, error)
+        if job.started is not None:  # it runs out (STARTED came)
+            return False
         with self._lock:
             if slot not in self._sent or self.device_gone.is_set():
                 return False
@@ -173,6 +175,8 @@ class HostService(EmbeddingService):
                 message = self.channel.recv()
                 if message.kind == ROWS:
                     self._rows(message.records, message.payload)
+                elif message.kind == STARTED:
+                    self._job_started(message.records)
                 elif message.kind == FAILED:
                     self._failed(message.records, message.payload)
                 else:
@@ -184,6 +188,25 @@ class HostService(EmbeddingService):
         self.device_gone.set()
         with self._lock:
             self._lock.notify_all()
+
+    def _job_started(self, records: np.ndarray) -> None:
+        """The device starts these jobs' first micro-batch: they are running (:attr:`running`; a cancel comes too
+        late for them), and the consumer is told (its task-started event)."""
+        now = time.monotonic()
+        for slot in records["slot"].tolist():
+            entry = self._sent.get(slot)
+            if entry is None or entry[0].started is not None:
+                continue
+            job = entry[0]
+            job.started = now
+            if self.on_started is not None:
+                self.on_started(job)
+
+    @property
+    def running(self) -> tuple[Job, ...]:
+        """The jobs at the device whose first micro-batch has started and whose rows are not all back: what a dead
+        device process had in the model, or may have had (the watchdog blames them, as a worker's in-model jobs)."""
+        return tuple(job for job, _ in list(self._sent.values()) if job.started is not None)
 
     def _rows(self, records: np.ndarray, payload: memoryview) -> None:
         for slot, item, row in unpack_rows(records, payload):
