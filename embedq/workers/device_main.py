@@ -10,6 +10,7 @@ hand their messages back). SIGTERM or SIGINT: the micro-batch in progress finish
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -18,15 +19,21 @@ import threading
 from multiprocessing.connection import Listener
 from typing import Any
 
+import numpy as np
+
 from embedq.settings import Settings
 from embedq.workers import memory
-from embedq.workers.channel import Channel
+from embedq.workers.channel import NONE, STATS, Channel
 from embedq.workers.device import DeviceService, HostLink
 from embedq.workers.loading import load_model
 from embedq.workers.split import DEVICE_SOCKET_ENV
 from embedq.workers.stopping import EXIT_FAILED, LIVENESS_INTERVAL
 
 log = logging.getLogger("embedq.workers.device")
+
+#: The device process's counters its hosts show (STATS, once a second): what only the device knows.
+DEVICE_COUNTERS = ("batches", "items", "real_tokens", "padded_tokens", "inference_seconds", "padding_ratio",
+                   "online_started", "online_wait_seconds", "preemptions", "bulk_paused_seconds")
 
 
 def serve(settings: Settings, path: str, stop: threading.Event) -> int:
@@ -60,6 +67,10 @@ def serve(settings: Settings, path: str, stop: threading.Event) -> int:
             log.critical("stopping: %s; exiting with status %d", reason, EXIT_FAILED)
             logging.shutdown()
             os._exit(EXIT_FAILED)  # the inference thread may be stuck in native code: nothing would join it
+        counters = json.dumps({"pid": os.getpid(), "device": settings.device, "hosts": len(links),
+                               **{k: v for k, v in service.stats.snapshot().items() if k in DEVICE_COUNTERS}})
+        for link in list(links):
+            link.send(STATS, np.zeros(0, NONE), counters.encode())
     listener.close()
     service.stop(settings.shutdown_timeout)
     for link in links:

@@ -33,7 +33,18 @@ import numpy as np
 from embedq import errors
 from embedq.batching.traffic import BULK
 from embedq.workers.arena import IdsArena
-from embedq.workers.channel import CANCEL, FAILED, ITEM, ITEMS, ROWS, SLOT, STARTED, Channel, unpack_rows
+from embedq.workers.channel import (
+    CANCEL,
+    FAILED,
+    ITEM,
+    ITEMS,
+    ROWS,
+    SLOT,
+    STARTED,
+    STATS,
+    Channel,
+    unpack_rows,
+)
 from embedq.workers.device import error_of
 from embedq.workers.jobs import Job
 from embedq.workers.service import EmbeddingService
@@ -73,6 +84,7 @@ class HostService(EmbeddingService):
         self._slot_of: dict[Job, int] = {}
         self._lock = threading.Condition()  # _sent, the arena and the channel's send side
         self.device_gone = threading.Event()
+        self.device: dict[str, Any] = {}  # the device process's counters, as it last sent them (STATS)
         self._reader = threading.Thread(target=self._read, name="embedq-device-link", daemon=True)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -177,6 +189,8 @@ class HostService(EmbeddingService):
                     self._rows(message.records, message.payload)
                 elif message.kind == STARTED:
                     self._job_started(message.records)
+                elif message.kind == STATS:
+                    self.device = json.loads(bytes(message.payload))
                 elif message.kind == FAILED:
                     self._failed(message.records, message.payload)
                 else:

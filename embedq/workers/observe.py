@@ -136,6 +136,8 @@ def worker_record(worker: Worker) -> dict[str, Any]:
         # what producers admit online jobs by (embedq/admission.py): texts buffered and not started, per class
         # (unlocked reads of two lengths: the reporter thread must not wait on the inference thread's lock)
         record["backlog"] = {ONLINE: service.scheduler.waiting(ONLINE), BULK: service.scheduler.waiting(BULK)}
+        if getattr(service, "device", None):  # a host of the split layout: its device process's counters
+            record["device_process"] = service.device
     if worker.metrics is not None:
         record["rates"] = worker.metrics.rates.current()
         rate = worker.metrics.throughput.rate
@@ -158,8 +160,10 @@ def embedq_stats(state: Any) -> dict[str, Any]:
     service = worker.service if worker is not None else None
     if service is None:
         return {"ready": False}
-    return {**identity(worker), "buffered": len(service.scheduler), **window_stats(worker),
-            **service.stats.snapshot()}
+    out = {**identity(worker), "buffered": len(service.scheduler), **window_stats(worker), **service.stats.snapshot()}
+    if getattr(service, "device", None):  # a host of the split layout: its device process's counters
+        out["device_process"] = service.device
+    return out
 
 
 def window_stats(worker: Worker) -> dict[str, int]:

@@ -121,6 +121,16 @@ def test_jobs_through_the_device_process_equal_the_model_alone(split):
     text = log.read_text()
     assert "device process ready" in text and text.count("connected (pid") == HOSTS
 
+    def parts():  # each host's counters, with its device process's (STATS, once a second)
+        stats = [s for node, s in client.workers(2).items() if f"-{proc.pid}-r" in node]
+        return len(stats) == HOSTS and all(s.get("device_process", {}).get("items", 0) >= len(texts) for s in stats)
+
+    _wait(parts, "every host shows the device process's counters")
+    stats = list(client.workers(2).values())
+    assert {s["device_process"]["pid"] for s in stats} == {children["device"]}
+    assert sum(s["jobs_succeeded"] for s in stats) == len(handles)  # the jobs are the hosts' ...
+    assert stats[0]["device_process"]["batches"] >= 1  # ... the micro-batches the device's
+
 
 def test_a_host_sigkilled_during_a_burst_loses_no_job(split):
     settings, proc, client, log = split
