@@ -228,7 +228,10 @@ class HostService(EmbeddingService):
             if entry is None:
                 continue
             job = entry[0]
-            if job.rows is None or job.rows[item] is not None:
+            if job.rows is None:  # failed or cancelled here meanwhile: the device has read its ids, its span is free
+                self._done(slot)
+                continue
+            if job.rows[item] is not None:
                 continue
             job.rows[item] = row
             job.remaining -= 1

@@ -28,9 +28,11 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from multiprocessing.connection import Client
 
@@ -105,6 +107,27 @@ class SplitSupervisor(Supervisor):
         if index >= self.hosts:
             return "device"
         return self.hostname if self.hosts == 1 else super().replica_name(index)
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """The hosts first (each finishes what the device runs for it, stores it, hands the rest back), the device
+        once they are gone: a device that stopped first would look dead to a host still stopping."""
+        self.stopping = True
+        hosts = [proc for proc in self.procs[:self.hosts] if proc is not None]
+        for proc in hosts:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signum)
+
+        def then_the_device() -> None:
+            deadline = time.monotonic() + self.settings.shutdown_timeout + 30
+            while any(proc.poll() is None for proc in hosts) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            device = self.procs[self.hosts]
+            if device is not None and device.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    device.send_signal(signum)
+
+        threading.Thread(target=then_the_device, name="embedq-stop-device", daemon=True).start()
 
     def run(self) -> int:
         try:
