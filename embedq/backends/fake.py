@@ -16,6 +16,8 @@ loads in milliseconds.
 
 ``EMBEDQ_FAKE_ITEM_MS`` (default 0) makes each micro-batch take that many milliseconds per item, as a device would:
 for the tests of what a process holds while the model runs (a kill mid-run), where an instant model holds nothing.
+``EMBEDQ_FAKE_POISON`` (a word; unset: none) makes the process that runs a micro-batch holding that word SIGKILL
+itself, as a segfault in a kernel would: for the tests of poison jobs in whatever process runs the model.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import signal
 import time
 import zlib
 from collections.abc import Sequence
@@ -71,6 +74,8 @@ class FakeBackend(Backend):
     def __init__(self, model_id: str = FAKE_MODEL) -> None:
         self.dimension = fake_dimension(model_id) or DIMENSION
         self.item_seconds = float(os.environ.get("EMBEDQ_FAKE_ITEM_MS") or 0) / 1000
+        poison = os.environ.get("EMBEDQ_FAKE_POISON")
+        self.poison = token_ids(poison)[0] if poison and token_ids(poison) else None
         self.table = np.random.default_rng(0).standard_normal((VOCABULARY, self.dimension)).astype(np.float32)
         self.info = ModelInfo(
             model_id=model_id, path="", dimension=self.dimension, max_seq_length=MAX_SEQ_LENGTH,
@@ -111,6 +116,8 @@ class FakeBackend(Backend):
         return Prepared(encoded, sum(len(e.ids) for e in encoded), {"prompt": options.prompt})
 
     def forward(self, batch: Sequence[Encoded]) -> list[np.ndarray]:
+        if self.poison is not None and any(self.poison in item.ids for item in batch):
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.item_seconds:
             time.sleep(self.item_seconds * len(batch))
         return [self.table[item.ids] if item.head == "tokens" else self.table[item.ids].mean(axis=0)

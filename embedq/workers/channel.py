@@ -19,7 +19,9 @@ small records:
   first micro-batch starts now, sent before it is launched (one message per micro-batch and host), so a host knows
   which of its jobs were in the model if the device process dies (they are blamed, as a worker's are); :data:`STATS`:
   once a second, the device process's counters as JSON (micro-batches, items, tokens, model time), which each host
-  shows beside its own (``embedq status``, ``embedq_stats``: one worker with its parts).
+  shows beside its own (``embedq status``, ``embedq_stats``: one worker with its parts); :data:`ENDED`: the slot of a
+  suspect job whose run alone has ended, sent before the device runs anything else (its rows follow from the rows
+  thread), so that a later death of the device is not counted against it.
 
 :class:`multiprocessing.connection.Connection` frames the messages (a length before each) over a
 :func:`socket.socketpair`, and its ``recv`` raises :class:`EOFError` once the peer's end is closed, which the kernel
@@ -41,9 +43,9 @@ from typing import Any
 import numpy as np
 
 #: Message kinds.
-HELLO, ITEMS, CANCEL, ROWS, FREE, FAILED, STARTED, STATS = 0, 1, 2, 3, 4, 5, 6, 7
+HELLO, ITEMS, CANCEL, ROWS, FREE, FAILED, STARTED, STATS, ENDED = 0, 1, 2, 3, 4, 5, 6, 7, 8
 KINDS = {HELLO: "hello", ITEMS: "items", CANCEL: "cancel", ROWS: "rows", FREE: "free", FAILED: "failed",
-         STARTED: "started", STATS: "stats"}
+         STARTED: "started", STATS: "stats", ENDED: "ended"}
 
 #: An item handed to the device process: where its ids lie in the sending host's arena (``types``: its segment ids
 #: follow them, ``length`` more), which head turns its output into its row (an index into HELLO's head names), the
@@ -60,7 +62,8 @@ SLOT = np.dtype([("slot", "<u8")])
 #: ``parts`` how many the row has; its bytes are ``nbytes`` at ``offset`` of the payload.
 ROW = np.dtype([("slot", "<u8"), ("item", "<u4"), ("part", "u1"), ("parts", "u1"), ("dtype", "S4"), ("ndim", "u1"),
                 ("shape", "<u4", (2,)), ("offset", "<u8"), ("nbytes", "<u8")])
-RECORDS = {HELLO: NONE, ITEMS: ITEM, CANCEL: SLOT, ROWS: ROW, FREE: SLOT, FAILED: SLOT, STARTED: SLOT, STATS: NONE}
+RECORDS = {HELLO: NONE, ITEMS: ITEM, CANCEL: SLOT, ROWS: ROW, FREE: SLOT, FAILED: SLOT, STARTED: SLOT, STATS: NONE,
+           ENDED: SLOT}
 
 _HEADER = struct.Struct("<BIQ")  # kind, records, payload bytes
 #: The array dtypes a row may hold (what the heads return), by their code in ROW's ``dtype``.

@@ -31,7 +31,7 @@ from embedq import errors
 from embedq.backends.base import Encoded, Prepared
 from embedq.batching.traffic import BULK, ONLINE
 from embedq.workers.arena import IdsArena
-from embedq.workers.channel import CANCEL, FAILED, ITEMS, ROWS, SLOT, STARTED, Channel, pack_rows
+from embedq.workers.channel import CANCEL, ENDED, FAILED, ITEMS, ROWS, SLOT, STARTED, Channel, pack_rows
 from embedq.workers.jobs import Job
 from embedq.workers.outbox import Outbox
 from embedq.workers.service import EmbeddingService
@@ -148,6 +148,11 @@ class DeviceService(EmbeddingService):
             by_host.setdefault(host, []).append(slot)
         for host, slots in by_host.items():
             host.send(STARTED, np.array([(s,) for s in slots], dtype=SLOT))
+
+    def _run_alone(self, job: Job) -> None:
+        super()._run_alone(job)
+        host, slot = job.context  # before anything else runs: a death from now on is not this job's
+        host.send(ENDED, np.array([(slot,)], dtype=SLOT))
 
 
 class RowsOut(Outbox):

@@ -35,6 +35,7 @@ from embedq.batching.traffic import BULK
 from embedq.workers.arena import IdsArena
 from embedq.workers.channel import (
     CANCEL,
+    ENDED,
     FAILED,
     ITEM,
     ITEMS,
@@ -82,6 +83,7 @@ class HostService(EmbeddingService):
         self._slots = itertools.count(1)
         self._sent: dict[int, tuple[Job, int]] = {}  # slot -> (job, its arena span), until its outcome is in
         self._slot_of: dict[Job, int] = {}
+        self._ended: set[Job] = set()  # suspect jobs whose run alone has ended at the device (ENDED), rows to come
         self._lock = threading.Condition()  # _sent, the arena and the channel's send side
         self.device_gone = threading.Event()
         self.device: dict[str, Any] = {}  # the device process's counters, as it last sent them (STATS)
@@ -189,6 +191,8 @@ class HostService(EmbeddingService):
                     self._rows(message.records, message.payload)
                 elif message.kind == STARTED:
                     self._job_started(message.records)
+                elif message.kind == ENDED:
+                    self._run_ended(message.records)
                 elif message.kind == STATS:
                     self.device = json.loads(bytes(message.payload))
                 elif message.kind == FAILED:
@@ -213,14 +217,29 @@ class HostService(EmbeddingService):
                 continue
             job = entry[0]
             job.started = now
+            if job.suspect and self.on_isolated_run is not None:  # counted before the device runs it alone: if it
+                self.on_isolated_run(job, True)  # dies meanwhile, the count stays (STARTED is read before the EOF)
             if self.on_started is not None:
                 self.on_started(job)
+
+    def _run_ended(self, records: np.ndarray) -> None:
+        """A suspect job's run alone has ended at the device (its rows may still be on their way): uncounted."""
+        for slot in records["slot"].tolist():
+            entry = self._sent.get(slot)
+            if entry is not None:
+                self._uncount(entry[0])
+
+    def _uncount(self, job: Job) -> None:
+        if job.suspect and job.started is not None and job not in self._ended:
+            self._ended.add(job)
+            if self.on_isolated_run is not None:
+                self.on_isolated_run(job, False)
 
     @property
     def running(self) -> tuple[Job, ...]:
         """The jobs at the device whose first micro-batch has started and whose rows are not all back: what a dead
         device process had in the model, or may have had (the watchdog blames them, as a worker's in-model jobs)."""
-        return tuple(job for job, _ in list(self._sent.values()) if job.started is not None)
+        return tuple(job for job, _ in list(self._sent.values()) if job.started is not None and job not in self._ended)
 
     def _rows(self, records: np.ndarray, payload: memoryview) -> None:
         for slot, item, row in unpack_rows(records, payload):
@@ -262,4 +281,7 @@ class HostService(EmbeddingService):
             self._slot_of.pop(entry[0], None)
             self.arena.free(entry[1])
             self._lock.notify_all()
-        return entry[0]
+        job = entry[0]
+        self._uncount(job)  # its run alone ended (if ENDED did not say so already): not blamed for a later death
+        self._ended.discard(job)
+        return job

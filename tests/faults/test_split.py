@@ -20,14 +20,17 @@ import uuid
 import numpy as np
 import psutil
 import pytest
+import redis
 from conftest import FAKE
 from test_crashes import Recorder
 
+from embedq import errors
 from embedq.backends.fake import FakeBackend
 from embedq.producers.client import Client
 from embedq.producers.embedded import RedisServer, start_worker, stop_worker, wait_for_worker
 from embedq.protocol import EmbedOptions, decode_result
 from embedq.settings import Settings
+from embedq.workers.delivery import dead_letters
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -37,17 +40,23 @@ STATE_TIMEOUT = 180.0  # bounds each wait for a state; never a pause
 #: seconds, so a kill after the first answer lands while every process holds jobs (an instant model holds none).
 BURST = 2000
 ITEM_MS = 2
+#: The word that makes the fake model's process SIGKILL itself (EMBEDQ_FAKE_POISON): a job that kills the device.
+POISON = "nightshade"
 
 
 @pytest.fixture
-def split(tmp_path):
-    """A Redis of the test's own and a split worker on it (supervisor, device, two hosts), with a Client."""
+def split(tmp_path, request):
+    """A Redis of the test's own and a split worker on it (supervisor, device, two hosts), with a Client; a test's
+    ``split_settings`` mark adds settings."""
+    marker = request.node.get_closest_marker("split_settings")
+    extra = dict(marker.kwargs) if marker else {}
     with RedisServer() as server:
         settings = Settings(broker_url=server.url, queue=f"embedq.test.split.{uuid.uuid4().hex[:8]}",
                             worker_processes=HOSTS, device_process=True, visibility_timeout=5,
-                            online_queue_limit=0, **FAKE)
+                            online_queue_limit=0, **FAKE, **extra)
         log = tmp_path / "worker.log"
-        proc = start_worker(settings, log_path=log, extra_env={"EMBEDQ_FAKE_ITEM_MS": str(ITEM_MS)})
+        proc = start_worker(settings, log_path=log, extra_env={"EMBEDQ_FAKE_ITEM_MS": str(ITEM_MS),
+                                                               "EMBEDQ_FAKE_POISON": POISON})
         client = Client(settings)
         try:
             wait_for_worker(client.app, proc, timeout=STATE_TIMEOUT, log_path=log, processes=HOSTS)
@@ -164,3 +173,23 @@ def test_the_device_process_sigkilled_during_a_burst_loses_no_job(split):
     assert handed and max(handed) > 0, "the kill landed while the hosts held jobs"
     assert text.count("device process ready") >= 2  # and a new device process served the rest
     _wait(lambda: "device" in _children(proc) and _children(proc)["device"] != killed["pid"], "a new device")
+
+
+@pytest.mark.split_settings(max_attempts=2, resend_after=30)
+def test_a_job_that_kills_the_device_process_is_dead_lettered_and_the_others_succeed(split):
+    """The device tells each host which jobs start (STARTED): when it dies, the hosts blame those, so the poison
+    job runs alone next time, kills the device once more, and is dead-lettered after max_attempts (2); the jobs
+    blamed with it the first time run alone and succeed."""
+    settings, _, client, log = split
+    before = [client.submit([f"an ordinary text {i}"]) for i in range(20)]
+    poison = client.submit([f"this text is {POISON} to the model"])
+    after = [client.submit([f"another ordinary text {i}"]) for i in range(20)]
+    with pytest.raises(errors.DeadLetter, match="2 times"):
+        poison.result(timeout=STATE_TIMEOUT)
+    texts = [f"an ordinary text {i}" for i in range(20)] + [f"another ordinary text {i}" for i in range(20)]
+    vectors = np.concatenate([h.result(timeout=STATE_TIMEOUT) for h in [*before, *after]])
+    assert np.abs(vectors - _reference(texts)).max() <= 1e-6
+    [record] = [r for r in dead_letters(redis.Redis.from_url(settings.broker_url)) if r["id"] == poison.id]
+    assert record["crashes"] == 2
+    text = log.read_text()
+    assert text.count("the device process is gone") >= 2 and "job(s) of the micro-batch in the model" in text
