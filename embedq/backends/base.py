@@ -85,11 +85,6 @@ class Head(ABC):
     name: str = ""
     kinds: tuple[str, ...] = ()
 
-    def head_names(self) -> tuple[str, ...]:
-        """Every head name an item of this backend may carry (``Encoded.head``): what a host process tells its
-        device process once, so that items name their head by a small code (embedq/workers/channel.py)."""
-        return ()
-
     @abstractmethod
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared: ...
 
@@ -119,6 +114,11 @@ class Backend(ABC):
                 f"this worker's model ({self.info.model_id}) does not serve {kind!r} jobs; it serves "
                 f"{', '.join(self.info.kinds)}"
             )
+
+    def head_names(self) -> tuple[str, ...]:
+        """Every head name an item of this backend may carry (``Encoded.head``): what a host process tells its
+        device process once, so that items name their head by a small code (embedq/workers/channel.py)."""
+        return ()
 
     @abstractmethod
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared: ...

@@ -13,7 +13,7 @@ sends each finished job's rows back to its host (ROWS) or its error (FAILED); th
 
 A host that is gone (EOF on its channel: its process died or closed it) has its jobs dropped: those not started
 are cancelled unrun, those in the model run out and their rows go nowhere. Its messages are the broker's to
-redeliver. Not used by the worker yet.
+redeliver. `embedq worker --device-process` runs it (embedq/workers/split.py, device_main.py).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ stores it (the consumer then acknowledges it): so only ids go one way and output
 A cancelled job is the device's to drop (CANCEL): one that has not started comes back as FAILED with ``cancelled``,
 one that has runs out. If the device process is gone (EOF on the channel), :meth:`HostService.health` says so: the
 worker's watchdog then stops the host, which hands every message it holds back to its queue (nothing is lost; the
-jobs run again where a device is). Not used by the worker yet.
+jobs run again where a device is). `embedq worker --device-process` runs it (embedq/workers/split.py).
 """
 
 from __future__ import annotations

@@ -110,15 +110,16 @@ class Supervisor:
         self.next_start = [0.0] * count
         self.served = [False] * count  # ran HEALTHY_RUN seconds, or died other than at its start
         self.stopping = False
+        self.replicas = count  # the workers that share the prefetch window (a split worker's hosts)
 
     def replica_name(self, index: int) -> str:
         name, _, host = self.hostname.partition("@")
         return f"{name}-r{index}@{host}" if host else f"{name}-r{index}"
 
     def child_env(self, index: int) -> dict[str, str]:
-        """The environment of replica ``index``: the supervisor's, made replica *i* of ``count``."""
+        """The environment of replica ``index``: the supervisor's, made replica *i* of ``replicas``."""
         env = dict(os.environ)
-        env.update(replica_env(self.settings, index, self.count))
+        env.update(replica_env(self.settings, index, self.replicas))
         env[REPLICA_NAME_ENV] = self.replica_name(index)
         return env
 

@@ -38,7 +38,7 @@ from multiprocessing.connection import Client
 
 from embedq.settings import Settings
 from embedq.workers.channel import Channel
-from embedq.workers.replicas import REPLICA_ENV, REPLICA_NAME_ENV, Supervisor, die_with_parent, replica_env
+from embedq.workers.replicas import REPLICA_ENV, Supervisor, die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class SplitSupervisor(Supervisor):
 
     def __init__(self, settings: Settings, hosts: int, *, hostname: str, argv: list[str]) -> None:
         super().__init__(settings, hosts + 1, hostname=hostname, argv=argv)
-        self.hosts = hosts
+        self.hosts = self.replicas = hosts
         self.folder = tempfile.mkdtemp(prefix="embedq-device-")
         self.socket = os.path.join(self.folder, "device.sock")
 
@@ -76,9 +76,7 @@ class SplitSupervisor(Supervisor):
         listens; one torch thread and PyTorch's kernels unless set (it never runs the model). The device process's:
         the supervisor's, with where to listen."""
         if index < self.hosts:
-            env = dict(os.environ)
-            env.update(replica_env(self.settings, index, self.hosts))
-            env[REPLICA_NAME_ENV] = self.replica_name(index)
+            env = super().child_env(index)
             if self.settings.torch_threads is None:
                 env["EMBEDQ_TORCH_THREADS"] = "1"
             if self.settings.linear_kernel == "auto":  # no runtime to choose (or measure at start) for a host
