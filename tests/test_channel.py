@@ -66,6 +66,14 @@ def test_records_and_rows_go_through_unchanged():
                 pairs = [(got_row, want)]
             for g, w in pairs:
                 assert g.dtype == w.dtype and g.shape == w.shape and np.array_equal(g, w)
+        # Rows of one dtype and shape (a dense model's vectors) take pack_rows' one-step path: the same records.
+        dense = [rng.standard_normal(384).astype(np.float32) for _ in range(5)]
+        records, payload = pack_rows([4, 4, 4, 9, 9], [0, 1, 2, 0, 1], dense)
+        assert records.tobytes() == pack_rows([4, 4, 4, 9, 9], [0, 1, 2, 0, 1], [*dense[:4], (dense[4],)])[0].tobytes()
+        b.send(ROWS, records, payload)
+        back = unpack_rows(*(lambda m: (m.records, m.payload))(a.recv()))
+        assert [(s, i) for s, i, _ in back] == [(4, 0), (4, 1), (4, 2), (9, 0), (9, 1)]
+        assert all(g.dtype == np.float32 and np.array_equal(g, w) for (_, _, g), w in zip(back, dense))
         with pytest.raises(ChannelError):
             a.send(ITEMS, np.zeros(2, dtype=SLOT))  # records of another kind
         with pytest.raises(ChannelError):

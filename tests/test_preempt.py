@@ -112,6 +112,34 @@ def test_c_a_forward_pass_run_between_two_layers_leaves_the_other_bit_identical(
     assert not calls, "the hooks are gone once the block ends"
 
 
+def test_the_preemption_points_are_kept_until_a_runtime_swaps_the_layers(families):
+    """Every bulk micro-batch asks for the points: they are kept, and found anew once the oneDNN runtime swaps the
+    Linear layers in or out (hooks on the swapped-out modules would never run)."""
+    from embedq.backends.kernels import onednn_swaps
+
+    backend = load_backend(families["minilm"][0], linear_kernel="torch")
+    encoder = backend.encoder
+    before = encoder.preemption_points()
+    assert encoder.preemption_points() is before
+    swaps = onednn_swaps(encoder.model)
+    if swaps is None:
+        pytest.skip("this PyTorch build has no oneDNN linear kernel")
+    items = backend.prepare("embed", ["a short text", "and another one"], EmbedOptions()).items
+    swaps.apply()
+    try:
+        after = encoder.preemption_points()
+        live = {id(m) for m in encoder.model.modules()}
+        assert all(id(point) in live for point in after) and len(after) == len(before)
+        assert not all(id(point) in live for point in before)  # the Linear layers swapped out
+        calls: list[int] = []
+        with encoder.between_layers(lambda: calls.append(1)):
+            backend.forward(items)
+        assert len(calls) == len(after)
+    finally:
+        swaps.undo()
+    assert {id(p) for p in encoder.preemption_points()} == {id(p) for p in before}
+
+
 def test_c_onnx_runtime_keeps_a_layered_runtime_for_bulk_batches(families, corpus):
     """Where ONNX Runtime runs the model (graph whole), bulk batches inside ``between_layers`` run on PyTorch's
     layers (preemptible), and the online batches run inside them on ONNX Runtime: each path bit-identical to its

@@ -14,6 +14,7 @@ swaps anything, and leaves the model untouched otherwise.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Literal
 
@@ -69,6 +70,16 @@ def _probe(linear: nn.Linear, packed: OneDNNLinear) -> bool:
     return got.shape == want.shape and bool(((got - want).abs().max() / scale) <= tolerance)
 
 
+_swapped = itertools.count(1)
+_generation = 0
+
+
+def swaps_generation() -> int:
+    """A number that changes whenever :class:`Swaps` puts layers in or takes them out of any model: what caches of a
+    model's modules (the encoder's preemption points) compare to know they still hold."""
+    return _generation
+
+
 class Swaps:
     """The oneDNN layers for a model, prepared and probed, that can be put in and taken out again (the
     runtime tuner times the model both ways before it keeps one)."""
@@ -77,12 +88,16 @@ class Swaps:
         self.swaps = swaps
 
     def apply(self) -> None:
+        global _generation
         for parent, name, _, packed in self.swaps:
             setattr(parent, name, packed)
+        _generation = next(_swapped)
 
     def undo(self) -> None:
+        global _generation
         for parent, name, linear, _ in self.swaps:
             setattr(parent, name, linear)
+        _generation = next(_swapped)
 
 
 def onednn_swaps(model: nn.Module, *, insist: bool = False) -> Swaps | None:

@@ -160,9 +160,20 @@ def pair() -> tuple[Channel, Channel]:
 
 
 def pack_rows(slots: Sequence[int], items: Sequence[int], rows: Sequence[np.ndarray | tuple[np.ndarray, ...]]
-              ) -> tuple[np.ndarray, bytes]:
+              ) -> tuple[np.ndarray, bytes | memoryview]:
     """ROW records and the payload for finished items' rows (each an array of at most two dimensions, or a tuple of
-    them)."""
+    them). Rows that are all arrays of one dtype and shape (a dense model's vectors: the common case) are packed in
+    one step: their records filled column by column, their bytes one copy."""
+    uniform = _uniform(rows)
+    if uniform is not None:
+        code, shape, ndim = uniform
+        block = np.stack(rows)  # type: ignore[arg-type]
+        size = block.nbytes // len(rows)
+        records = np.zeros(len(rows), dtype=ROW)
+        records["slot"], records["item"], records["parts"] = slots, items, 1
+        records["dtype"], records["ndim"], records["shape"] = code, ndim, shape
+        records["offset"], records["nbytes"] = np.arange(len(rows), dtype=np.uint64) * size, size
+        return records, memoryview(block.reshape(-1).view(np.uint8))
     parts = [(slot, item, row if isinstance(row, tuple) else (row,)) for slot, item, row in zip(slots, items, rows)]
     records = np.zeros(sum(len(p) for _, _, p in parts), dtype=ROW)
     chunks: list[bytes | memoryview] = []
@@ -183,22 +194,41 @@ def pack_rows(slots: Sequence[int], items: Sequence[int], rows: Sequence[np.ndar
     return records, b"".join(chunks)
 
 
+def _uniform(rows: Sequence[Any]) -> tuple[str, tuple[int, int], int] | None:
+    """(dtype code, shape as two numbers, dimensions) when every row is a little-endian array of at most two
+    dimensions of one dtype and shape that a ROW may hold; else None."""
+    if not rows or type(rows[0]) is not np.ndarray:
+        return None
+    first = rows[0]
+    dtype, shape = first.dtype, first.shape
+    code = dtype.str[1:]
+    if code not in ROW_DTYPES or first.ndim > 2 or dtype.byteorder == ">":
+        return None
+    for row in rows:
+        if type(row) is not np.ndarray or row.shape != shape or row.dtype != dtype:
+            return None
+    return code, (*shape, 1, 1)[:2], first.ndim
+
+
 def unpack_rows(records: np.ndarray, payload: memoryview) -> list[tuple[int, int, np.ndarray | tuple[np.ndarray, ...]]]:
     """(slot, item, row) for each finished item of a ROWS message, its arrays views of ``payload``."""
     out: list[tuple[int, int, np.ndarray | tuple[np.ndarray, ...]]] = []
     pending: list[np.ndarray] = []
-    for record in records:
-        offset, nbytes = int(record["offset"]), int(record["nbytes"])
+    columns = zip(records["slot"].tolist(), records["item"].tolist(), records["part"].tolist(),
+                  records["parts"].tolist(), records["dtype"].tolist(), records["ndim"].tolist(),
+                  records["shape"].tolist(), records["offset"].tolist(), records["nbytes"].tolist())
+    for slot, item, part, parts, code, ndim, shape, offset, nbytes in columns:
         if offset + nbytes > len(payload):
             raise ChannelError(f"a row's array at {offset}:{offset + nbytes} lies outside {len(payload)} bytes")
-        dtype = ROW_DTYPES.get(record["dtype"].decode())
+        dtype = ROW_DTYPES.get(code.decode())
         if dtype is None:
-            raise ChannelError(f"a row's array has dtype {record['dtype']!r}")
-        shape = tuple(int(n) for n in record["shape"][:int(record["ndim"])])
-        pending.append(np.frombuffer(payload[offset:offset + nbytes], dtype=dtype).reshape(shape))
-        if int(record["part"]) + 1 == int(record["parts"]):
-            row = pending[0] if len(pending) == 1 and record["parts"] == 1 else tuple(pending)
-            out.append((int(record["slot"]), int(record["item"]), row))
+            raise ChannelError(f"a row's array has dtype {code!r}")
+        if ndim > 2:
+            raise ChannelError(f"a row's array has {ndim} dimensions")
+        pending.append(np.frombuffer(payload[offset:offset + nbytes], dtype=dtype).reshape(shape[:ndim]))
+        if part + 1 == parts:
+            row = pending[0] if len(pending) == 1 and parts == 1 else tuple(pending)
+            out.append((slot, item, row))
             pending = []
     if pending:
         raise ChannelError("a row's last array is missing")

@@ -31,7 +31,18 @@ from embedq import errors
 from embedq.backends.base import Encoded, Prepared
 from embedq.batching.traffic import BULK, ONLINE
 from embedq.workers.arena import IdsArena
-from embedq.workers.channel import CANCEL, ENDED, FAILED, ITEMS, ROWS, SLOT, STARTED, Channel, pack_rows
+from embedq.workers.channel import (
+    CANCEL,
+    ENDED,
+    FAILED,
+    ITEMS,
+    ROWS,
+    SLOT,
+    STARTED,
+    Channel,
+    ChannelError,
+    pack_rows,
+)
 from embedq.workers.jobs import Job
 from embedq.workers.outbox import Outbox
 from embedq.workers.service import EmbeddingService
@@ -83,26 +94,36 @@ class HostLink:
         self._drop()
 
     def _jobs(self, records: np.ndarray) -> list[Job]:
-        """The proxy jobs of ITEMS records (a job's items all in one message, one after the other, in order)."""
+        """The proxy jobs of ITEMS records (a job's items all in one message, one after the other, in order). Each
+        item's ids (and segment ids) are views of the host's arena, valid until the host has this job's outcome
+        (the host frees a job's span only then): nothing is copied, no Python list is built per token."""
         jobs: list[Job] = []
         if not len(records):
             return jobs
-        bounds = [0, *(np.flatnonzero(np.diff(records["slot"].astype(np.int64))) + 1).tolist(), len(records)]
-        for start, end in itertools.pairwise(bounds):
-            part = records[start:end]
-            first = part[0]
-            items = []
-            for r in part:
-                offset, length = int(r["offset"]), int(r["length"])
-                ids = self.arena.read(offset, length).tolist()
-                types = self.arena.read(offset + length, length).tolist() if r["types"] else None
-                items.append(Encoded(ids, types, int(r["prompt"]), self.heads[int(r["head"])]))
-            slot, deadline = int(first["slot"]), float(first["deadline"])
-            job = Job(id=f"{self.number}:{slot}", texts=None, context=(self, slot), size=len(items),
-                      traffic_class=_CLASSES[int(first["traffic"])], client=str(int(first["client"])),
-                      deadline=None if math.isnan(deadline) else deadline, suspect=bool(first["suspect"]))
-            job.prepared = Prepared(items, sum(len(e.ids) for e in items))
-            job.rows, job.remaining = [None] * len(items), len(items)
+        arena = self.arena.ids
+        offsets, lengths = records["offset"].tolist(), records["length"].tolist()
+        if min(offsets) < 0 or min(lengths) < 1:
+            raise ChannelError("an ITEMS record has a negative offset or no tokens")
+        heads = [self.heads[h] for h in records["head"].tolist()]
+        types, prompts = records["types"].tolist(), records["prompt"].tolist()
+        items = []
+        for offset, length, typed, prompt, head in zip(offsets, lengths, types, prompts, heads):
+            end = offset + length
+            if end + (length if typed else 0) > len(arena):
+                raise ChannelError(f"an ITEMS record points outside the host's arena ({offset}:{end})")
+            items.append(Encoded(arena[offset:end], arena[end:end + length] if typed else None, prompt, head))
+        slots = records["slot"]
+        bounds = [0, *(np.flatnonzero(slots[1:] != slots[:-1]) + 1).tolist(), len(records)]
+        firsts = records[bounds[:-1]]
+        for (start, end), slot, deadline, traffic, client, suspect in zip(
+                itertools.pairwise(bounds), firsts["slot"].tolist(), firsts["deadline"].tolist(),
+                firsts["traffic"].tolist(), firsts["client"].tolist(), firsts["suspect"].tolist()):
+            mine = items[start:end]
+            job = Job(id=f"{self.number}:{slot}", texts=None, context=(self, slot), size=len(mine),
+                      traffic_class=_CLASSES[traffic], client=str(client),
+                      deadline=None if math.isnan(deadline) else deadline, suspect=bool(suspect))
+            job.prepared = Prepared(mine, sum(lengths[start:end]))
+            job.rows, job.remaining = [None] * len(mine), len(mine)
             jobs.append(job)
         with self.lock:
             self.jobs.update((job.context[1], job) for job in jobs)
