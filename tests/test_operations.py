@@ -190,7 +190,7 @@ def test_b_metrics_move_by_exactly_what_the_jobs_did(stack):
     log_offset = worker.log_path.stat().st_size
     names = {name for name, _ in before}
     families = {re.sub(r"_(total|bucket|sum|count|created)$", "", n) for n in names if n.startswith("embedq_")}
-    assert families == exported_names(), families ^ exported_names()
+    assert families == exported_names(worker=True), families ^ exported_names(worker=True)
 
     client = worker.client
     good = [client.submit(_texts(3, f"metrics-{i}")) for i in range(10)]

@@ -1,7 +1,9 @@
 """The device process of the split layout (embedq/workers/split.py): ``python -m embedq.workers.device_main``, started
 by the supervisor with ``EMBEDQ_DEVICE_SOCKET`` and the worker's settings in its environment.
 
-It loads the model (:func:`~embedq.workers.loading.load_model`, as any worker), runs one
+It loads the model (:func:`~embedq.workers.loading.load_model`, as any worker), serves its own Prometheus metrics
+(the micro-batch counters and histograms, which its hosts export at 0: sums over every target add up; the port as a
+worker picks one, or ``EMBEDQ_METRICS_PORT`` as the supervisor sets it), runs one
 :class:`~embedq.workers.device.DeviceService` (an ``EmbeddingService`` whose outbox sends rows back), listens on the
 Unix socket and takes every host that connects (:class:`~embedq.workers.device.HostLink`). Its watchdog looks every
 second: a dead or stalled inference thread exits with status 70 (the supervisor restarts it; the hosts see EOF and
@@ -26,6 +28,8 @@ from embedq.workers import memory
 from embedq.workers.channel import NONE, STATS, Channel
 from embedq.workers.device import DeviceService, HostLink
 from embedq.workers.loading import load_model
+from embedq.workers.metrics import WorkerMetrics
+from embedq.workers.observe import serve_endpoint
 from embedq.workers.split import DEVICE_SOCKET_ENV
 from embedq.workers.stopping import EXIT_FAILED, LIVENESS_INTERVAL
 
@@ -33,14 +37,18 @@ log = logging.getLogger("embedq.workers.device")
 
 #: The device process's counters its hosts show (STATS, once a second): what only the device knows.
 DEVICE_COUNTERS = ("batches", "items", "real_tokens", "padded_tokens", "inference_seconds", "padding_ratio",
-                   "online_started", "online_wait_seconds", "preemptions", "bulk_paused_seconds")
+                   "online_started", "online_wait_seconds", "preemptions", "bulk_paused_seconds", "model_cpu_seconds")
 
 
 def serve(settings: Settings, path: str, stop: threading.Event) -> int:
     """Load the model, listen at ``path`` and serve the hosts that connect until ``stop`` is set; the exit status."""
     memory.configure(settings.memory_policy)  # before torch is imported
-    backend, policy, _ = load_model(settings)
-    service = DeviceService(backend, settings, memory_policy=policy).start()
+    backend, policy, seconds = load_model(settings)
+    metrics = WorkerMetrics(device_process=True)
+    metrics.model_load_seconds = seconds
+    service = DeviceService(backend, settings, memory_policy=policy, metrics=metrics).start()
+    metrics.bind(service, window_state=dict, queues=[], redis=None)
+    serve_endpoint(metrics, settings, "embedq device process")
     listener = Listener(path, family="AF_UNIX")
     links: list[HostLink] = []
 
@@ -67,6 +75,8 @@ def serve(settings: Settings, path: str, stop: threading.Event) -> int:
             log.critical("stopping: %s; exiting with status %d", reason, EXIT_FAILED)
             logging.shutdown()
             os._exit(EXIT_FAILED)  # the inference thread may be stuck in native code: nothing would join it
+        metrics.hosts = sum(not link.gone.is_set() for link in links)
+        metrics.rates.sample(service.stats)
         counters = json.dumps({"pid": os.getpid(), "device": settings.device, "hosts": len(links),
                                **{k: v for k, v in service.stats.snapshot().items() if k in DEVICE_COUNTERS}})
         for link in list(links):

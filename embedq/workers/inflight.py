@@ -43,6 +43,7 @@ class Flight:
     t0: float
     preemptible: bool
     paused: float  # seconds its launch spent paused for online batches
+    cpu: float  # CPU seconds of this thread its launch took (less the online batches run inside it)
 
 
 class MicroBatches:
@@ -53,6 +54,7 @@ class MicroBatches:
     metrics: Any
     beat: float  # when the inference thread last showed progress (the watchdog reads it)
     _paused: float  # the running bulk micro-batch: seconds paused so far
+    _paused_cpu: float  # ... and CPU seconds the online batches run inside it took
     _layer: int  # ... and preemption points met
     _in_model: list[tuple[Job, ...]]  # the jobs of each micro-batch in the model now
     _between_layers: Callable[[], None]  # the preemption point of a bulk micro-batch
@@ -80,11 +82,11 @@ class MicroBatches:
         batch = [job.prepared.items[i] for job, i in keys]
         lengths = [len(item.ids) for item in batch]
         if preemptible:  # (not in a preempting batch: that one runs inside the bulk batch's pause)
-            self._paused, self._layer = 0.0, 0
+            self._paused, self._paused_cpu, self._layer = 0.0, 0.0, 0
         self.hooks.before_launch(self, keys)
         jobs = tuple(dict.fromkeys(job for job, _ in keys))
         self._in_model.append(jobs)  # a preempting batch runs inside a bulk one: both are in the model
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             if preemptible:
                 with self.backend.between_layers(self._between_layers):
@@ -93,11 +95,13 @@ class MicroBatches:
                 rows = self.backend.launch(batch)
         except Exception as exc:
             rows = _raising(exc)
-        return Flight(keys, jobs, rows, lengths, t0, preemptible, self._paused if preemptible else 0.0)
+        cpu = time.thread_time() - c0 - (self._paused_cpu if preemptible else 0.0)
+        return Flight(keys, jobs, rows, lengths, t0, preemptible, self._paused if preemptible else 0.0, cpu)
 
     def _land(self, flight: Flight) -> None:
         """Wait for a launched micro-batch's rows and store them; a batch that failed is split (:meth:`_isolate`)."""
         keys = flight.keys
+        c0 = time.thread_time()
         try:
             rows = flight.rows()
             bad = [not row_is_finite(row) for row in rows]
@@ -108,6 +112,9 @@ class MicroBatches:
         # and the worker's watchdog counts the delivery against them (see the service's health()).
         self._in_model = [jobs for jobs in self._in_model if jobs is not flight.jobs]
         self.beat = time.monotonic()
+        # The model's CPU on this thread (its launch, the wait for its rows), measured where it runs: what the worker
+        # costs beyond it is the queue path's own (bench/pipeline.py).
+        self.stats.time("model_cpu_seconds", flight.cpu + time.thread_time() - c0)
         # From launch to rows: with two micro-batches in flight (launches_async) their times overlap.
         elapsed = time.perf_counter() - flight.t0 - flight.paused
         lengths = flight.lengths

@@ -28,7 +28,7 @@ from prometheus_client.process_collector import ProcessCollector
 
 from embedq import monitor
 from embedq.version import __version__
-from embedq.workers.stats import COUNTERS, LABELLED
+from embedq.workers.stats import COUNTERS, LABELLED, MODEL_COUNTERS, MODEL_LABELLED
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,15 @@ CATALOG: dict[str, tuple[str, str]] = {
     "items_per_second": ("gauge", "Texts embedded per second, over the last minute."),
     "model_load_seconds": ("gauge", "Seconds the model took to load."),
     "worker_info": ("gauge", "Always 1; the labels say what this worker serves."),
+    "device_process_info": ("gauge", "Always 1, on a split worker's device process (embedq worker --device-process), "
+                            "which exports the micro-batch counters and histograms its hosts leave at 0; the labels "
+                            "say what it runs and for how many hosts."),
     "bulk_paused_seconds": ("counter", "Seconds bulk micro-batches spent paused between two layers while online "
                             "micro-batches ran."),
     "online_wait_seconds": ("counter", "Seconds online jobs waited from the worker's receipt to their first "
                             "micro-batch, summed (divide by online_started; buffer_seconds has the distribution)."),
+    "model_cpu_seconds": ("counter", "CPU seconds the inference thread spent in the model: launching micro-batches "
+                          "and waiting for their rows (on a GPU, the cost of launching its kernels)."),
     "preempt_seconds": ("histogram", "Duration of one preemption: a bulk micro-batch paused between two layers."),
     "batch_items": ("histogram", "Texts per micro-batch."),
     "batch_tokens": ("histogram", "Padded tokens per micro-batch (what max_batch_tokens bounds)."),
@@ -87,9 +92,14 @@ BUCKETS = {"batch_items": _POW2, "batch_tokens": _TOKENS, "batch_real_tokens": _
 BY_CLASS = frozenset({"queue_seconds", "buffer_seconds", "job_seconds"})
 
 
-def exported_names() -> set[str]:
-    """Every sample family name a worker exports (``_total``, ``_bucket``… suffixes left out)."""
-    return {PREFIX + name for name in CATALOG}
+#: What only a split worker's device process exports.
+DEVICE_ONLY = frozenset({"device_process_info"})
+
+
+def exported_names(*, worker: bool | None = None) -> set[str]:
+    """Every sample family name a worker's processes export (``_total``, ``_bucket``… suffixes left out); ``worker``:
+    those a worker (a host of the split layout included) exports, without its device process's own."""
+    return {PREFIX + name for name in CATALOG if not (worker and name in DEVICE_ONLY)}
 
 
 class Rates:
@@ -150,8 +160,13 @@ class WorkerMetrics:
     the queues it consumes and a Redis client for their depths.
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *, device_process: bool = False) -> None:
         self.registry = registry or CollectorRegistry()
+        #: a split worker's device process: no queues, no prefetch window, no broker of its own; it exports what only
+        #: it counts (stats.MODEL_COUNTERS: micro-batches, items, tokens; the histograms), which its hosts export at
+        #: 0, and none of the jobs' counters, which are the hosts': sums over every target add up
+        self.device_process = device_process
+        self.hosts = 0  # a device process: the hosts connected now
         self.hist = {name: Histogram(PREFIX + name, CATALOG[name][1], buckets=BUCKETS[name], registry=self.registry,
                                      labelnames=("traffic_class",) if name in BY_CLASS else ())
                      for name in BUCKETS}
@@ -225,26 +240,36 @@ class _Collector:
         if service is not None:
             st = service.stats.snapshot()
             labelled = {metric for metric, _label, _help in LABELLED.values()}
-            for name in COUNTERS:
+            for name in MODEL_COUNTERS if m.device_process else COUNTERS:
                 if name not in labelled:  # jobs_failed/items_failed are exported by code
                     yield _counter(name, st[name])
             for attr, (name, label, _help) in LABELLED.items():
+                if m.device_process and attr not in MODEL_LABELLED:
+                    continue
                 family = CounterMetricFamily(PREFIX + name, CATALOG[name][1], labels=[label])
                 for value, n in sorted(st[attr].items()):
                     family.add_metric([value], n)
                 yield family
-            for name in ("bulk_paused_seconds", "online_wait_seconds"):
+            for name in ("bulk_paused_seconds", "online_wait_seconds", "model_cpu_seconds"):
                 yield _counter(name, st[name])
-            window = m.window_state()
-            yield _gauge("jobs_in_flight", window.get("held_messages", 0))
-            yield _gauge("items_in_flight", window.get("held_texts", 0))
-            yield _gauge("prefetch_limit", window.get("prefetch_limit", 0))
             yield _gauge("items_buffered", len(service.scheduler))
             rates = m.rates.current()
             yield _gauge("padding_ratio", rates["padding_ratio"])
             yield _gauge("tokens_per_second", rates["tokens_per_s"])
             yield _gauge("items_per_second", rates["items_per_s"])
             info = service.info
+            if m.device_process:
+                family = GaugeMetricFamily(PREFIX + "device_process_info", CATALOG["device_process_info"][1],
+                                           labels=["model", "device", "dtype", "linear_kernel", "hosts", "version"])
+                family.add_metric([info.model_id, info.device, info.dtype, info.linear_kernel, str(m.hosts),
+                                   __version__], 1)
+                yield family
+                yield _gauge("model_load_seconds", m.model_load_seconds)
+                return
+            window = m.window_state()
+            yield _gauge("jobs_in_flight", window.get("held_messages", 0))
+            yield _gauge("items_in_flight", window.get("held_texts", 0))
+            yield _gauge("prefetch_limit", window.get("prefetch_limit", 0))
             family = GaugeMetricFamily(PREFIX + "worker_info", CATALOG["worker_info"][1],
                                        labels=["model", "device", "dtype", "linear_kernel", "queue", "kinds",
                                                "version"])

@@ -50,22 +50,27 @@ def serve_metrics(worker: Worker) -> None:
     :data:`~embedq.workers.metrics.DEFAULT_PORTS` (9808-9839), so the workers of one machine need no per-worker
     setting. A set port that is taken, or a machine whose 32 default ports are all taken, stops the worker with a
     clear message: a worker nobody can see is worse than one that does not start."""
-    settings = worker.settings
-    if settings.metrics_port == 0 or worker.metrics is None:
+    if worker.metrics is not None:
+        serve_endpoint(worker.metrics, worker.settings, "embedq worker")
+
+
+def serve_endpoint(metrics: WorkerMetrics, settings: Any, who: str) -> None:
+    """:func:`serve_metrics` for any process of a worker (a split worker's device process serves its own)."""
+    if settings.metrics_port == 0:
         return
     addr = settings.metrics_addr
     ports = [settings.metrics_port] if settings.metrics_port is not None else list(DEFAULT_PORTS)
     for port in ports:
         try:
-            worker.metrics.serve(port, addr)
+            metrics.serve(port, addr)
         except OSError as exc:
             if settings.metrics_port is None and exc.errno == errno.EADDRINUSE:
                 continue  # another worker's (or program's): try the next one
-            raise SystemExit(f"embedq worker: cannot serve metrics on {addr}:{port} ({exc.strerror or exc}); "
+            raise SystemExit(f"{who}: cannot serve metrics on {addr}:{port} ({exc.strerror or exc}); "
                              "set EMBEDQ_METRICS_PORT to a free port, or 0 for none") from None
         log.info("metrics on http://%s:%d/metrics", addr, port)
         return
-    raise SystemExit(f"embedq worker: cannot serve metrics: every default port on {addr} "
+    raise SystemExit(f"{who}: cannot serve metrics: every default port on {addr} "
                      f"({DEFAULT_PORTS[0]}-{DEFAULT_PORTS[-1]}) is taken; set EMBEDQ_METRICS_PORT to a free port, "
                      "or 0 for none")
 

@@ -85,7 +85,7 @@ class EmbeddingService(MicroBatches):
                         "micro-batches with bulk texts are capped at %d padded tokens instead (online_batch_tokens)",
                         self.info.model_id, self.preemption_blocker, self.scheduler.online_tokens)
         # The running bulk micro-batch (inference thread only): seconds paused so far, preemption points met.
-        self._paused, self._layer = 0.0, 0
+        self._paused, self._paused_cpu, self._layer = 0.0, 0.0, 0
         self._preempt_exclude: frozenset[str] = frozenset()  # clients of the running preemptible online batch
         # Liveness (read by the worker's watchdog, see health()): when the inference thread last showed progress,
         # and the jobs of the micro-batch(es) it has in the model now.
@@ -375,7 +375,7 @@ class EmbeddingService(MicroBatches):
         exclude = self._preempt_exclude
         if exclude and not self.scheduler.others_waiting(exclude):
             return
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         ran = 0
         try:
             while True:
@@ -398,6 +398,7 @@ class EmbeddingService(MicroBatches):
         if ran:
             paused = time.perf_counter() - t0
             self._paused += paused
+            self._paused_cpu += time.thread_time() - c0
             log.info("%s micro-batch paused at preemption point %d: %d online micro-batch(es) in %.1f ms",
                      "an online" if exclude else "a bulk", self._layer, ran, paused * 1e3)
             self.stats.add(preemptions=1, preempting_batches=ran)

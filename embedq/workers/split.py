@@ -38,7 +38,7 @@ from multiprocessing.connection import Client
 
 from embedq.settings import Settings
 from embedq.workers.channel import Channel
-from embedq.workers.replicas import REPLICA_ENV, Supervisor, die_with_parent
+from embedq.workers.replicas import METRICS_PORT_STEP, REPLICA_ENV, Supervisor, die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,8 @@ class SplitSupervisor(Supervisor):
     def child_env(self, index: int) -> dict[str, str]:
         """A host's environment: replica *i* of ``hosts`` (its share of the prefetch window), told where its device
         listens; one torch thread and PyTorch's kernels unless set (it never runs the model). The device process's:
-        the supervisor's, with where to listen."""
+        the supervisor's, with where to listen, and the metrics port after the hosts' where one is set (a host's is
+        ``EMBEDQ_METRICS_PORT`` + 100 × its index, the device's + 100 × the number of hosts)."""
         if index < self.hosts:
             env = super().child_env(index)
             if self.settings.torch_threads is None:
@@ -84,6 +85,8 @@ class SplitSupervisor(Supervisor):
         else:
             env = dict(os.environ)
             env[REPLICA_ENV] = "device"  # never a supervisor of its own
+            if self.settings.metrics_port:
+                env["EMBEDQ_METRICS_PORT"] = str(self.settings.metrics_port + METRICS_PORT_STEP * self.hosts)
         env[DEVICE_SOCKET_ENV] = self.socket
         return env
 

@@ -45,10 +45,15 @@ LABELLED: dict[str, tuple[str, str, str]] = {
     "jobs_by_kind": ("kind_jobs_received", "kind", "Jobs received, by kind (every kind of the kinds table)."),
     "items_by_kind": ("kind_items_run", "kind", "Items run through the model, by job kind."),
 }
+#: What only the process that runs the micro-batches counts: a split worker's device process exports these (and
+#: LABELLED's by-class and by-kind items, and TIMERS' waits), its hosts the rest (embedq/workers/metrics.py).
+MODEL_COUNTERS = ("batches", "items", "real_tokens", "padded_tokens", "isolated_runs", "preemptions",
+                  "preempting_batches", "online_started")
+MODEL_LABELLED = ("items_by_class", "items_by_kind")
 #: Largest values seen (gauges of the run so far).
 PEAKS = ("max_batch_cost", "max_batch_items")
 #: Seconds spent (floats).
-TIMERS = ("inference_seconds", "results_seconds", "bulk_paused_seconds", "online_wait_seconds")
+TIMERS = ("inference_seconds", "results_seconds", "bulk_paused_seconds", "online_wait_seconds", "model_cpu_seconds")
 
 
 class Stats:

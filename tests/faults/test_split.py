@@ -27,10 +27,11 @@ from test_crashes import Recorder
 from embedq import errors
 from embedq.backends.fake import FakeBackend
 from embedq.producers.client import Client
-from embedq.producers.embedded import RedisServer, start_worker, stop_worker, wait_for_worker
+from embedq.producers.embedded import RedisServer, free_port, start_worker, stop_worker, wait_for_worker
 from embedq.protocol import EmbedOptions, decode_result
 from embedq.settings import Settings
 from embedq.workers.delivery import dead_letters
+from embedq.workers.replicas import METRICS_PORT_STEP
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -119,8 +120,25 @@ def _burst_with_a_kill(settings, proc, client, kill) -> None:
         assert all(np.abs(decode_result(r["result"])[0] - first).max() <= 1e-6 for r in stored[1:])
 
 
+def _scrape(port: int) -> dict[str, float]:
+    """A metrics endpoint's samples without labels, and ``embedq_*_info`` families by name (their value)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.labels or sample.name.endswith("_info"):
+                out[sample.name] = sample.value
+    return out
+
+
+@pytest.mark.split_settings(metrics_port=free_port())
 def test_jobs_through_the_device_process_equal_the_model_alone(split):
-    _, proc, client, log = split
+    settings, proc, client, log = split
     children = _children(proc)
     assert "device" in children and len(children) == HOSTS + 1, children
     texts = _texts(200, "plain")
@@ -139,6 +157,17 @@ def test_jobs_through_the_device_process_equal_the_model_alone(split):
     assert {s["device_process"]["pid"] for s in stats} == {children["device"]}
     assert sum(s["jobs_succeeded"] for s in stats) == len(handles)  # the jobs are the hosts' ...
     assert stats[0]["device_process"]["batches"] >= 1  # ... the micro-batches the device's
+    # Prometheus: each host and the device process serve their own endpoint (the device's after the hosts'); the
+    # device exports the micro-batches, the hosts the jobs, each the other's at 0: sums over the targets add up.
+    hosts = [_scrape(settings.metrics_port + METRICS_PORT_STEP * i) for i in range(HOSTS)]
+    device = _scrape(settings.metrics_port + METRICS_PORT_STEP * HOSTS)
+    assert device["embedq_device_process_info"] == 1 and "embedq_worker_info" not in device
+    assert "embedq_broker_up" not in device and all(h["embedq_broker_up"] == 1 for h in hosts)
+    assert device["embedq_items_total"] == len(texts) and device["embedq_batches_total"] >= 1
+    assert device["embedq_batch_items_count"] == device["embedq_batches_total"]
+    assert all(h["embedq_items_total"] == 0 and h["embedq_worker_info"] == 1 for h in hosts)
+    assert sum(h["embedq_jobs_succeeded_total"] for h in hosts) == len(handles)
+    assert "embedq_jobs_succeeded_total" not in device  # the hosts' (counted there): not twice
 
 
 def test_a_host_sigkilled_during_a_burst_loses_no_job(split):
