@@ -17,9 +17,8 @@ from embedq.protocol import EmbedOptions, decode_result
 from embedq.settings import Settings
 from embedq.workers import channel
 from embedq.workers.arena import IdsArena
-from embedq.workers.channel import FAILED, ITEM, ITEMS, ROWS, unpack_rows
-from embedq.workers.device import HostLink, RowsOut, error_of
-from embedq.workers.service import EmbeddingService
+from embedq.workers.channel import FAILED, ITEM, ITEMS, ROWS, STARTED, unpack_rows
+from embedq.workers.device import DeviceService, HostLink, error_of
 
 HEADS = ["mean", "tokens"]
 STATE_TIMEOUT = 60.0  # bounds each wait for a state; never a pause
@@ -77,7 +76,7 @@ class Host:
             if message.kind == ROWS:
                 for slot, item, row in unpack_rows(message.records, message.payload):
                     self.rows.setdefault(slot, {})[item] = np.array(row)
-            else:
+            elif message.kind != STARTED:  # (the jobs whose first micro-batch starts: the host's business)
                 assert message.kind == FAILED
                 for slot, (code, text) in zip(message.records["slot"].tolist(), json.loads(bytes(message.payload))):
                     self.failed[slot] = (code, text)
@@ -93,7 +92,7 @@ class Host:
 def device():
     backend = Recording()
     settings = Settings(model="embedq-fake", allow_fake_backend=True, max_batch_tokens=256, online_batch_tokens=256)
-    service = EmbeddingService(backend, settings, on_done=lambda job, outcome: None, outbox=RowsOut)
+    service = DeviceService(backend, settings)
     hosts = [Host(n, backend) for n in range(2)]
     links = [HostLink(n, host.theirs, service).start() for n, host in enumerate(hosts)]
     yield backend, service, hosts, links
@@ -114,7 +113,7 @@ def test_two_hosts_jobs_share_micro_batches_online_first_and_rows_equal_the_back
     hosts[1].send(1, _texts("online", 2), traffic=0)  # 2 online texts on host 1, sent after them
     hosts[1].send(2, _texts("bulk b", 3), traffic=1)
     # every item in the scheduler before the first micro-batch is chosen
-    wait_for(lambda: len(service.scheduler) == 65, "65 items buffered")
+    wait_for(lambda: service.intake() or len(service.scheduler) == 65, "65 items buffered")
     service.start()
     for host, jobs in zip(hosts, (1, 2)):
         host.receive(jobs)
@@ -135,11 +134,11 @@ def test_a_cancelled_job_and_the_jobs_of_a_host_that_is_gone_are_dropped_unrun(d
     hosts[0].send(1, _texts("kept", 4), traffic=0)
     hosts[0].send(2, _texts("cancelled", 4), traffic=0)
     hosts[1].send(1, _texts("orphan", 4), traffic=0)
-    wait_for(lambda: len(service.scheduler) == 12, "12 items buffered")
+    wait_for(lambda: service.intake() or len(service.scheduler) == 12, "12 items buffered")
     hosts[0].mine.send(channel.CANCEL, np.array([(2,)], dtype=channel.SLOT))
     hosts[1].mine.close()  # host 1 is gone
-    wait_for(links[1].gone.is_set, "host 1 seen gone")
-    wait_for(lambda: len(service.scheduler) == 4, "the cancelled and the orphaned items dropped")
+    wait_for(lambda: service.intake() or links[1].gone.is_set(), "host 1 seen gone")
+    wait_for(lambda: service.intake() or len(service.scheduler) == 4, "the cancelled and the orphaned items dropped")
     service.start()
     hosts[0].receive(2)
     assert set(hosts[0].rows) == {1} and hosts[0].failed[2][0] == "cancelled"

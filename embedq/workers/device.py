@@ -1,15 +1,22 @@
-"""The device side of issue 53's layout (step 3): the items of every host process in one scheduler, rows back to
-their hosts.
+"""The device side of issue 53's layout: the items of every host process in one scheduler, rows back to their hosts,
+all on one thread.
 
 Host processes receive, check and tokenize jobs, write their token ids into their arena
 (:class:`~embedq.workers.arena.IdsArena`) and send ITEMS records over their channel
-(:mod:`embedq.workers.channel`). On the device side each host is a :class:`HostLink`, whose reader thread turns the
-records of each job into a proxy :class:`~embedq.workers.jobs.Job` (its items' ids read from the host's arena; no
-tokenizer, no options) and hands it to the one :class:`~embedq.workers.service.EmbeddingService` of the device with
+(:mod:`embedq.workers.channel`). On the device side each host is a :class:`HostLink`, which turns the records of each
+job into a proxy :class:`~embedq.workers.jobs.Job` (its items' ids views of the host's arena; no tokenizer, no
+options) and hands it to the one :class:`DeviceService` with
 :meth:`~embedq.workers.service.EmbeddingService.enqueue`: so the scheduler packs the items of all hosts' jobs
 together, online before bulk, with the bulk share, deadlines, suspects alone and preemption between layers, as in
-one process. Where today's worker's results thread encodes and stores, :class:`RowsOut` (the service's outbox here)
+one process. Where a worker's results thread encodes and stores, :class:`RowsOut` (the service's outbox here)
 sends each finished job's rows back to its host (ROWS) or its error (FAILED); the host finishes, stores and acks.
+
+**One thread.** The device process does nothing but choose micro-batches and launch them, so its inference thread
+does all of it: before each pick (``_intake``) and at each preemption point it reads what its hosts sent (a
+``select`` of no wait: a few microseconds) and sends the rows and errors that are ready; when it has nothing to run
+it sleeps in ``select`` on the hosts' channels (:class:`Wakeful`, the service's condition), so new items wake it
+at once. No reader or results thread takes the GIL or a lock from it between two micro-batches (measured on the CPU:
+docs/BENCHMARKS.md *The split layout on the CPU*).
 
 A host that is gone (EOF on its channel: its process died or closed it) has its jobs dropped: those not started
 are cancelled unrun, those in the model run out and their rows go nowhere. Its messages are the broker's to
@@ -18,11 +25,15 @@ redeliver. `embedq worker --device-process` runs it (embedq/workers/split.py, de
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import math
+import os
+import select
 import threading
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -44,17 +55,19 @@ from embedq.workers.channel import (
     pack_rows,
 )
 from embedq.workers.jobs import Job
-from embedq.workers.outbox import Outbox
 from embedq.workers.service import EmbeddingService
 from embedq.workers.stats import Stats
 
 log = logging.getLogger(__name__)
 
 _CLASSES = (ONLINE, BULK)  # ITEM's ``traffic`` code
+#: Messages read from one host at one intake: a flooding host cannot hold the next micro-batch back for long.
+DRAIN_LIMIT = 64
 
 
 class HostLink:
-    """One host process as the device process sees it: its channel, its arena, its jobs in the service."""
+    """One host process as the device process sees it: its channel, its arena, its jobs in the service. Read by the
+    service's inference thread (:meth:`drain`); ``send`` may be called from any thread."""
 
     def __init__(self, number: int, channel: Channel, service: Any) -> None:
         self.number = number
@@ -65,28 +78,38 @@ class HostLink:
         self.heads: list[str] = [str(h) for h in hello.get("heads", [])]
         self.arena = IdsArena.attach(str(hello["arena"]), int(hello["capacity"]))
         self.jobs: dict[int, Job] = {}  # slot -> its proxy job, until its outcome is sent
-        self.lock = threading.Lock()  # jobs, and the channel's send side
-        self.gone = threading.Event()
-        self.thread = threading.Thread(target=self._read, name=f"embedq-host-{number}", daemon=True)
+        self.lock = threading.Lock()  # the channel's send side
+        self.gone = threading.Event()  # a send failed, or the channel ended: nothing more is sent to it
+        self.dropped = False  # its end was read (EOF): its jobs were dropped, it is read no more
 
     def start(self) -> HostLink:
-        self.thread.start()
+        """Join the service: its inference thread reads this host from now on."""
+        self.service.attach(self)
         return self
 
-    def _read(self) -> None:
+    def fileno(self) -> int:
+        return self.channel.fileno()
+
+    def drain(self, limit: int = DRAIN_LIMIT) -> None:
+        """Read what the host has sent (at most ``limit`` messages, none waited for): ITEMS into the service, CANCEL
+        as cancels; the end of the channel drops the host's jobs (a failed send does not: the end is read first)."""
+        if self.dropped:
+            return
         try:
-            while True:
+            for _ in range(limit):
+                if not self.channel.poll(0):
+                    return
                 message = self.channel.recv()
                 if message.kind == ITEMS:
                     self.service.enqueue(self._jobs(message.records))
                 elif message.kind == CANCEL:
-                    with self.lock:
-                        jobs = [self.jobs.get(int(s)) for s in message.records["slot"]]
-                    for job in jobs:
+                    for slot in message.records["slot"].tolist():
+                        job = self.jobs.get(slot)
                         if job is not None:
                             self.service.cancel(job)
                 else:
                     log.warning("host %d sent a %r message; ignored", self.number, message)
+            return
         except (EOFError, OSError):
             pass
         except Exception:  # a bug on either side: this host is dropped, the others go on
@@ -125,11 +148,10 @@ class HostLink:
             job.prepared = Prepared(mine, sum(lengths[start:end]))
             job.rows, job.remaining = [None] * len(mine), len(mine)
             jobs.append(job)
-        with self.lock:
-            self.jobs.update((job.context[1], job) for job in jobs)
+        self.jobs.update((job.context[1], job) for job in jobs)
         return jobs
 
-    def send(self, kind: int, records: np.ndarray, payload: bytes = b"") -> None:
+    def send(self, kind: int, records: np.ndarray, payload: bytes | memoryview = b"") -> None:
         """Send to the host unless it is gone (then what it would have got is dropped)."""
         if self.gone.is_set():
             return
@@ -142,25 +164,97 @@ class HostLink:
     def _drop(self) -> None:
         """The host is gone: its jobs not started are cancelled, the others run out unsent."""
         self.gone.set()
-        with self.lock:
-            jobs = list(self.jobs.values())
+        self.dropped = True
+        jobs = list(self.jobs.values())
         for job in jobs:
             self.service.cancel(job)
+        self.service.detach(self)
         log.info("host %d (pid %d) is gone: %d of its jobs dropped", self.number, self.pid, len(jobs))
 
     def close(self) -> None:
         self.channel.shutdown()
-        self.thread.join(5)
         self.arena.close()
 
 
+class Wakeful(threading.Condition):
+    """The device service's condition: ``wait`` sleeps in ``select`` on the hosts' channels and a wake pipe (which
+    ``notify`` writes), and reads what came (``on_ready``) before it returns, so a host's items wake the idle
+    inference thread as a notify would. The lock is released while it sleeps, as ``Condition.wait`` does."""
+
+    def __init__(self, sources: Any, on_ready: Any) -> None:
+        super().__init__(threading.RLock())
+        self.sources, self.on_ready = sources, on_ready  # () -> what to select on; () -> read it
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.release()
+        try:
+            ready, _, _ = select.select([self._wake_r, *self.sources()], [], [], timeout)
+        except (OSError, ValueError):  # a host's channel closed meanwhile: read below finds it gone
+            ready = [None]
+        finally:
+            self.acquire()
+        if self._wake_r in ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
+        self.on_ready()
+        return bool(ready)
+
+    def notify(self, n: int = 1) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):  # full: a wake is pending already; closed: stopped
+            os.write(self._wake_w, b"!")
+
+    def notify_all(self) -> None:
+        self.notify()
+
+    def close(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
 class DeviceService(EmbeddingService):
-    """The device process's service: an :class:`~embedq.workers.service.EmbeddingService` (its outbox a
-    :class:`RowsOut`) that tells each host which of its jobs start, before their micro-batch is launched (STARTED,
-    one message per host and micro-batch)."""
+    """The device process's service: an :class:`~embedq.workers.service.EmbeddingService` whose inference thread also
+    reads its hosts (:class:`HostLink`, attached with :meth:`attach`) and sends their rows back (:class:`RowsOut`),
+    and tells each host which of its jobs start, before their micro-batch is launched (STARTED, one message per host
+    and micro-batch)."""
 
     def __init__(self, backend: Any, settings: Any, **kwargs: Any) -> None:
         super().__init__(backend, settings, on_done=lambda job, outcome: None, outbox=RowsOut, **kwargs)
+        self.links: list[HostLink] = []
+        self._cond = Wakeful(lambda: list(self.links), self._intake)
+
+    def attach(self, link: HostLink) -> None:
+        """A host joins (any thread): the inference thread reads it from its next intake."""
+        self.links = [*self.links, link]
+        self._cond.notify()
+
+    def detach(self, link: HostLink) -> None:
+        self.links = [other for other in self.links if other is not link]
+
+    def intake(self) -> None:
+        """What the inference thread does before each pick, from another thread (a test drives a service it has not
+        started yet)."""
+        with self._cond:
+            self._intake()
+
+    def _intake(self) -> None:
+        """Inference thread: read every host (none waited for), then send the rows and errors that are ready."""
+        for link in self.links:
+            link.drain()
+        self._outbox.flush()
+
+    def preempt(self) -> None:
+        """At a preemption point: what the hosts sent first (an online job that arrived since the launch)."""
+        self._intake()
+        super().preempt()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        super().stop(timeout)
+        self._outbox.flush()  # the last micro-batch's rows
+        self._cond.close()
 
     def _started(self, starting: list[Job]) -> None:
         by_host: dict[HostLink, list[int]] = {}
@@ -176,18 +270,40 @@ class DeviceService(EmbeddingService):
         host.send(ENDED, np.array([(slot,)], dtype=SLOT))
 
 
-class RowsOut(Outbox):
-    """The device process's results thread (the service's outbox): each finished job's rows, or its error, back to
-    its host, in place of encoding and storing (:class:`~embedq.workers.outbox.Outbox`'s loop, its handling
-    replaced)."""
+class RowsOut:
+    """The device service's outbox: each finished job's rows, or its error, back to its host, in place of a
+    worker's results thread (which encodes and stores). Jobs are put by the inference thread (finished, failed,
+    cancelled, expired) and sent when it calls :meth:`flush`: at its next intake (after the micro-batch that finished
+    them), one ROWS message per host. It has no thread of its own: ``thread`` is never started (the service's
+    health and stop read it)."""
 
     def __init__(self, stats: Stats) -> None:
-        super().__init__(None, None, stats, on_done=lambda job, outcome: None)  # type: ignore[arg-type]
+        self.stats = stats
+        self.thread = threading.Thread(name="embedq-rows")  # never started
+        self.beat = 0.0
+        self._ready: deque[tuple[Job, errors.EmbedqError | None]] = deque()
 
-    def _handle(self, entries: list[tuple[Job, errors.EmbedqError | None]]) -> None:
+    def start(self) -> None:
+        pass
+
+    def put(self, job: Job, error: errors.EmbedqError | None = None) -> None:
+        self._ready.append((job, error))
+
+    def stalled(self, stall_timeout: float) -> float | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        entries = []
+        while self._ready:
+            entries.append(self._ready.popleft())
+        if not entries:
+            return
         try:
             self._send(entries)
-        except Exception:  # never let the results thread die
+        except Exception:  # never let the inference thread die
             log.exception("sending the outcomes of %d job(s) failed", len(entries))
 
     def _send(self, entries: list[tuple[Job, errors.EmbedqError | None]]) -> None:
@@ -195,9 +311,8 @@ class RowsOut(Outbox):
         for job, error in entries:
             by_host.setdefault(job.context[0], []).append((job, error))
         for host, done in by_host.items():
-            with host.lock:
-                for job, _ in done:
-                    host.jobs.pop(job.context[1], None)
+            for job, _ in done:
+                host.jobs.pop(job.context[1], None)
             ok = [job for job, error in done if error is None]
             failed = [(job, error) for job, error in done if error is not None]
             if ok:
@@ -207,7 +322,6 @@ class RowsOut(Outbox):
                 for job in ok:
                     job.rows = job.prepared = None
                 host.send(ROWS, *pack_rows(slots, items, rows))
-                self.stats.add(jobs_succeeded=len(ok), items_succeeded=sum(job.size for job in ok))
             if failed:
                 records = np.array([(job.context[1],) for job, _ in failed], dtype=SLOT)
                 payload = json.dumps([[error.code, str(error)] for _, error in failed]).encode()

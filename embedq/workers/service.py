@@ -267,6 +267,7 @@ class EmbeddingService(MicroBatches):
             with self._cond:
                 while not self._stopping:
                     now = self.beat = time.monotonic()
+                    self._intake()
                     self._expire(now)
                     if len(self.scheduler) or self._suspects or pending is not None:
                         break
@@ -332,6 +333,9 @@ class EmbeddingService(MicroBatches):
             return False
         self._preempt_exclude = clients
         return True
+
+    def _intake(self) -> None:
+        """Inference thread, under the lock, before each pick: a device process reads its hosts' items here."""
 
     def wait_locked(self, seconds: float) -> None:
         """Under the lock (a hook's ``before_pick``): wait up to ``seconds``, letting jobs arrive meanwhile; returns
