@@ -241,9 +241,16 @@ class DeviceService(EmbeddingService):
             self._intake()
 
     def _intake(self) -> None:
-        """Inference thread: read every host (none waited for), then send the rows and errors that are ready."""
-        for link in self.links:
-            link.drain()
+        """Inference thread: read every host that sent something (one ``select`` of no wait for all), then send the
+        rows and errors that are ready."""
+        links = self.links
+        if links:
+            try:
+                ready = select.select(links, [], [], 0)[0]
+            except (OSError, ValueError):  # a channel closed meanwhile: its drain finds it gone
+                ready = links
+            for link in ready:
+                link.drain()
         self._outbox.flush()
 
     def preempt(self) -> None:
