@@ -120,14 +120,19 @@ class HostService(EmbeddingService):
 
     # -- intake (consumer thread) ------------------------------------------------------------
     def enqueue(self, ready: list[Job]) -> None:
-        """The prepared jobs to the device process: their ids into the arena, their items as ITEMS records."""
+        """The prepared jobs to the device process: their ids into the arena, their items as ITEMS records, in one
+        message for the jobs of one fetch (a message per job cost one-text jobs a round of system calls each)."""
+        pending: list[np.ndarray] = []
         for job in self._runnable(ready):
             try:
-                self._send(job)
+                pending.append(self._records(job, pending))
             except errors.EmbedqError as exc:
                 self.fail(job, exc)
+        self._flush(pending)
 
-    def _send(self, job: Job) -> None:
+    def _records(self, job: Job, pending: list[np.ndarray]) -> np.ndarray:
+        """The job's ITEMS records, its ids written into the arena (``pending``, the records not sent yet, are sent
+        first if the arena has no room: the device frees room only for what it has)."""
         assert job.prepared is not None
         items = job.prepared.items
         arrays: list[list[int]] = []
@@ -150,6 +155,7 @@ class HostService(EmbeddingService):
         end = time.monotonic() + ARENA_WAIT
         with self._lock:
             while (written := self.arena.write(arrays)) is None:
+                self._flush(pending)
                 if self.device_gone.is_set() or time.monotonic() > end:
                     raise errors.Unavailable(f"job {job.id}: no room for its token ids (the device process "
                                              "does not answer)")
@@ -159,9 +165,18 @@ class HostService(EmbeddingService):
             records["offset"] = offsets[index]
             self._sent[slot] = (job, start)
             self._slot_of[job] = slot
+        return records
+
+    def _flush(self, pending: list[np.ndarray]) -> None:
+        """Send the ITEMS records of ``pending`` in one message (and empty it)."""
+        if not pending:
+            return
+        records = pending[0] if len(pending) == 1 else np.concatenate(pending)
+        pending.clear()
+        with self._lock:
             try:
                 self.channel.send(ITEMS, records)
-            except OSError:  # the device process is gone: health says so; the job's message is handed back
+            except OSError:  # the device process is gone: health says so; the jobs' messages are handed back
                 self.device_gone.set()
 
     def cancel(self, job: Job, error: errors.EmbedqError | None = None) -> bool:
