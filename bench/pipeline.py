@@ -227,6 +227,11 @@ def run_embedq(texts: list[str], job_size: int, traffic_class: str, worker_env: 
             w1, th1, procs = tree_times(proc.pid), thread_cpu(proc.pid), len(tree_pids(proc.pid))
             d1 = device_cpu(proc.pid)
             after = _stats(client, proc.pid)
+            # A split worker's device counters reach its hosts once a second (STATS): read them once they count
+            # every text of the run.
+            while after["items"] - before["items"] < len(texts) and time.monotonic() < deadline + 10:
+                time.sleep(0.1)
+                after = _stats(client, proc.pid)
         finally:
             stop_worker(proc)
             client.close()
