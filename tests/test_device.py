@@ -146,3 +146,21 @@ def test_a_cancelled_job_and_the_jobs_of_a_host_that_is_gone_are_dropped_unrun(d
     ran = {ids for batch in backend.batches for ids in batch}
     assert not ran & {tuple(e.ids) for e in hosts[1].prepared[1].items}
     assert not ran & {tuple(e.ids) for e in hosts[0].prepared[2].items}
+
+
+def test_a_host_whose_message_cannot_be_read_is_cut_off_and_the_other_is_served(device):
+    """A malformed ITEMS record (ids outside the host's arena: a bug of the sender) drops that host alone: its channel
+    is ended, so it sees the device gone instead of waiting; the other host's jobs run as before."""
+    _, service, hosts, links = device
+    records = np.zeros(1, dtype=ITEM)
+    records["slot"], records["offset"], records["length"] = 1, hosts[0].arena.capacity - 2, 8  # past its end
+    records["head"], records["deadline"] = HEADS.index("mean"), np.nan
+    hosts[0].mine.send(ITEMS, records)
+    hosts[1].send(1, _texts("served", 3), traffic=0)
+    service.start()
+    hosts[1].receive(1)
+    assert set(hosts[1].rows) == {1}
+    assert hosts[0].mine.poll(STATE_TIMEOUT)
+    with pytest.raises(EOFError):
+        hosts[0].mine.recv()  # cut off: the end of its channel, not silence
+    assert links[0].dropped and not links[1].dropped

@@ -162,9 +162,12 @@ class HostLink:
             self.gone.set()
 
     def _drop(self) -> None:
-        """The host is gone: its jobs not started are cancelled, the others run out unsent."""
+        """The host is gone (or sent what cannot be read): its jobs not started are cancelled, the others run out
+        unsent, and the channel is ended, so a host still alive sees the device gone for it (its watchdog stops it
+        and hands its messages back; the supervisor starts it again) instead of waiting for rows that never come."""
         self.gone.set()
         self.dropped = True
+        self.channel.shutdown()
         jobs = list(self.jobs.values())
         for job in jobs:
             self.service.cancel(job)
