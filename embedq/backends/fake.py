@@ -74,8 +74,8 @@ class FakeBackend(Backend):
     def __init__(self, model_id: str = FAKE_MODEL) -> None:
         self.dimension = fake_dimension(model_id) or DIMENSION
         self.item_seconds = float(os.environ.get("EMBEDQ_FAKE_ITEM_MS") or 0) / 1000
-        poison = os.environ.get("EMBEDQ_FAKE_POISON")
-        self.poison = token_ids(poison)[0] if poison and token_ids(poison) else None
+        poison = token_ids(os.environ.get("EMBEDQ_FAKE_POISON") or "")
+        self.poison = poison[0] if poison else None
         self.table = np.random.default_rng(0).standard_normal((VOCABULARY, self.dimension)).astype(np.float32)
         self.info = ModelInfo(
             model_id=model_id, path="", dimension=self.dimension, max_seq_length=MAX_SEQ_LENGTH,

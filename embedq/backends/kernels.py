@@ -14,7 +14,6 @@ swaps anything, and leaves the model untouched otherwise.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from typing import Literal
 
@@ -70,7 +69,6 @@ def _probe(linear: nn.Linear, packed: OneDNNLinear) -> bool:
     return got.shape == want.shape and bool(((got - want).abs().max() / scale) <= tolerance)
 
 
-_swapped = itertools.count(1)
 _generation = 0
 
 
@@ -91,13 +89,13 @@ class Swaps:
         global _generation
         for parent, name, _, packed in self.swaps:
             setattr(parent, name, packed)
-        _generation = next(_swapped)
+        _generation += 1
 
     def undo(self) -> None:
         global _generation
         for parent, name, linear, _ in self.swaps:
             setattr(parent, name, linear)
-        _generation = next(_swapped)
+        _generation += 1
 
 
 def onednn_swaps(model: nn.Module, *, insist: bool = False) -> Swaps | None:

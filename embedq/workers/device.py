@@ -33,7 +33,6 @@ import math
 import os
 import select
 import threading
-from collections import deque
 from typing import Any
 
 import numpy as np
@@ -51,7 +50,6 @@ from embedq.workers.channel import (
     SLOT,
     STARTED,
     Channel,
-    ChannelError,
     pack_rows,
 )
 from embedq.workers.jobs import Job
@@ -96,9 +94,7 @@ class HostLink:
         if self.dropped:
             return
         try:
-            for _ in range(limit):
-                if not self.channel.poll(0):
-                    return
+            for _ in range(limit):  # called when the channel is readable (the intake's select): receive first
                 message = self.channel.recv()
                 if message.kind == ITEMS:
                     self.service.enqueue(self._jobs(message.records))
@@ -109,6 +105,8 @@ class HostLink:
                             self.service.cancel(job)
                 else:
                     log.warning("host %d sent a %r message; ignored", self.number, message)
+                if not self.channel.poll(0):
+                    return
             return
         except (EOFError, OSError):
             pass
@@ -123,18 +121,12 @@ class HostLink:
         jobs: list[Job] = []
         if not len(records):
             return jobs
-        arena = self.arena.ids
+        read = self.arena.read  # a view, or ValueError for a record outside the arena
         offsets, lengths = records["offset"].tolist(), records["length"].tolist()
-        if min(offsets) < 0 or min(lengths) < 1:
-            raise ChannelError("an ITEMS record has a negative offset or no tokens")
         heads = [self.heads[h] for h in records["head"].tolist()]
         types, prompts = records["types"].tolist(), records["prompt"].tolist()
-        items = []
-        for offset, length, typed, prompt, head in zip(offsets, lengths, types, prompts, heads):
-            end = offset + length
-            if end + (length if typed else 0) > len(arena):
-                raise ChannelError(f"an ITEMS record points outside the host's arena ({offset}:{end})")
-            items.append(Encoded(arena[offset:end], arena[end:end + length] if typed else None, prompt, head))
+        items = [Encoded(read(offset, length), read(offset + length, length) if typed else None, prompt, head)
+                 for offset, length, typed, prompt, head in zip(offsets, lengths, types, prompts, heads)]
         slots = records["slot"]
         bounds = [0, *(np.flatnonzero(slots[1:] != slots[:-1]) + 1).tolist(), len(records)]
         firsts = records[bounds[:-1]]
@@ -227,7 +219,7 @@ class DeviceService(EmbeddingService):
     def __init__(self, backend: Any, settings: Any, **kwargs: Any) -> None:
         super().__init__(backend, settings, on_done=lambda job, outcome: None, outbox=RowsOut, **kwargs)
         self.links: list[HostLink] = []
-        self._cond = Wakeful(lambda: list(self.links), self._intake)
+        self._cond = Wakeful(lambda: self.links, self._intake)  # (links is replaced, never changed in place)
 
     def attach(self, link: HostLink) -> None:
         """A host joins (any thread): the inference thread reads it from its next intake."""
@@ -287,11 +279,10 @@ class RowsOut:
     them), one ROWS message per host. It has no thread of its own: ``thread`` is never started (the service's
     health and stop read it)."""
 
-    def __init__(self, stats: Stats) -> None:
-        self.stats = stats
+    def __init__(self, stats: Stats) -> None:  # (the outbox factory's signature: the hosts count the jobs)
         self.thread = threading.Thread(name="embedq-rows")  # never started
         self.beat = 0.0
-        self._ready: deque[tuple[Job, errors.EmbedqError | None]] = deque()
+        self._ready: list[tuple[Job, errors.EmbedqError | None]] = []
 
     def start(self) -> None:
         pass
@@ -306,9 +297,7 @@ class RowsOut:
         pass
 
     def flush(self) -> None:
-        entries = []
-        while self._ready:
-            entries.append(self._ready.popleft())
+        entries, self._ready = self._ready, []
         if not entries:
             return
         try:

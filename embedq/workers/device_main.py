@@ -31,13 +31,15 @@ from embedq.workers.loading import load_model
 from embedq.workers.metrics import WorkerMetrics
 from embedq.workers.observe import serve_endpoint
 from embedq.workers.split import DEVICE_SOCKET_ENV
+from embedq.workers.stats import MODEL_COUNTERS
 from embedq.workers.stopping import EXIT_FAILED, LIVENESS_INTERVAL
 
 log = logging.getLogger("embedq.workers.device")
 
-#: The device process's counters its hosts show (STATS, once a second): what only the device knows.
-DEVICE_COUNTERS = ("batches", "items", "real_tokens", "padded_tokens", "inference_seconds", "padding_ratio",
-                   "online_started", "online_wait_seconds", "preemptions", "bulk_paused_seconds", "model_cpu_seconds")
+#: The device process's counters its hosts show (STATS, once a second): what only the device knows (what it exports to
+#: Prometheus, stats.MODEL_COUNTERS, with its timers and padding).
+DEVICE_COUNTERS = (*MODEL_COUNTERS, "inference_seconds", "online_wait_seconds", "bulk_paused_seconds",
+                   "model_cpu_seconds", "padding_ratio")
 
 
 def serve(settings: Settings, path: str, stop: threading.Event) -> int:

@@ -96,7 +96,7 @@ BY_CLASS = frozenset({"queue_seconds", "buffer_seconds", "job_seconds"})
 DEVICE_ONLY = frozenset({"device_process_info"})
 
 
-def exported_names(*, worker: bool | None = None) -> set[str]:
+def exported_names(*, worker: bool = False) -> set[str]:
     """Every sample family name a worker's processes export (``_total``, ``_bucket``… suffixes left out); ``worker``:
     those a worker (a host of the split layout included) exports, without its device process's own."""
     return {PREFIX + name for name in CATALOG if not (worker and name in DEVICE_ONLY)}
