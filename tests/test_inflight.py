@@ -46,7 +46,7 @@ def _backend(minilm, launches_async: bool, log: list):
                 return lambda: rows
 
             def rows():
-                log.append(("land", n, len(service_of[0]._in_model)))  # micro-batches in the model now
+                log.append(("land", n, len(service_of[0].batches._in_model)))  # micro-batches in the model now
                 if any(tuple(item.ids) == poison for item in batch):
                     raise errors.BackendError("the device failed")
                 return self.forward(batch)

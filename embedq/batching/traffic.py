@@ -126,6 +126,28 @@ class TrafficScheduler:
         return any(now - at < CLIENT_HOLD for name, at in list(self._online_seen.items())
                    if name not in clients)
 
+    def preemption(self, batch: Iterable[tuple[TrafficClass, str]]) -> frozenset[str] | None:
+        """Whether online micro-batches may pause a micro-batch of these (traffic class, client) items between two
+        layers (None: it runs unhooked), and if so the clients whose online items may not (empty: anyone's): a bulk
+        batch, by anyone's; an online batch, by clients with nothing in it, while another client has online work
+        waiting or sent some lately (:data:`CLIENT_HOLD`) and one of its own clients has more waiting (issue 50: a
+        flood of one client does not hold another's one-text job for a whole micro-batch, not even for the short one
+        :meth:`shared_budget` then makes; one client alone, and a light client's batch, keep the faster unlayered
+        runtime)."""
+        if not self.preemptive:
+            return None
+        batch = list(batch)
+        if all(klass == BULK for klass, _ in batch):
+            return frozenset()
+        if any(klass == BULK for klass, _ in batch):
+            return None
+        clients = frozenset(client for _, client in batch)
+        if not self.still_waiting(clients):  # a light batch (its clients have nothing more): short, and nobody
+            return None  # lighter to let in: the faster unlayered runtime
+        if not self.other_online_clients(clients):  # one client alone: nobody to let in, keep its runtime
+            return None
+        return clients
+
     def shared_budget(self) -> int:
         """Padded tokens the next online micro-batch may cost: ``online_tokens`` while the client at the head of the
         online order shares the worker with another online client (waiting, or seen within :data:`CLIENT_HOLD`), so

@@ -1,16 +1,18 @@
 """Micro-batches in the model: launching one, landing it, and storing its rows into their jobs.
 
-:class:`MicroBatches` is the part of :class:`~embedq.workers.service.EmbeddingService` that runs on the inference
-thread between "this batch was chosen" and "its rows are in their jobs". ``_launch`` starts a micro-batch in the
-model (``backend.launch``; a bulk one with the preemption hook between its layers) and returns a :class:`Flight`;
-``_land`` waits for the flight's rows, counts the batch, and stores each row into its job (a job whose items all have
-their rows goes to the results thread). On a device that runs behind the CPU (``backend.launches_async``) the service
-lands a flight only after it has launched the next one, so two micro-batches are in flight; elsewhere each lands as
-it is launched (``_run``). A micro-batch that fails is split in halves and retried (``_isolate``), so only the
-culprit's job fails; a non-finite row fails its job.
+:class:`MicroBatches` is owned by the :class:`~embedq.workers.service.EmbeddingService` (its ``batches``) and runs on
+the inference thread between "this batch was chosen" and "its rows are in their jobs". ``launch`` starts a
+micro-batch in the model (``backend.launch``; a bulk one with the preemption hook between its layers) and returns a
+:class:`Flight`; ``land`` waits for the flight's rows, counts the batch, and stores each row into its job (a job whose
+items all have their rows goes to the results thread). On a device that runs behind the CPU
+(``backend.launches_async``) the service lands a flight only after it has launched the next one, so two micro-batches
+are in flight; elsewhere each lands as it is launched (``run``). A micro-batch that fails is split in halves and
+retried (``_isolate``), so only the culprit's job fails; a non-finite row fails its job.
 
-It holds no state of its own but the micro-batches in the model (``running``, read by the watchdog); what else it
-uses is the service's (the attributes annotated on the class).
+Its state: the micro-batches in the model (``running``, read by the watchdog) and the running bulk micro-batch's
+pause accounting (``paused``, ``paused_cpu``, ``layer``: the service's preemption adds to them). What it calls of the
+service it is handed as callables when made: the preemption point, the steering hook before a launch, finishing and
+failing a job, and the liveness beat.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from typing import Any
 from embedq import errors
 from embedq.backends.base import Backend, row_is_finite
 from embedq.batching import batch_cost
-from embedq.workers.hooks import ServiceHooks
 from embedq.workers.jobs import Job
 from embedq.workers.stats import Stats
 
@@ -47,43 +48,48 @@ class Flight:
 
 
 class MicroBatches:
-    """Launch, land and store micro-batches (inference thread); mixed into the service, whose state it uses."""
+    """Launch, land and store micro-batches (inference thread)."""
 
-    backend: Backend
-    stats: Stats
-    metrics: Any
-    beat: float  # when the inference thread last showed progress (the watchdog reads it)
-    _paused: float  # the running bulk micro-batch: seconds paused so far
-    _paused_cpu: float  # ... and CPU seconds the online batches run inside it took
-    _layer: int  # ... and preemption points met
-    _in_model: list[tuple[Job, ...]]  # the jobs of each micro-batch in the model now
-    _between_layers: Callable[[], None]  # the preemption point of a bulk micro-batch
-    hooks: ServiceHooks  # a steering program's seams (workers/hooks.py)
-    _finish: Callable[[Job], None]  # every item of the job has its row: to the results thread
-    fail: Callable[[Job, errors.EmbedqError], None]  # the job fails with this error
+    def __init__(self, backend: Backend, stats: Stats, metrics: Any, *, at_point: Callable[[int], None],
+                 before_launch: Callable[[list[tuple[Job, int]]], None], finish: Callable[[Job], None],
+                 fail: Callable[[Job, errors.EmbedqError], None], progress: Callable[[], None]) -> None:
+        self.backend, self.stats, self.metrics = backend, stats, metrics
+        self._at_point = at_point  # the service's preemption point: called with the point's number (1, 2, ...)
+        self._before_launch = before_launch  # a steering program's seam (workers/hooks.py)
+        self._finish = finish  # every item of the job has its row: to the results thread
+        self._fail = fail  # the job fails with this error
+        self._progress = progress  # the inference thread shows progress (the watchdog's beat)
+        # The running bulk micro-batch: seconds paused so far, CPU seconds the online batches run inside it took,
+        # preemption points met.
+        self.paused, self.paused_cpu, self.layer = 0.0, 0.0, 0
+        self._in_model: list[tuple[Job, ...]] = []  # the jobs of each micro-batch in the model now
 
     @property
     def running(self) -> tuple[Job, ...]:
         """The jobs of the micro-batches in the model now (read by the watchdog from other threads)."""
         return tuple(itertools.chain.from_iterable(self._in_model))
 
-    def _run(self, keys: list[tuple[Job, int]], preemptible: bool = False) -> None:
+    def run(self, keys: list[tuple[Job, int]], preemptible: bool = False) -> None:
         """One micro-batch through the model, to its stored rows. ``preemptible``: a bulk batch online batches may
         pause between two layers (its model time leaves out the pauses)."""
-        flight = self._launch(keys, preemptible)
+        flight = self.launch(keys, preemptible)
         if flight is not None:
-            self._land(flight)
+            self.land(flight)
 
-    def _launch(self, keys: list[tuple[Job, int]], preemptible: bool = False) -> Flight | None:
-        """Start a micro-batch in the model (``backend.launch``); :meth:`_land` waits for it and stores its rows."""
+    def _between_layers(self) -> None:
+        self.layer += 1
+        self._at_point(self.layer)
+
+    def launch(self, keys: list[tuple[Job, int]], preemptible: bool = False) -> Flight | None:
+        """Start a micro-batch in the model (``backend.launch``); :meth:`land` waits for it and stores its rows."""
         keys = [(job, i) for job, i in keys if not job.done]
         if not keys:
             return None
         batch = [job.prepared.items[i] for job, i in keys]
         lengths = [len(item.ids) for item in batch]
         if preemptible:  # (not in a preempting batch: that one runs inside the bulk batch's pause)
-            self._paused, self._paused_cpu, self._layer = 0.0, 0.0, 0
-        self.hooks.before_launch(self, keys)
+            self.paused, self.paused_cpu, self.layer = 0.0, 0.0, 0
+        self._before_launch(keys)
         jobs = tuple(dict.fromkeys(job for job, _ in keys))
         self._in_model.append(jobs)  # a preempting batch runs inside a bulk one: both are in the model
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -95,10 +101,10 @@ class MicroBatches:
                 rows = self.backend.launch(batch)
         except Exception as exc:
             rows = _raising(exc)
-        cpu = time.thread_time() - c0 - (self._paused_cpu if preemptible else 0.0)
-        return Flight(keys, jobs, rows, lengths, t0, preemptible, self._paused if preemptible else 0.0, cpu)
+        cpu = time.thread_time() - c0 - (self.paused_cpu if preemptible else 0.0)
+        return Flight(keys, jobs, rows, lengths, t0, preemptible, self.paused if preemptible else 0.0, cpu)
 
-    def _land(self, flight: Flight) -> None:
+    def land(self, flight: Flight) -> None:
         """Wait for a launched micro-batch's rows and store them; a batch that failed is split (:meth:`_isolate`)."""
         keys = flight.keys
         c0 = time.thread_time()
@@ -111,7 +117,7 @@ class MicroBatches:
         # Not in a finally: if something the thread cannot survive escapes the model, these jobs stay "running",
         # and the worker's watchdog counts the delivery against them (see the service's health()).
         self._in_model = [jobs for jobs in self._in_model if jobs is not flight.jobs]
-        self.beat = time.monotonic()
+        self._progress()
         # The model's CPU on this thread (its launch, the wait for its rows), measured where it runs: what the worker
         # costs beyond it is the queue path's own (bench/pipeline.py).
         self.stats.time("model_cpu_seconds", flight.cpu + time.thread_time() - c0)
@@ -138,7 +144,7 @@ class MicroBatches:
         self._store_rows([k for k, _ in good], [r for _, r in good])
         for (job, i), b in zip(keys, bad):
             if b:
-                self.fail(job, errors.BackendError(f"inputs[{i}] produced a non-finite output"))
+                self._fail(job, errors.BackendError(f"inputs[{i}] produced a non-finite output"))
 
     def _isolate(self, keys: list[tuple[Job, int]], exc: Exception, preemptible: bool = False) -> None:
         """A failing micro-batch: split it and retry the halves so only the culprit fails (a bulk batch's halves
@@ -146,11 +152,11 @@ class MicroBatches:
         if len(keys) == 1:
             job, i = keys[0]
             log.warning("inputs[%d] of job %s failed in the model: %s", i, job.id, type(exc).__name__)
-            self.fail(job, errors.BackendError(f"inputs[{i}] failed in the model: {type(exc).__name__}"))
+            self._fail(job, errors.BackendError(f"inputs[{i}] failed in the model: {type(exc).__name__}"))
             return
         mid = len(keys) // 2
-        self._run(keys[:mid], preemptible)
-        self._run(keys[mid:], preemptible)
+        self.run(keys[:mid], preemptible)
+        self.run(keys[mid:], preemptible)
 
     def _store_rows(self, keys: list[tuple[Job, int]], rows: list[Any]) -> None:
         for (job, i), row in zip(keys, rows):

@@ -14,7 +14,7 @@ This module holds the service itself: intake (``submit_many``, ``cancel``), the 
 micro-batch next, suspects alone, deadlines, preemption) and liveness (``health``). Its parts live beside it:
 the job record and its callbacks in ``workers/jobs.py``; launching a micro-batch, landing it and storing its rows
 (two in flight on an async device) in ``workers/inflight.py`` (:class:`~embedq.workers.inflight.MicroBatches`,
-which the service mixes in); the results thread in ``workers/outbox.py``.
+which the service owns as ``batches``); the results thread in ``workers/outbox.py``.
 
 **Preemption (issue 18).** A bulk micro-batch runs with a hook before each of the model's layers
 (``backend.between_layers``). When online items wait there, the inference thread runs micro-batches of them to
@@ -37,7 +37,7 @@ from typing import Any
 from embedq import errors
 from embedq.backends.base import Backend
 from embedq.batching import Scheduler
-from embedq.batching.traffic import BULK, ONLINE, Deadlines, TrafficScheduler
+from embedq.batching.traffic import ONLINE, Deadlines, TrafficScheduler
 from embedq.settings import Settings
 from embedq.workers import hooks, memory
 from embedq.workers.inflight import Flight, MicroBatches
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 IDLE_WAIT = 60.0
 
 
-class EmbeddingService(MicroBatches):
+class EmbeddingService:
     def __init__(self, backend: Backend, settings: Settings, on_done: DoneCallback,
                  on_isolated_run: Callable[[Job, bool], None] | None = None,
                  on_started: Callable[[Job], None] | None = None, metrics: Any = None,
@@ -84,13 +84,9 @@ class EmbeddingService(MicroBatches):
             log.warning("%s: online jobs cannot preempt bulk micro-batches: %s. While online jobs are about, "
                         "micro-batches with bulk texts are capped at %d padded tokens instead (online_batch_tokens)",
                         self.info.model_id, self.preemption_blocker, self.scheduler.online_tokens)
-        # The running bulk micro-batch (inference thread only): seconds paused so far, preemption points met.
-        self._paused, self._paused_cpu, self._layer = 0.0, 0.0, 0
         self._preempt_exclude: frozenset[str] = frozenset()  # clients of the running preemptible online batch
-        # Liveness (read by the worker's watchdog, see health()): when the inference thread last showed progress,
-        # and the jobs of the micro-batch(es) it has in the model now.
+        # Liveness (read by the worker's watchdog, see health()): when the inference thread last showed progress.
         self.beat = time.monotonic()
-        self._in_model: list[tuple[Job, ...]] = []  # the jobs of each micro-batch in the model now (see running)
         self.deadlines = Deadlines()
         self._cond = threading.Condition()
         self._stopping = False
@@ -99,6 +95,10 @@ class EmbeddingService(MicroBatches):
         self._aliases = _model_aliases(settings.model, self.info.model_id)
         self._thread = threading.Thread(target=self._loop, name="embedq-inference", daemon=True)
         self.hooks = hooks.installed()  # seams for a program that steers the worker (workers/hooks.py)
+        # The micro-batches in the model (workers/inflight.py), the jobs of which are in the model now included.
+        self.batches = MicroBatches(backend, self.stats, metrics, at_point=self._at_point, fail=self.fail,
+                                    before_launch=lambda keys: self.hooks.before_launch(self, keys),
+                                    finish=self._finish, progress=self._progress)
         self.memory_policy = memory_policy or settings.memory_policy  # in force (auto settles on one)
         self._trimmer = memory.trimmer(self.memory_policy, settings.malloc_trim_interval)
         # Finished and failed jobs go to the results thread (workers/outbox.py), which stores their outcomes; a
@@ -293,14 +293,18 @@ class EmbeddingService(MicroBatches):
                     self._run_alone(suspect)
                 elif batch is not None:
                     keys = [item.key for item in batch]
-                    flight = self._launch(keys, self._preemptible(batch))
+                    # Whether online batches may pause this one, and whose may not (the running online batch's
+                    # clients: they wait for it).
+                    exclude = self.scheduler.preemption((job.traffic_class, job.client) for job, _ in keys)
+                    self._preempt_exclude = exclude or frozenset()
+                    flight = self.batches.launch(keys, exclude is not None)
                     if self.backend.launches_async:  # the last one lands now, this one after the next launch
                         flight, pending = pending, flight
                     if flight is not None:
-                        self._land(flight)
+                        self.batches.land(flight)
                 elif pending is not None:
                     landing, pending = pending, None
-                    self._land(landing)
+                    self.batches.land(landing)
             except Exception:  # never let the inference thread die
                 log.exception("micro-batch bookkeeping failed")
             if stopping and pending is None:
@@ -310,29 +314,6 @@ class EmbeddingService(MicroBatches):
                     self._trimmer.after_batch()
                 else:
                     self._trimmer.idle()
-
-    def _preemptible(self, batch: list[Any]) -> bool:
-        """Whether online micro-batches may pause this one between two layers, and whose items they may hold (set
-        in ``_preempt_exclude``): a bulk batch, by anyone's; an online batch, by clients with nothing in it, while
-        another client has online work waiting or sent some lately (``CLIENT_HOLD``) and one of its own clients has more
-        waiting (issue 50: a flood of one client does not hold another's one-text job for a whole micro-batch, not
-        even for the short one the scheduler then makes, ``online_tokens``; one client alone, and a light client's
-        batch, keep the faster unlayered runtime)."""
-        self._preempt_exclude = frozenset()
-        if not self.preemptive:
-            return False
-        jobs = [job for job, _ in (item.key for item in batch)]
-        if all(job.traffic_class == BULK for job in jobs):
-            return True
-        if any(job.traffic_class == BULK for job in jobs):
-            return False
-        clients = frozenset(job.client for job in jobs)
-        if not self.scheduler.still_waiting(clients):  # a light batch (its clients have nothing more): short, and
-            return False  # nobody lighter to let in: the faster unlayered runtime
-        if not self.scheduler.other_online_clients(clients):  # one client alone: nobody to let in, keep its runtime
-            return False
-        self._preempt_exclude = clients
-        return True
 
     def _intake(self) -> None:
         """Inference thread, under the lock, before each pick: a device process reads its hosts' items here."""
@@ -363,12 +344,19 @@ class EmbeddingService(MicroBatches):
             for job in starting:
                 self.on_started(job)
 
-    def _between_layers(self) -> None:
-        """Inference thread, before a layer of a running bulk micro-batch (a preemption point)."""
-        self._layer += 1
+    @property
+    def running(self) -> tuple[Job, ...]:
+        """The jobs of the micro-batches in the model now (read by the watchdog from other threads)."""
+        return self.batches.running
+
+    def _progress(self) -> None:
+        self.beat = time.monotonic()
+
+    def _at_point(self, layer: int) -> None:
+        """Inference thread, before a layer of a running bulk micro-batch (preemption point ``layer``)."""
         self.beat = time.monotonic()
         self.preempt()
-        self.hooks.at_point(self, self._layer)
+        self.hooks.at_point(self, layer)
 
     def preempt(self) -> None:
         """Inference thread, at a preemption point: if online items wait (of clients other than the running online
@@ -396,15 +384,15 @@ class EmbeddingService(MicroBatches):
                     starting = self._start(item.key[0] for item in batch)
                 self._started(starting)
                 ran += 1
-                self._run([item.key for item in batch])
+                self.batches.run([item.key for item in batch])
         except Exception:  # the bulk batch must go on whatever happened to the online one
             log.exception("a preempting micro-batch failed")
         if ran:
             paused = time.perf_counter() - t0
-            self._paused += paused
-            self._paused_cpu += time.thread_time() - c0
+            self.batches.paused += paused
+            self.batches.paused_cpu += time.thread_time() - c0
             log.info("%s micro-batch paused at preemption point %d: %d online micro-batch(es) in %.1f ms",
-                     "an online" if exclude else "a bulk", self._layer, ran, paused * 1e3)
+                     "an online" if exclude else "a bulk", self.batches.layer, ran, paused * 1e3)
             self.stats.add(preemptions=1, preempting_batches=ran)
             self.stats.time("bulk_paused_seconds", paused)
             if self.metrics is not None:
@@ -432,7 +420,7 @@ class EmbeddingService(MicroBatches):
                         padded=self.backend.is_padded)
         own.add_many(((job, i), job.cost(i)) for i in range(job.n_items))
         while len(own) and not job.done:
-            self._run([item.key for item in own.next_batch()])
+            self.batches.run([item.key for item in own.next_batch()])
         if self.on_isolated_run is not None:
             self.on_isolated_run(job, False)
 
