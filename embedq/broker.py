@@ -113,7 +113,7 @@ def celery_config(settings: Settings) -> dict[str, object]:
         "worker_hijack_root_logger": False,
         "worker_cancel_long_running_tasks_on_connection_loss": False,  # our jobs never reach the pool
         "broker_channel_error_retry": True,
-        "worker_consumer": "embedq.workers.consumer:EmbedqConsumer",
+        "worker_consumer": "embedq.workers.tasks:EmbedqConsumer",
     }
     tls = tls_options(settings)
     if tls is not None:

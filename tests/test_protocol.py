@@ -135,11 +135,11 @@ def test_the_docstrings_that_list_the_kinds_name_every_kind():
     of eight: issue 38) point to the table instead of listing."""
     import embedq.kinds
     import embedq.protocol
-    import embedq.workers.consumer
+    import embedq.workers.tasks
 
     listed = set(re.findall(r"``([a-z_]+)``", embedq.kinds.__doc__ or ""))
     built_in = {embedq.kinds.TASKS[name].kind for name in embedq.kinds.BUILT_IN}  # a plugin test may have added more
     assert len(built_in) == 8 and built_in <= listed, built_in - listed
-    for module in (embedq.protocol, embedq.workers.consumer):
+    for module in (embedq.protocol, embedq.workers.tasks):
         assert "kinds" in (module.__doc__ or ""), module.__name__
         assert not set(re.findall(r"``(embedq\.[a-z_]+)``", module.__doc__ or "")) - {"embedq.embed"}, module.__name__

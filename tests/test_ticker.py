@@ -7,7 +7,7 @@ import time
 
 from kombu.asynchronous.timer import Timer
 
-from embedq.workers.acks import IDLE_TICK, Ticker
+from embedq.workers.held import IDLE_TICK, Ticker
 
 ACK_INTERVAL = 0.02
 

@@ -1,63 +1,65 @@
-"""Celery integration: tasks whose messages bypass the pool and go to the coalescing service.
+"""The worker: what embedq does with the task messages Celery hands it, and how it stops.
 
 There is one Celery task per job kind (every entry of the kinds table, ``kinds.TASKS``, plugins' kinds included),
-all with the same *strategy*: Celery hands each message to it. It builds the Celery request, lets the
+all with the same *strategy* (``workers/tasks.py``, the Celery glue): Celery hands each message to the
+:class:`Worker`, which reads it (``workers/messages.py``), holds it (``workers/held.py``) and lets the
 :class:`~embedq.workers.service.EmbeddingService` validate, tokenize and buffer it, and returns at once: the consumer
 keeps pulling messages up to the prefetch window (the unacknowledged limit), so the scheduler sees the texts of *all*
-waiting jobs. A done job's result (or typed error) is stored by the results thread, its canvas work sent by the
-canvas thread; only then is its message acknowledged, on the consumer's thread, which owns the broker channel.
+waiting jobs. A done job's result (or typed error) is stored by the results thread (``workers/records.py``), its
+canvas work sent by the canvas thread; only then is its message acknowledged, on the consumer's thread, which owns
+the broker channel.
 
 Delivery is at least once and idempotent (see :mod:`embedq.workers.delivery`): held messages keep
 their lease, redelivered ones are checked against what is stored, suspects of a crash run alone and
 are dead-lettered after ``max_attempts`` worker deaths, and a message that cannot be read is refused
-with a typed error, never logged with its body and never run. On SIGTERM :class:`GracefulStop`
-finishes the micro-batch in progress, stores and acknowledges what is done, and hands the rest back.
+with a typed error, never logged with its body and never run.
 
-This module holds the :class:`Worker` (its state, routing, loading the model, delivering jobs, cancellations) and
-what Celery calls (the tasks, their strategy, :class:`GracefulStop`, :class:`EmbedqConsumer`, :func:`register`).
-The worker's other parts are mixed in from beside it: reading and refusing messages in ``workers/messages.py``,
-storing outcomes and acknowledging messages in ``workers/acks.py``, liveness, fail-stop and the warm shutdown in
-``workers/stopping.py`` (with ``EXIT_FAILED``).
+How it stops (``workers/stopping.py`` has the intervals and ``EXIT_FAILED``): every ``LIVENESS_INTERVAL`` the
+consumer thread looks at the service (:meth:`Worker.check_liveness`): a worker whose inference, results or canvas
+thread died, or stopped making progress while work waits for it, stops with ``EXIT_FAILED`` for its supervisor to
+restart it (:meth:`Worker.fail_stop`), the jobs of the micro-batch in the model blamed for it. On SIGTERM (the
+consumer's ``GracefulStop`` bootstep) :meth:`Worker.shutdown` finishes the micro-batch in progress, stores and
+acknowledges what is done and hands the rest back. Either way every held message goes back to its queue after the
+fetch in flight is read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import queue
 import time
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from celery import Celery, Task, bootsteps
+from celery import Celery, Task
 from celery.worker import state as worker_state
-from celery.worker.consumer import Consumer
 from kombu.utils.imports import symbol_by_name
 
 from embedq import errors
 from embedq.batching import PrefetchWindow
-from embedq.batching.traffic import BULK, ONLINE, TrafficClass
+from embedq.batching.traffic import BULK
 from embedq.broker import BROKER_ERRORS, lease_interval, redis_client
 from embedq.cancellation import CancelFeed
-from embedq.kinds import TASKS, TaskSpec
-from embedq.protocol import RESENT_HEADER, SENT_HEADER, TASK_NAME, client_of
+from embedq.kinds import TaskSpec
+from embedq.protocol import RESENT_HEADER, SENT_HEADER, client_of
+from embedq.results import ResultStore
 from embedq.settings import Settings
-from embedq.workers import transport
-from embedq.workers.acks import ALREADY_STORED, Acks, Ticker, routing_key_of
 from embedq.workers.canvas import canvas_of
 from embedq.workers.canvas_rules import CanvasRules
 from embedq.workers.canvas_thread import CanvasThread
 from embedq.workers.delivery import Ledger, Verdict
+from embedq.workers.held import ALREADY_STORED, Delivery, HeldMessages, Ticker, routing_key_of
 from embedq.workers.host import HostService
 from embedq.workers.jobs import Job
 from embedq.workers.loading import load_model
-from embedq.workers.messages import Messages, deadline_of, expires_iso
+from embedq.workers.messages import MessageReader, deadline_of, expires_iso
 from embedq.workers.metrics import Reporter, WorkerMetrics
-from embedq.workers.observe import WorkerInfo, event_kwargs, short_args, window_stats, worker_record
+from embedq.workers.observe import event_kwargs, short_args, window_stats, worker_record
+from embedq.workers.records import RecordWriter
 from embedq.workers.service import EmbeddingService
 from embedq.workers.split import DEVICE_SOCKET_ENV, connect
-from embedq.workers.stopping import LIVENESS_INTERVAL, Stopping
+from embedq.workers.stopping import DRAIN_ON_FAILURE, EXIT_FAILED, LIVENESS_INTERVAL
 
 log = logging.getLogger(__name__)
 
@@ -68,88 +70,54 @@ CANCEL_STALE = 0.1  # a delivery checks the stream itself when the last read is 
 CANCEL_BACKOFF = 2.0  # seconds without reading the stream after a failed read (the broker is away)
 
 
-@dataclass
-class Delivery:
-    """The Celery requests (messages) that carry one job: usually one, more when it was delivered again
-    while this worker held it. Each is acknowledged once the job's record is stored."""
+class Worker:
+    """One worker process: the composition of its parts, and what it does on Celery's consumer thread with the
+    messages Celery hands it (deliver, cancel, dead-letter) and when it stops.
 
-    reqs: list[tuple[Any, int]] = field(default_factory=list)  # (request, texts counted in the window)
+    An object, not module state: ``embedq worker`` creates it, loads the model through it and hands it to Celery on
+    the app (``workers/tasks.py``: :func:`~embedq.workers.tasks.register`; ``app.embedq_worker``), where the task
+    strategy, the bootsteps and the ``inspect`` command find it. Its parts, each owning its state:
 
-    @property
-    def primary(self) -> Any:
-        return self.reqs[0][0]
+    - ``messages`` (:class:`~embedq.workers.held.HeldMessages`): the held jobs, the intake, the prefetch window,
+      the queues of finished and started jobs; acknowledging, lease renewal, handing back (consumer thread);
+    - ``reader`` (:class:`~embedq.workers.messages.MessageReader`): a message read into a request, or refused;
+    - ``records`` (:class:`~embedq.workers.records.RecordWriter`): finished jobs' records written (results thread);
+    - the service (``workers/service.py``: the model's threads), the canvas thread, the metrics and reporter, the
+      delivery ledger, the cancellation feed, and one result store, made when the worker is on its app.
 
-
-class Worker(Messages, Acks, Stopping):
-    """One worker process: its settings, the service, the messages it holds, finished jobs to acknowledge,
-    and what it does with them on Celery's consumer thread.
-
-    An object, not module state: ``embedq worker`` creates it, loads the model through it and hands it to
-    Celery on the app (:func:`register`; ``app.embedq_worker``), where the task strategy, the bootsteps and
-    the ``inspect`` command find it. Threads: the consumer thread (deliveries, acks, leases,
-    cancellations), the service's inference and results threads (:meth:`store_outcome`,
-    :meth:`count_run`, :meth:`job_started`) and the reporter. What crosses threads goes through the two
-    queues; counters through the service's :class:`~embedq.workers.stats.Stats`.
+    Threads: the consumer thread (deliveries, acks, leases, cancellations, the watchdog), the service's inference and
+    results threads (``records.store_outcomes``, :meth:`count_run`, :meth:`job_started`) and the reporter. What
+    crosses threads goes through the held messages' two queues; counters through the service's
+    :class:`~embedq.workers.stats.Stats`.
     """
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.bulk_queues = frozenset({settings.bulk_queue_name})  # queues whose jobs are bulk (the rest online)
+        self.messages = HeldMessages(settings)
+        self.reader = MessageReader(settings, CanvasRules.from_settings(settings), self.deliver, self._refused)
+        self.records = RecordWriter(self.messages.finished)
         self.service: EmbeddingService | None = None
         self.canvas_thread: CanvasThread | None = None  # sends jobs' Celery canvas work (workers/canvas_thread.py)
-        self.canvas_rules = CanvasRules.from_settings(settings)  # what a message's canvas may hold (at the edge)
         self.metrics: WorkerMetrics | None = None
         self.reporter: Reporter | None = None
         self.ledger: Ledger | None = None
-        self.window: PrefetchWindow | None = None  # kept across consumer restarts: held messages stay held
         self.cancels: CancelFeed | None = None
-        self.consumer: Any = None  # Celery's Consumer: its qos is the channel's prefetch count
-        self.finished: queue.SimpleQueue = queue.SimpleQueue()  # (job, outcome, monotonic time stored)
-        self.started: queue.SimpleQueue = queue.SimpleQueue()  # jobs whose first micro-batch started (events)
-        self.held: dict[str, Job] = {}  # job id -> job, from delivery until acknowledged (consumer thread only)
-        self.intake: list[Job] = []  # delivered jobs not yet handed to the service (see flush_intake)
         self.timers: list[Any] = []
         self.hostname, self.started_at = "", 0.0  # the node's name; Unix time the worker started consuming
         self.stopped = False
         self.cancels_retry_at = 0.0  # monotonic time before which the stream is not read (after a failure)
         self.revoked_seen = 0  # size of Celery's revoked set at the last look (Flower's "revoke", celery control)
 
-    # -- routing -----------------------------------------------------------------------------------
+    @property
+    def window(self) -> PrefetchWindow:
+        return self.messages.window
 
-    def traffic_class(self, routing_key: str | None) -> TrafficClass:
-        return BULK if routing_key in self.bulk_queues else ONLINE
-
-    def fetch_order(self, queues: list[str]) -> list[str]:
-        """The transport asks which queues to fetch from now: online ones first, and bulk ones only while
-        the prefetch window has room for bulk (a share of it stays free for online jobs)."""
-        window = self.window
-        online = [q for q in queues if q not in self.bulk_queues]
-        bulk = [q for q in queues if q in self.bulk_queues]
-        if window is None:
-            return online + bulk
-        return (online if window.admits(bulk=False) else []) + (bulk if window.admits(bulk=True) else [])
-
-    def fetch_plan(self, queues: list[str]) -> list[tuple[list[str], int]]:
-        """The transport asks, right after a BRPOP brought a message, how many more to take in the same round
-        trip: online queues first, then bulk ones, each class as many as the prefetch window has room for (see
-        :meth:`PrefetchWindow.fetch_room`), at most ``fetch_batch`` in all."""
-        window, most = self.window, self.settings.fetch_batch - 1
-        if window is None or self.stopped or most < 1:
-            return []
-        plan: list[tuple[list[str], int]] = []
-        for bulk in (False, True):
-            group = [q for q in queues if (q in self.bulk_queues) == bulk]
-            n = window.fetch_room(bulk=bulk, most=most) if group and most > 0 else 0
-            if n > 0:
-                plan.append((group, n))
-                most -= n
-        return plan
-
-    def fetch_admits(self, queue_name: str) -> bool:
-        """The transport asks before each message of a fetch of many: does the window admit one more of this
-        queue's class now? (No: the rest of the fetch goes back to the queue unseen.)"""
-        window = self.window
-        return window is None or (not self.stopped and window.admits(bulk=queue_name in self.bulk_queues))
+    def attach(self, app: Celery) -> None:
+        """On its Celery app (``tasks.register``): the one result store its records and refusals are written to,
+        and the ledger of deliveries."""
+        store = ResultStore(app)
+        self.reader.store = self.records.store = store
+        self.ledger = Ledger(app.backend, max_attempts=self.settings.max_attempts)
 
     # -- the model ---------------------------------------------------------------------------------
 
@@ -165,18 +133,21 @@ class Worker(Messages, Acks, Stopping):
             device = os.environ.get(DEVICE_SOCKET_ENV)  # a host process of the split layout (workers/split.py)
             backend, policy, metrics.model_load_seconds = load_model(settings, device="cpu" if device else None)
             if device:
-                self.service = HostService(backend, settings, on_done=self.store_outcome, memory_policy=policy,
-                                           on_done_many=self.store_outcomes, on_isolated_run=self.count_run,
+                self.service = HostService(backend, settings, on_done=self.records.store_outcome,
+                                           memory_policy=policy, on_done_many=self.records.store_outcomes,
+                                           on_isolated_run=self.count_run,
                                            on_started=self.job_started, metrics=metrics,
                                            channel=connect(device)).start()
             else:
-                self.service = EmbeddingService(backend, settings, on_done=self.store_outcome,
-                                                memory_policy=policy, on_done_many=self.store_outcomes,
+                self.service = EmbeddingService(backend, settings, on_done=self.records.store_outcome,
+                                                memory_policy=policy, on_done_many=self.records.store_outcomes,
                                                 on_isolated_run=self.count_run, on_started=self.job_started,
                                                 metrics=metrics).start()
-            self.canvas_thread = CanvasThread(settings, self.service.stats, self.finished,
+            self.canvas_thread = CanvasThread(settings, self.service.stats, self.messages.finished,
                                               lambda: self.service is None or self.service.stopping,
                                               ALREADY_STORED).start()
+            self.records.bind(self.service, self.canvas_thread)
+            self.messages.bind(self.service.submit_many, metrics)
             metrics.bind(self.service, window_state=partial(window_stats, self), queues=settings.queues,
                          redis=redis_client(settings) if settings.broker_url else None)
         return self.service
@@ -186,7 +157,7 @@ class Worker(Messages, Acks, Stopping):
         consumer thread, which owns the event connection)."""
         if self.metrics is not None and job.started is not None:
             self.metrics.observe("buffer_seconds", max(job.started - job.received, 0.0), job.traffic_class)
-        self.started.put(job)
+        self.messages.started.put(job)
 
     def count_run(self, job: Job, starting: bool) -> None:
         """Inference thread: a suspect job starts (or has finished) its run alone; count it while it runs."""
@@ -212,24 +183,19 @@ class Worker(Messages, Acks, Stopping):
             eventer.buffer_limit = max(getattr(eventer, "buffer_limit", 0), 4 * settings.fetch_batch)
         connection_errors = consumer.connection_errors
         Req = create_request_cls(symbol_by_name(task.Request), task, consumer.pool, hostname, eventer, app=app)
-        if self.window is None:
-            self.window = PrefetchWindow(max_messages=settings.prefetch_window, max_texts=settings.prefetch_texts,
-                                         online_reserve=settings.online_reserve,
-                                         online_overflow=settings.online_overflow_texts)
-        if self.ledger is None:
-            self.ledger = Ledger(task.backend, max_attempts=settings.max_attempts)
         if self.cancels is None and settings.broker_url:
             self.cancels = CancelFeed(redis_client(settings, timeout=2.0))
-        self.consumer = consumer
+        self.messages.consumer = consumer
         if self.reporter is None and self.metrics is not None and self.metrics.redis is not None:
             self.hostname, self.started_at = hostname, time.time()
             self.reporter = Reporter(partial(worker_record, self), self.metrics, self.metrics.redis)
             self.reporter.start()
         for entry in self.timers:  # called once per task and consumer (re)start: the last set stands
             entry.cancel()
-        self.timers = [Ticker(consumer.timer, ACK_INTERVAL, self.drain_finished, self.held),
-                       consumer.timer.call_repeatedly(lease_interval(settings), self.renew_leases),
-                       Ticker(consumer.timer, CANCEL_INTERVAL, self.follow_cancellations, self.held),
+        held = self.messages
+        self.timers = [Ticker(consumer.timer, ACK_INTERVAL, held.drain_finished, held.jobs),
+                       consumer.timer.call_repeatedly(lease_interval(settings), held.renew_leases),
+                       Ticker(consumer.timer, CANCEL_INTERVAL, self.follow_cancellations, held.jobs),
                        consumer.timer.call_repeatedly(LIVENESS_INTERVAL, self.check_liveness)]
         self.follow_cancellations()
 
@@ -238,11 +204,12 @@ class Worker(Messages, Acks, Stopping):
                 message.reject(requeue=True)
                 return
             try:
-                self.receive(task, app, message, body, ack, reject, Req, hostname, eventer, connection_errors)
+                self.reader.receive(task, app, message, body, ack, reject, Req, hostname, eventer,
+                                    connection_errors)
             except Exception as exc:  # whatever a message holds, the consumer goes on (and the job gets an answer)
                 log.exception("refusing a message that could not be handled")
                 if not getattr(message, "acknowledged", False):
-                    self.refuse(task, message,
+                    self.reader.refuse(task, message,
                                 errors.InvalidMessage(f"cannot handle the message ({type(exc).__name__})"))
 
         return handler
@@ -251,21 +218,21 @@ class Worker(Messages, Acks, Stopping):
         """Consumer thread: a readable job message of ``spec``'s kind (the task the message names: a ``shadow``
         header changes no kind). Hold it, then run it, cancel it, recognise it as already stored or dead-letter
         it."""
-        service, settings = self.service, self.settings
-        assert service is not None and self.window is not None and self.ledger is not None
+        service, settings, held = self.service, self.settings, self.messages
+        assert service is not None and self.ledger is not None
         size = spec.size(args)
         routing_key = routing_key_of(req) or settings.queue_name
-        klass = self.traffic_class(routing_key)
+        klass = held.traffic_class(routing_key)
         # What the task events show, worked out before the message is counted anywhere: nothing below may fail
         # between counting it (reserved, the prefetch window) and holding it.
         event = {"name": spec.name, "args": short_args(req), "expires": expires_iso(req.expires),
                  "kwargs": event_kwargs(kwargs, service, routing_key, klass, spec.kind)}
         worker_state.task_reserved(req)
-        self.window.received(size, bulk=klass == BULK)
-        self.apply_window()
-        held = self.held.get(req.id)
-        if held is not None:  # delivered again while held (resent, or restored across a reconnect)
-            held.context.reqs.append((req, size))
+        held.window.received(size, bulk=klass == BULK)
+        held.apply_window()
+        again = held.jobs.get(req.id)
+        if again is not None:  # delivered again while held (resent, or restored across a reconnect)
+            again.context.reqs.append((req, size))
             service.stats.add(duplicates=1)
             return
         req.send_event("task-received", **event)
@@ -273,8 +240,8 @@ class Worker(Messages, Acks, Stopping):
         job = Job(id=req.id, texts=args, options=kwargs, context=Delivery([(req, size)]), size=size, spec=spec,
                   traffic_class=klass, deadline=deadline_of(req.expires), canvas=canvas_of(req),
                   client=client_of(headers))
-        self.held[job.id] = job
-        if len(self.held) == 1:  # the first job held: the ack and cancellation timers back to a busy worker's pace
+        held.jobs[job.id] = job
+        if len(held.jobs) == 1:  # the first job held: the ack and cancellation timers back to a busy worker's pace
             for ticker in (t for t in self.timers if isinstance(t, Ticker)):
                 ticker.wake()
         verdict = Verdict()
@@ -292,9 +259,9 @@ class Worker(Messages, Acks, Stopping):
         if verdict.stored:
             if verdict.canvas_pending and redelivered and job.canvas is not None:
                 # its worker died between storing the record and sending the canvas work (or deleting the marker)
-                self.resend_canvas(job, verdict.record)  # acknowledged once the work is sent
+                self.records.resend_canvas(job, verdict.record)  # acknowledged once the work is sent
             else:
-                self.finished.put((job, ALREADY_STORED, time.monotonic()))
+                held.finished.put((job, ALREADY_STORED, time.monotonic()))
             service.count_received(job.size, klass, spec.kind)
             service.stats.add(already_stored=1)
         elif verdict.crashes >= settings.max_attempts:
@@ -304,16 +271,9 @@ class Worker(Messages, Acks, Stopping):
             service.cancel(job)
         else:
             job.suspect = verdict.suspect
-            self.intake.append(job)  # tokenized with the rest of its fetch (flush_intake)
-            if len(self.intake) >= INTAKE_MAX:
-                self.flush_intake()
-
-    def flush_intake(self) -> None:
-        """Consumer thread: hand the jobs delivered since the last flush to the service, which tokenizes the texts
-        of all of them together (the transport calls this once a fetch has been delivered; the ack timer too)."""
-        if self.intake and self.service is not None:
-            jobs, self.intake = self.intake, []
-            self.service.submit_many(jobs)
+            held.intake.append(job)  # tokenized with the rest of its fetch (flush_intake)
+            if len(held.intake) >= INTAKE_MAX:
+                held.flush_intake()
 
     # -- cancellation, dead letters ------------------------------------------------------------------
 
@@ -339,11 +299,11 @@ class Worker(Messages, Acks, Stopping):
         revoked = worker_state.revoked
         if len(revoked) != self.revoked_seen:
             self.revoked_seen = len(revoked)
-            ids += [job_id for job_id in self.held if job_id in revoked]
+            ids += [job_id for job_id in self.messages.jobs if job_id in revoked]
         if service is None:
             return
         for job_id in ids:
-            job = self.held.get(job_id)
+            job = self.messages.jobs.get(job_id)
             if job is not None and service.cancel(job):
                 log.debug("job %s cancelled before it ran", job_id)
 
@@ -362,126 +322,72 @@ class Worker(Messages, Acks, Stopping):
             f"the worker died while running this job {crashes} times (max_attempts={service.settings.max_attempts}); "
             "it is not delivered again"))
 
+    # -- stopping ----------------------------------------------------------------------------------
 
-def worker_of(app: Celery) -> Worker:
-    """The :class:`Worker` that :func:`register` gave this Celery app."""
-    worker = getattr(app, "embedq_worker", None)
-    if worker is None:
-        raise RuntimeError("this Celery app has no embedq worker: start it with `embedq worker`")
-    return worker
+    def check_liveness(self) -> None:
+        """Consumer thread, every LIVENESS_INTERVAL: a worker whose inference or results thread died, or whose
+        inference thread stopped making progress while work waits, must not go on taking jobs and calling itself
+        alive (its heartbeat and registry record come from other threads): it stops (:meth:`fail_stop`)."""
+        service = self.service
+        if service is None or self.stopped:
+            return
+        reason = service.health(self.settings.stall_timeout)
+        if reason is None and self.canvas_thread is not None:
+            reason = self.canvas_thread.health(self.settings.stall_timeout)
+        if reason is not None:
+            self.fail_stop(reason)
 
+    def fail_stop(self, reason: str) -> None:
+        """Consumer thread: stop serving and exit with ``EXIT_FAILED``, for a supervisor to restart the worker.
 
-def coalescing_strategy(task: Task, app: Celery, consumer: Any, **_: Any):
-    """The strategy of every job kind's task (Celery's hook, named in :class:`JobTask`)."""
-    return worker_of(app).strategy(task, app, consumer)
+        What was stored is acknowledged; every other held message goes back to its queue. The jobs of the
+        micro-batch in the model are not marked as handed back, so their next delivery counts as one that ended
+        with the worker dead (they run alone, and are dead-lettered after ``max_attempts``: a poison input cannot
+        take down worker after worker); the rest are marked handed back and run as usual."""
+        service = self.service
+        assert service is not None
+        log.critical("stopping: %s", reason)
+        self.stopped = self.messages.closed = True
+        running = {job.id for job in service.running}
+        self.messages.settle_fetch()
+        service.abandon()
+        service.drain(DRAIN_ON_FAILURE)
+        if self.canvas_thread is not None:  # what it has not sent stays marked, its jobs unacknowledged
+            self.canvas_thread.close()
+            self.canvas_thread.join(DRAIN_ON_FAILURE)
+        self.messages.drain_finished()
+        returned, blamed = self.messages.hand_back(self.ledger, blamed=running)
+        self._withdraw()
+        with contextlib.suppress(Exception):  # else Flower sees the heartbeats stop
+            self.messages.consumer.event_dispatcher.send("worker-offline")
+        log.critical("handed %d messages back (%d job(s) of the micro-batch in the model count a delivery that "
+                     "ended with the worker dead); exiting with status %d", returned, blamed, EXIT_FAILED)
+        logging.shutdown()
+        os._exit(EXIT_FAILED)  # the inference thread may be stuck in native code: nothing would join it
 
+    def shutdown(self) -> None:
+        """The warm shutdown (``tasks.GracefulStop``): finish the micro-batch in progress, store and acknowledge
+        what is done, hand every other held message back to its queue."""
+        if self.stopped or self.service is None:
+            return
+        self.stopped = self.messages.closed = True
+        t0 = time.monotonic()
+        self.service.stop(timeout=self.settings.shutdown_timeout)
+        if self.canvas_thread is not None:  # the results thread has handed it all it will: send that, then stop
+            self.canvas_thread.close()
+            self.canvas_thread.join(self.settings.shutdown_timeout)
+        self.messages.drain_finished()
+        returned, _ = self.messages.hand_back(self.ledger)
+        self._withdraw()
+        log.info("stopped in %.1fs: handed %d buffered messages back to the queue", time.monotonic() - t0,
+                 returned)
 
-class JobTask(Task):
-    """A job kind's task: its messages never reach the pool (see :func:`coalescing_strategy`)."""
+    def _withdraw(self) -> None:
+        if self.reporter is not None:
+            self.reporter.withdraw()
 
-    acks_late = True
-    typing = False
-    Strategy = "embedq.workers.consumer:coalescing_strategy"
-    Request = "embedq.workers.observe:EmbedRequest"
-
-    def run(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - only reached by .apply()
-        raise errors.Unavailable(f"{self.name} runs only inside an embedq worker")
-
-
-def task_class(spec: TaskSpec) -> type[JobTask]:
-    return type(f"{spec.kind.capitalize()}Task", (JobTask,), {"name": spec.name, "__module__": __name__})
-
-
-def register(app: Celery, worker: Worker) -> list[Task]:
-    """Give the app its worker, make ``redis://`` URLs use the worker's transport with the worker's fetch policy,
-    and register every job kind's task (the worker refuses, per job, the kinds its model does not serve)."""
-    app.embedq_worker = worker
-    limit = worker.settings.max_message_bytes
-    transport.install(transport.FetchPolicy(order=worker.fetch_order, plan=worker.fetch_plan,
-                                            admits=worker.fetch_admits, after_fetch=worker.flush_intake,
-                                            max_body_bytes=limit, fetch_bytes=limit))
-    app.steps["consumer"].add(GracefulStop)
-    app.steps["consumer"].add(WorkerInfo)
-    return [app.register_task(task_class(spec)()) for spec in TASKS.values()]
-
-
-class GracefulStop(bootsteps.StartStopStep):
-    """Consumer bootstep: the worker's warm shutdown (SIGTERM, Ctrl-C).
-
-    It runs after Celery has stopped consuming and before the channel closes: the micro-batch in
-    progress finishes (bounded by ``shutdown_timeout``), finished jobs are stored and acknowledged,
-    and every job still held goes back to the head of its queue, marked as handed back so its next
-    delivery is not taken for a crash. kombu's own restore-at-close is switched off: on a lost
-    connection it would requeue jobs this worker is still running (and, with Redis away, dump them
-    to a file); held messages keep their lease instead and are acknowledged after the reconnect.
-    """
-
-    requires = ("celery.worker.consumer.tasks:Tasks",)
-
-    def start(self, c: Any) -> None:
-        channel = getattr(c.task_consumer, "channel", None)
-        if channel is not None:
-            channel.qos.restore_at_shutdown = False
-
-    def stop(self, c: Any) -> None:
-        if worker_state.should_stop is not None or worker_state.should_terminate is not None:
-            self.shutdown(c)
-
-    def shutdown(self, c: Any) -> None:
-        worker_of(c.app).shutdown()
-
-
-class EmbedqConsumer(Consumer):
-    """Celery's consumer, refusing what it cannot run without logging message bodies.
-
-    Celery's own handlers log up to 1 KiB of the body (users' texts) at ERROR/CRITICAL and leave the
-    producer waiting; these record a typed ``invalid_message`` error for the job id and log the reason.
-    """
-
-    def _task(self) -> Task:
-        return self.app.tasks[TASK_NAME]
-
-    def _refuse(self, message: Any, reason: str) -> None:
-        refusal = getattr(message, "refusal", None)  # the transport could not read the body (too large inflated)
-        worker_of(self.app).refuse(self._task(), message, refusal or errors.InvalidMessage(reason))
-
-    def update_strategies(self) -> None:
-        """Only embedq's job kinds run here. Every Celery app registers Celery's built-in tasks
-        (``celery.accumulate``, ``celery.chord_unlock``, ``celery.backend_cleanup``, the canvas primitives), and
-        Celery would run them from any queue it consumes; on embedq's queues they are unknown tasks, refused with
-        a typed error like any other name."""
-        super().update_strategies()
-        for name in [name for name in self.strategies if name not in TASKS]:
-            del self.strategies[name]
-
-    def create_task_handler(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's per-message dispatch, made total: whatever an entry's headers hold (a task "name" that is a
-        list, say), the message is refused with a typed error and the consumer goes on."""
-        on_task_received = super().create_task_handler(*args, **kwargs)
-
-        def guarded(message: Any) -> Any:
-            try:
-                return on_task_received(message)
-            except Exception as exc:
-                log.warning("refusing a message Celery could not dispatch (%s)", type(exc).__name__)
-                if not getattr(message, "acknowledged", False):
-                    self._refuse(message, f"cannot dispatch the message ({type(exc).__name__})")
-                return None
-
-        return guarded
-
-    def on_decode_error(self, message: Any, exc: Exception) -> None:
-        compression = (message.headers or {}).get("compression") if isinstance(message.headers, dict) else None
-        how = f"content type {message.content_type!r}" + (f", compression {compression!r}" if compression else "")
-        self._refuse(message, f"cannot decode the message ({type(exc).__name__}; {how})")
-
-    def on_unknown_message(self, body: Any, message: Any) -> None:
-        self._refuse(message, "not a Celery task message")
-
-    def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
-        headers = message.headers if isinstance(message.headers, dict) else {}
-        name = str(headers.get("task"))[:100]
-        self._refuse(message, f"unknown task {name!r}; this queue runs {', '.join(TASKS)}")
-
-    def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
-        self._refuse(message, f"invalid task message ({type(exc).__name__})")
+    def _refused(self, error: errors.EmbedqError) -> None:
+        """A message refused (texts unknown: it could not be read as a job): counted."""
+        if self.service is not None:
+            self.service.count_received(0)
+            self.service.count_failure(error.code, 0)

@@ -8,7 +8,7 @@ import socket
 
 from embedq.broker import make_app
 from embedq.settings import Settings
-from embedq.workers import consumer, memory, observe
+from embedq.workers import consumer, memory, observe, tasks
 from embedq.workers.announce import announce, node_name
 from embedq.workers.replicas import REPLICA_NAME_ENV
 
@@ -58,5 +58,5 @@ def run_worker(settings: Settings, *, hostname: str | None = None, loglevel: str
         announcer.stop()
     observe.serve_metrics(worker)  # and on a metrics port that is taken
     app = make_app(settings)
-    consumer.register(app, worker)
+    tasks.register(app, worker)
     app.worker_main(worker_argv(settings, hostname=hostname, loglevel=loglevel))

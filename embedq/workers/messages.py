@@ -1,14 +1,12 @@
 """Reading a job's task message, and refusing one that cannot be read or run.
 
-:class:`Messages` is the part of :class:`~embedq.workers.consumer.Worker` that turns a message Celery hands the
-strategy into a request (``receive``: Celery's message protocols 1 and 2, JSON or msgpack only), and refuses what
-cannot be a job (too large, undecodable, a content type other than json/msgpack, no usable job id, a Celery canvas
-that breaks its bounds or names what an operator did not allow: ``workers/canvas_rules.py``) with a typed
-error recorded under its job id, logging the id and the reason only, never its body (``refuse``). A readable message
-goes on to the worker's ``deliver``. The functions read a message's fields: a job id embedq can key records by
-(:func:`_job_id_ok`) and its ``expires`` as a deadline (:func:`deadline_of`, :func:`expires_iso`).
-
-It holds no state of its own: it uses the worker's (the attributes annotated on the class).
+:class:`MessageReader`, owned by the :class:`~embedq.workers.consumer.Worker` (its ``reader``), turns a message
+Celery hands the strategy into a request (``receive``: Celery's message protocols 1 and 2, JSON or msgpack only),
+and refuses what cannot be a job (too large, undecodable, a content type other than json/msgpack, no usable job id,
+a Celery canvas that breaks its bounds or names what an operator did not allow: ``workers/canvas_rules.py``) with a
+typed error recorded under its job id, logging the id and the reason only, never its body (``refuse``). A readable
+message goes on to the worker's ``deliver``. The functions read a message's fields: a job id embedq can key records
+by (:func:`_job_id_ok`) and its ``expires`` as a deadline (:func:`deadline_of`, :func:`expires_iso`).
 """
 
 from __future__ import annotations
@@ -27,20 +25,25 @@ from embedq.protocol import MAX_DEADLINE_SECONDS
 from embedq.results import ResultStore
 from embedq.settings import Settings
 from embedq.workers.canvas_rules import CanvasRules
-from embedq.workers.service import EmbeddingService
 
 log = logging.getLogger(__name__)
 
 MAX_JOB_ID = 256  # characters: a longer "id" header names no job embedq would have sent (its ids are UUIDs)
 
 
-class Messages:
-    """Read a task message into a request, or refuse it; mixed into the worker, whose state it uses."""
+class MessageReader:
+    """Read a task message into a request, or refuse it.
 
-    settings: Settings
-    service: EmbeddingService | None
-    canvas_rules: CanvasRules
-    deliver: Callable[[Any, Any, Any, Any, TaskSpec], None]
+    Handed the worker's settings and canvas rules, where a readable message goes (``deliver``: request, args,
+    kwargs, message, the kind's spec) and what counts a refusal (``refused``: its error); the worker gives it the
+    result store its refusals are recorded in once it is on its Celery app (``store``)."""
+
+    def __init__(self, settings: Settings, canvas_rules: CanvasRules,
+                 deliver: Callable[[Any, Any, Any, Any, TaskSpec], None],
+                 refused: Callable[[errors.EmbedqError], None]) -> None:
+        self.settings, self.canvas_rules = settings, canvas_rules
+        self.deliver, self.refused = deliver, refused
+        self.store: ResultStore | None = None
 
     def receive(self, task: Task, app: Celery, message: Any, body: Any, ack: Any, reject: Any, Req: Any,
                 hostname: str, eventer: Any, connection_errors: Any) -> None:
@@ -88,12 +91,11 @@ class Messages:
         log.warning("refused message %s: %s", task_id if _job_id_ok(task_id) else "(no id)", error.message)
         if _job_id_ok(task_id):
             try:
-                ResultStore(task.app).store(task_id, error)
+                assert self.store is not None, "the worker gives its reader the result store on its app"
+                self.store.store(task_id, error)
             except Exception as exc:  # the broker is away (or the record cannot be written): the log says so
                 log.warning("could not store the refusal of %s (%s)", task_id, type(exc).__name__)
-        if self.service is not None:  # texts unknown: the message could not be read as a job
-            self.service.count_received(0)
-            self.service.count_failure(error.code, 0)
+        self.refused(error)
         message.ack()
 
 
