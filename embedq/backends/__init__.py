@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from embedq import errors
-from embedq.backends.base import Backend, Encoded, ModelInfo, Prepared, Tokenized, postprocess
+from embedq.backends.base import Backend, Encoded, ModelInfo, Prepared, RuntimeFacts, Tokenized, postprocess
 
 if TYPE_CHECKING:  # pragma: no cover
     from embedq.backends.dense import DenseBackend
 
-__all__ = ["Backend", "DenseBackend", "Encoded", "ModelInfo", "Prepared", "Tokenized", "load_backend", "postprocess",
-           "resolve_model_path"]
+__all__ = ["Backend", "DenseBackend", "Encoded", "ModelInfo", "Prepared", "RuntimeFacts", "Tokenized", "load_backend",
+           "postprocess", "resolve_model_path"]
 
 #: Model ids shipped with embedq's dependencies (lower case), mapped to the package holding them.
 _BUNDLED = {
@@ -60,7 +60,7 @@ def load_backend(
     online_tokens: int = 256,
     pooling: str | None = None,
     trust_remote_code: bool = False,
-    on_runtime_chosen: Callable[[str], None] | None = None,
+    on_runtime_chosen: Callable[[RuntimeFacts], None] | None = None,
     plugin_kinds: Sequence[Any] = (),
     allow_fake: bool = False,
 ) -> Backend:

@@ -51,6 +51,22 @@ class ModelInfo:
     labels: tuple[str, ...] = ()  # classifiers: the label of each logit (``id2label``)
 
 
+@dataclass(frozen=True)
+class RuntimeFacts:
+    """What a worker needs to know of the runtime that runs a backend's forward pass, as the backend reports it
+    (:meth:`Backend.runtime_facts`): no runtime is tested by name outside this subpackage."""
+
+    name: str  # the runtime (``ModelInfo.linear_kernel``): "torch", "onednn", "onnxruntime"; "none": no model
+    #: what ``memory_policy=auto`` settles on (workers/memory.py): ``trim`` where the runtime keeps its activations
+    #: in an arena of its own that it reuses batch after batch, ``mmap`` where they come from malloc
+    auto_memory_policy: str = "mmap"
+    #: the runtime runs the forward pass on a thread pool of its own (PyTorch's threads only compete with it)
+    own_threads: bool = False
+    #: where this runtime runs the graph whole: the layered runtime preemptible bulk micro-batches run on instead
+    #: (None: every micro-batch runs on this one)
+    bulk_runtime: str | None = None
+
+
 @dataclass
 class Encoded:
     """One item as the model takes it: token ids (special tokens included, no padding), segment ids for
@@ -97,11 +113,13 @@ class Head(ABC):
 
 
 class Backend(ABC):
-    info: ModelInfo
     #: padded backends cost ``longest × count`` per batch, unpadded ones ``sum`` of lengths.
     is_padded: bool = True
     #: a lower token budget than the worker's, when a head's tensors grow with it (SPLADE's vocabulary logits)
     max_batch_tokens: int | None = None
+
+    def __init__(self, info: ModelInfo) -> None:
+        self.info = info
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -159,6 +177,15 @@ class Backend(ABC):
         """While inside, ``callback()`` runs before each layer of a forward pass on this thread (not inside
         forward passes it starts itself); yields whether it does (see :meth:`preemption_blocker`)."""
         return contextlib.nullcontext(False)
+
+    def runtime_facts(self) -> RuntimeFacts:
+        """What the worker needs to know of the runtime this backend runs its forward pass on."""
+        return RuntimeFacts(self.info.linear_kernel)
+
+    def start_serving(self, *, preempt: bool) -> None:
+        """Called once, after the load and before the first micro-batch, with whether the worker will preempt bulk
+        micro-batches between layers: the backend settles its threads for how it will serve. Here, nothing to settle."""
+        return None
 
     def health(self) -> dict[str, Any]:
         return {"model": self.info.model_id, "device": self.info.device, "dtype": self.info.dtype,

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from embedq import errors
-from embedq.backends.base import Encoded, Head, ModelInfo, Prepared
+from embedq.backends.base import Encoded, Head, ModelInfo, Prepared, RuntimeFacts
 from embedq.backends.encoder import Encoder
 from embedq.backends.folder import CLASSIFY
 from embedq.backends.kernels import LinearKernel
@@ -110,7 +110,7 @@ def load_classifier(folder: Path, transformer_dir: Path, st_config: dict[str, An
                     *, model_id: str, device: str = "cpu", dtype: str = "float32", torch_threads: int | None = None,
                     linear_kernel: LinearKernel = "auto", batch_tokens: int = 2048,
                     online_tokens: int = 256, trust_remote_code: bool = False,
-                    on_runtime_chosen: Callable[[str], None] | None = None) -> ModelBackend:
+                    on_runtime_chosen: Callable[[RuntimeFacts], None] | None = None) -> ModelBackend:
     if len(modules) > 1:
         raise errors.UnsupportedModel(
             f"a sequence-classification Transformer followed by {[k for k, _ in modules[1:]]} is not supported")

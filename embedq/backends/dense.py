@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from embedq import errors
-from embedq.backends.base import Encoded, Head, ModelInfo, Prepared, Tokenized, postprocess
+from embedq.backends.base import Encoded, Head, ModelInfo, Prepared, RuntimeFacts, Tokenized, postprocess
 from embedq.backends.encoder import Encoder
 from embedq.backends.folder import FEATURES
 from embedq.backends.hybrid import is_m3_folder, m3_heads
@@ -149,7 +149,7 @@ class DenseBackend(ModelBackend):
                  dtype: str = "float32", torch_threads: int | None = None,
                  linear_kernel: LinearKernel = "auto", batch_tokens: int = 2048, online_tokens: int = 256,
                  pooling: str | None = None, trust_remote_code: bool = False,
-                 on_runtime_chosen: Callable[[str], None] | None = None) -> None:
+                 on_runtime_chosen: Callable[[RuntimeFacts], None] | None = None) -> None:
         if pooling is not None and pooling not in POOLING_MODES:
             raise errors.InvalidOption(f"pooling must be one of {POOLING_MODES}, not {pooling!r}")
         folder = Path(path).resolve()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from embedq import errors
+from embedq.backends.base import RuntimeFacts
 from embedq.backends.folder import CLASSIFY, FEATURES, FILL_MASK
 from embedq.backends.kernels import LinearKernel
 from embedq.backends.model import ModelBackend, model_task, read_modules
@@ -23,7 +24,7 @@ def load_model(path: Path, *, model_id: str, device: str = "cpu", dtype: str = "
                torch_threads: int | None = None, linear_kernel: LinearKernel = "auto", batch_tokens: int = 2048,
                online_tokens: int = 256, pooling: str | None = None,
                trust_remote_code: bool = False,
-               on_runtime_chosen: Callable[[str], None] | None = None) -> ModelBackend:
+               on_runtime_chosen: Callable[[RuntimeFacts], None] | None = None) -> ModelBackend:
     """Load the folder at ``path`` with the heads it calls for. ``pooling``: ``"splade"`` serves a bare masked-LM
     folder as a SPLADE model; a dense mode (``cls``, ``mean``, ``lasttoken``, ...) overrides an embedding model's
     own pooling (TEI's ``--pooling``), which its fingerprint then names. ``trust_remote_code``: run the model's own

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from embedq import errors
-from embedq.backends.base import Encoded, Head, ModelInfo, Prepared
+from embedq.backends.base import Encoded, Head, ModelInfo, Prepared, RuntimeFacts
 from embedq.backends.encoder import DTYPES, Encoder
 from embedq.backends.folder import FILL_MASK
 from embedq.backends.kernels import LinearKernel
@@ -173,7 +173,7 @@ def load_sparse(folder: Path, transformer_dir: Path, st_config: dict[str, Any], 
                 *, model_id: str, device: str = "cpu", dtype: str = "float32", torch_threads: int | None = None,
                 linear_kernel: LinearKernel = "auto", batch_tokens: int = 2048,
                 online_tokens: int = 256, trust_remote_code: bool = False,
-                on_runtime_chosen: Callable[[str], None] | None = None) -> ModelBackend:
+                on_runtime_chosen: Callable[[RuntimeFacts], None] | None = None) -> ModelBackend:
     strategy, activation = splade_config(modules)
     check_modality(st_config, "logits")
     if st_config.get("module_output_name", "token_embeddings") != "token_embeddings":
