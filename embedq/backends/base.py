@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
 from embedq import errors
 from embedq.protocol import Fingerprint, encode_result
+from embedq.settings import BackendSettings
 from embedq.version import __version__
 
 
@@ -190,6 +192,21 @@ class Backend(ABC):
     def health(self) -> dict[str, Any]:
         return {"model": self.info.model_id, "device": self.info.device, "dtype": self.info.dtype,
                 "linear_kernel": self.info.linear_kernel, "kinds": list(self.info.kinds)}
+
+
+def backend_settings(settings: BackendSettings | None, overrides: dict[str, Any]) -> BackendSettings:
+    """``settings`` (default: :class:`~embedq.settings.BackendSettings`' defaults) with the fields named in
+    ``overrides`` replaced; a value it refuses is :class:`~embedq.errors.InvalidOption`, a name it lacks a TypeError."""
+    unknown = sorted(set(overrides) - set(BackendSettings.model_fields))
+    if unknown:
+        raise TypeError(f"unknown backend settings {unknown} (known: {sorted(BackendSettings.model_fields)})")
+    base = settings or BackendSettings()
+    if not overrides:
+        return base
+    try:
+        return BackendSettings.model_validate({**base.model_dump(), **overrides})
+    except ValidationError as exc:
+        raise errors.InvalidOption(f"invalid backend settings: {exc}") from exc
 
 
 def row_is_finite(row: Any) -> bool:

@@ -35,9 +35,10 @@ from embedq.backends.folder import (
     clean_kwargs,
     weights_sha256,
 )
-from embedq.backends.kernels import LinearKernel, pack_linears, swaps_generation
+from embedq.backends.kernels import pack_linears, swaps_generation
 from embedq.backends.runtime import LAYERED, Candidate, check, choose, facts
 from embedq.backends.tokenizing import Tokenization, lowercase
+from embedq.settings import BackendSettings
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +70,12 @@ def attention_kernels(device: torch.device) -> Any:
 class Encoder(Tokenization):
     """A transformer folder loaded for inference: tokenizer, model, padding and the forward pass."""
 
-    def __init__(self, folder: Path, st_config: dict[str, Any], *, task: str = FEATURES, device: str = "cpu",
-                 dtype: str = "float32", torch_threads: int | None = None,
-                 linear_kernel: LinearKernel = "auto", allow_chat_template: bool = False,
-                 batch_tokens: int = 2048, online_tokens: int = 256, trust_remote_code: bool = False,
+    def __init__(self, folder: Path, st_config: dict[str, Any], settings: BackendSettings, *, task: str = FEATURES,
+                 allow_chat_template: bool = False,
                  on_runtime_chosen: Callable[[RuntimeFacts], None] | None = None) -> None:
+        device, dtype, torch_threads = settings.device, settings.dtype, settings.torch_threads
+        linear_kernel, trust_remote_code = settings.linear_kernel, settings.trust_remote_code
+        batch_tokens, online_tokens = settings.batch_tokens, settings.online_tokens
         from transformers import (
             AutoConfig,
             AutoModel,

@@ -26,14 +26,11 @@ def load_model(settings: Settings, *, device: str | None = None) -> tuple[Any, s
     from embedq.backends import load_backend
 
     t0 = time.perf_counter()
-    backend = load_backend(
-        settings.model, device=device or settings.device, dtype=settings.dtype, torch_threads=settings.torch_threads,
-        linear_kernel=settings.linear_kernel, batch_tokens=settings.batch_tokens,
-        online_tokens=settings.online_tokens, pooling=settings.pooling,
-        trust_remote_code=settings.trust_remote_code,
-        on_runtime_chosen=partial(memory.settle, settings.memory_policy),
-        plugin_kinds=load_plugins(settings.kind_plugins), allow_fake=settings.allow_fake_backend,
-    )
+    options = settings.backend()
+    if device is not None:
+        options = options.model_copy(update={"device": device})
+    backend = load_backend(settings.model, options, on_runtime_chosen=partial(memory.settle, settings.memory_policy),
+                           plugin_kinds=load_plugins(settings.kind_plugins))
     seconds = time.perf_counter() - t0
     log.info("loaded %s on %s (%s, runtime %s) in %.1fs", backend.info.model_id, backend.info.device,
              backend.info.dtype, backend.info.linear_kernel, seconds)
