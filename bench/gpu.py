@@ -134,8 +134,7 @@ def backend_row(folder: Path, texts: list[str], device: str, dtype: str, job_siz
     from embedq.workers.service import EmbeddingService
 
     settings = Settings(model=str(folder), device=device, dtype=dtype)
-    backend = load_backend(str(folder), device=device, dtype=dtype, torch_threads=settings.torch_threads,
-                           batch_tokens=settings.batch_tokens, online_tokens=settings.online_tokens)
+    backend = load_backend(str(folder), settings.backend())
     finished = threading.Semaphore(0)
     failures: list[Any] = []
 

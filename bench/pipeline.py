@@ -371,9 +371,8 @@ def backend_floor(corpus: Path, n: int) -> dict[str, Any]:
     from embedq.backends import load_backend
     from embedq.protocol import EmbedOptions
 
-    backend = load_backend(str(MODEL_DIR), torch_threads=settings.torch_threads, linear_kernel=settings.linear_kernel,
-                           batch_tokens=settings.batch_tokens, online_tokens=settings.online_tokens)
-    policy = memory.settle(settings.memory_policy, backend.info.linear_kernel)
+    backend = load_backend(str(MODEL_DIR), settings.backend())
+    policy = memory.settle(settings.memory_policy, backend.runtime_facts())
     items = [item for text in load_texts(corpus, n) for item in backend.prepare("embed", [text], EmbedOptions()).items]
     batches = budget_batches(items, lambda item: len(item.ids), settings.batch_tokens)
     for batch in batches[:8]:  # warm-up

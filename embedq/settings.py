@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -38,6 +38,25 @@ def model_slug(model: str) -> str:
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 Pooling = Literal["splade", "cls", "mean", "max", "lasttoken", "weightedmean", "mean_sqrt_len_tokens"]
+LinearKernel = Literal["auto", "onednn", "torch", "onnxruntime"]
+
+
+class BackendSettings(BaseModel):
+    """What loading a model takes (``embedq.backends.load_backend``), as one object passed whole: the settings of
+    :class:`Settings` of the same names (:meth:`Settings.backend`), ``batch_tokens`` and ``online_tokens`` as the
+    worker resolves them for its device. Their meanings are the descriptions of :class:`Settings`' fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    device: str = "cpu"
+    dtype: Dtype = "float32"
+    torch_threads: int | None = Field(default=None, ge=1)
+    linear_kernel: LinearKernel = "auto"
+    batch_tokens: int = Field(default=2048, ge=1)  # the runtime tuner times micro-batches of this many tokens
+    online_tokens: int = Field(default=256, ge=1)  # ... and online ones of this many
+    pooling: Pooling | None = None
+    trust_remote_code: bool = False
+    allow_fake_backend: bool = False
 
 
 class Settings(BaseSettings):
@@ -279,7 +298,7 @@ class Settings(BaseSettings):
         "(`worker_processes` of them) receive, check, tokenize, encode, store and acknowledge. False: each worker "
         "process is a whole worker (replicas).",
     )
-    linear_kernel: Literal["auto", "onednn", "torch", "onnxruntime"] = Field(
+    linear_kernel: LinearKernel = Field(
         default="auto",
         description="The runtime of the model's forward pass on CPU. auto: the worker times torch, onednn and "
         "onnxruntime on micro-batches like its own at load and keeps the fastest of those that reproduce "
@@ -384,6 +403,10 @@ class Settings(BaseSettings):
         if self.online_batch_tokens is not None:
             return min(self.online_batch_tokens, self.batch_tokens)
         return min(4096 if self.device.startswith("cuda") else 256, self.batch_tokens)
+
+    def backend(self) -> BackendSettings:
+        """The settings loading the model takes, as one object (``load_backend`` takes it whole)."""
+        return BackendSettings.model_validate(self, from_attributes=True)
 
     @property
     def queue_name(self) -> str:

@@ -32,7 +32,7 @@ def _run(backend: FakeBackend, batches: list[list], options: EmbedOptions) -> np
 
 
 def test_vectors_depend_on_the_text_alone_and_options_work():
-    backend = load_backend("embedq-fake", allow_fake=True)
+    backend = load_backend("embedq-fake", allow_fake_backend=True)
     texts = ["Hello, world", "another text", "x " * 400, "Hello, world"]
     together = _run(backend, [texts], EmbedOptions.parse({}))
     apart = _run(backend, [[t] for t in reversed(texts)], EmbedOptions.parse({}))[::-1]
@@ -50,7 +50,7 @@ def test_vectors_depend_on_the_text_alone_and_options_work():
 
 
 def test_its_name_chooses_the_dimension_and_embed_all_returns_each_tokens_row():
-    backend = load_backend("embedq-fake-384", allow_fake=True)
+    backend = load_backend("embedq-fake-384", allow_fake_backend=True)
     assert backend.info.dimension == 384 and backend.kinds == ("embed", "embed_all")
     texts = ["Hello, world", "another text"]
     assert _run(backend, [texts], EmbedOptions.parse({})).shape == (2, 384)
@@ -67,7 +67,7 @@ def test_its_name_chooses_the_dimension_and_embed_all_returns_each_tokens_row():
     assert np.allclose(mean, together[:5].mean(axis=0), atol=1e-6)
     for name in ("embedq-fake-0", "embedq-fake-99999"):
         with pytest.raises(errors.UnknownModel, match="dimension"):
-            load_backend(name, allow_fake=True)
+            load_backend(name, allow_fake_backend=True)
     with pytest.raises(errors.UnknownModel, match="EMBEDQ_ALLOW_FAKE_BACKEND"):
         load_backend("embedq-fake-384")
 
@@ -75,9 +75,31 @@ def test_its_name_chooses_the_dimension_and_embed_all_returns_each_tokens_row():
 def test_it_is_refused_unless_allowed_and_imports_no_torch():
     with pytest.raises(errors.UnknownModel, match="EMBEDQ_ALLOW_FAKE_BACKEND"):
         load_backend("embedq-fake")
-    code = ("import sys; from embedq.backends import load_backend; load_backend('embedq-fake', allow_fake=True); "
+    code = ("import sys; from embedq.backends import load_backend; "
+            "load_backend('embedq-fake', allow_fake_backend=True); "
             "sys.exit(1 if 'torch' in sys.modules or 'transformers' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode == 0
+
+
+def test_the_backend_settings_are_one_object_from_the_same_variables(monkeypatch):
+    """``Settings.backend()`` reads the EMBEDQ_* variables a backend loads with (names and meanings kept, the token
+    budgets resolved for the device) into one object ``load_backend`` takes whole; a keyword replaces one field, a
+    value it refuses is ``InvalidOption``, a name it lacks a TypeError."""
+    for name, value in {"DEVICE": "cuda:1", "DTYPE": "bfloat16", "TORCH_THREADS": "3", "LINEAR_KERNEL": "onednn",
+                        "ONLINE_BATCH_TOKENS": "512", "POOLING": "last-token", "TRUST_REMOTE_CODE": "true",
+                        "ALLOW_FAKE_BACKEND": "true"}.items():
+        monkeypatch.setenv(f"EMBEDQ_{name}", value)
+    options = Settings().backend()
+    assert options.model_dump() == {"device": "cuda:1", "dtype": "bfloat16", "torch_threads": 3,
+                                    "linear_kernel": "onednn", "batch_tokens": 16384, "online_tokens": 512,
+                                    "pooling": "lasttoken", "trust_remote_code": True, "allow_fake_backend": True}
+    assert isinstance(load_backend("embedq-fake", options), FakeBackend)
+    with pytest.raises(errors.UnknownModel, match="EMBEDQ_ALLOW_FAKE_BACKEND"):
+        load_backend("embedq-fake", options, allow_fake_backend=False)
+    with pytest.raises(errors.InvalidOption, match="pooling"):
+        load_backend("embedq-fake", options, pooling="median")
+    with pytest.raises(TypeError, match="allow_fake"):
+        load_backend("embedq-fake", options, allow_fake=True)
 
 
 @pytest.mark.integration

@@ -162,6 +162,41 @@ def test_c_onnx_runtime_keeps_a_layered_runtime_for_bulk_batches(families, corpu
     assert min(cosine) >= 0.99999  # either runtime is within the fidelity bar of the other
 
 
+def test_c_the_backend_reports_its_runtime_facts(families, monkeypatch):
+    """What the worker decides by the runtime it reads from the backend (no runtime name tested in workers/): ONNX
+    Runtime settles ``memory_policy=auto`` on ``trim`` and leaves PyTorch one thread unless a layered runtime runs
+    preemptible bulk batches (then named for ``embedq status``); PyTorch's kernels settle on ``mmap``, keep theirs."""
+    import torch
+
+    from embedq.workers import memory
+
+    monkeypatch.setattr(memory, "_mallopt", lambda *args: None)  # this test process keeps its malloc settings
+    folder = families["minilm"][0]
+    threads = torch.get_num_threads()
+    try:
+        ort = load_backend(folder, linear_kernel="onnxruntime")
+        facts = ort.runtime_facts()
+        assert (facts.name, facts.auto_memory_policy, facts.own_threads, facts.bulk_runtime) == \
+            ("onnxruntime", "trim", True, None)
+        assert memory.settle("auto", facts) == "trim" and memory.settle("mmap", facts) == "mmap"
+        ort.start_serving(preempt=True)  # no layered runtime: ONNX Runtime runs everything
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(threads)
+        assert ort.encoder.layered_for_bulk("torch") and ort.runtime_facts().bulk_runtime == "torch"
+        ort.start_serving(preempt=True)  # PyTorch's layers run the bulk batches: its threads stay
+        assert torch.get_num_threads() == threads
+        ort.start_serving(preempt=False)  # ... unless nothing is preempted
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(threads)
+        plain = load_backend(folder, linear_kernel="torch")
+        assert plain.runtime_facts() == type(facts)("torch")
+        assert memory.settle("auto", plain.runtime_facts()) == "mmap"
+        plain.start_serving(preempt=False)
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_layered_runtime_for_bulk_is_chosen_by_the_measurements():
     from embedq.backends.runtime import PREEMPT_KEEP, Choice, Trial, preemptible_alternative
 

@@ -7,13 +7,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from embedq import errors
-from embedq.backends.base import Backend, Encoded, ModelInfo, Prepared, Tokenized, postprocess
+from embedq.backends.base import (
+    Backend,
+    Encoded,
+    ModelInfo,
+    Prepared,
+    RuntimeFacts,
+    Tokenized,
+    backend_settings,
+    postprocess,
+)
+from embedq.settings import BackendSettings
 
 if TYPE_CHECKING:  # pragma: no cover
     from embedq.backends.dense import DenseBackend
 
-__all__ = ["Backend", "DenseBackend", "Encoded", "ModelInfo", "Prepared", "Tokenized", "load_backend", "postprocess",
-           "resolve_model_path"]
+__all__ = ["Backend", "BackendSettings", "DenseBackend", "Encoded", "ModelInfo", "Prepared", "RuntimeFacts",
+           "Tokenized", "load_backend", "postprocess", "resolve_model_path"]
 
 #: Model ids shipped with embedq's dependencies (lower case), mapped to the package holding them.
 _BUNDLED = {
@@ -49,46 +59,34 @@ def resolve_model_path(model: str) -> Path:
     )
 
 
-def load_backend(
-    model: str,
-    *,
-    device: str = "cpu",
-    dtype: str = "float32",
-    torch_threads: int | None = None,
-    linear_kernel: str = "auto",
-    batch_tokens: int = 2048,
-    online_tokens: int = 256,
-    pooling: str | None = None,
-    trust_remote_code: bool = False,
-    on_runtime_chosen: Callable[[str], None] | None = None,
-    plugin_kinds: Sequence[Any] = (),
-    allow_fake: bool = False,
-) -> Backend:
+def load_backend(model: str, settings: BackendSettings | None = None, *,
+                 on_runtime_chosen: Callable[[RuntimeFacts], None] | None = None, plugin_kinds: Sequence[Any] = (),
+                 **overrides: Any) -> Backend:
     """Load ``model`` (an id or a local folder) with the heads its folder calls for (embed, rerank/predict;
-    every model tokenizes; SPLADE: embed_sparse): see :mod:`embedq.backends.loader`. ``linear_kernel="auto"`` on a
-    CPU times the runtimes on micro-batches of ``batch_tokens`` (and ``online_tokens``) and keeps the fastest
-    faithful one (:mod:`embedq.backends.runtime`), then calls ``on_runtime_chosen`` with its name, before the
-    duels (:func:`embedq.backends.runtime.choose`). ``plugin_kinds``: kinds from plugins
-    (:func:`embedq.kinds.load_plugins`) whose heads this backend also serves (``TaskSpec.head``). ``embedq-fake``
-    (or ``embedq-fake-<dimension>``) is the tests' deterministic fake model (:mod:`embedq.backends.fake`), loaded only
-    with ``allow_fake``."""
+    every model tokenizes; SPLADE: embed_sparse): see :mod:`embedq.backends.loader`. ``settings``: what loading takes,
+    whole (a worker's: ``Settings.backend()``; default: their defaults), with any of its fields replaced by a keyword
+    of the same name (``load_backend(path, linear_kernel="torch")``). ``linear_kernel="auto"`` on a CPU times the
+    runtimes on micro-batches of ``batch_tokens`` (and ``online_tokens``) and keeps the fastest faithful one
+    (:mod:`embedq.backends.runtime`), then calls ``on_runtime_chosen`` with its facts, before the duels
+    (:func:`embedq.backends.runtime.choose`). ``plugin_kinds``: kinds from plugins (:func:`embedq.kinds.load_plugins`)
+    whose heads this backend also serves (``TaskSpec.head``). ``embedq-fake`` (or ``embedq-fake-<dimension>``) is the
+    tests' deterministic fake model (:mod:`embedq.backends.fake`), loaded only with ``allow_fake_backend``."""
     from embedq.backends.fake import FAKE_MODEL, FakeBackend, fake_dimension
 
+    settings = backend_settings(settings, overrides)
     if isinstance(model, str) and fake_dimension(model) is not None:
-        if not allow_fake:
+        if not settings.allow_fake_backend:
             raise errors.UnknownModel(f"{FAKE_MODEL!r} is the tests' fake model (vectors from a hash of the token "
                                       "ids): it serves only with EMBEDQ_ALLOW_FAKE_BACKEND=true")
         return FakeBackend(model)
     path = resolve_model_path(model)
-    if device == "cpu":
+    if settings.device == "cpu":
         from embedq.backends.cpu import guard_amx
 
         guard_amx()  # before anything runs oneDNN in this process
     from embedq.backends.loader import load_model
 
-    backend = load_model(path, model_id=model, device=device, dtype=dtype, torch_threads=torch_threads,
-                         linear_kernel=linear_kernel, batch_tokens=batch_tokens, online_tokens=online_tokens,
-                         pooling=pooling, trust_remote_code=trust_remote_code, on_runtime_chosen=on_runtime_chosen)
+    backend = load_model(path, settings, model_id=model, on_runtime_chosen=on_runtime_chosen)
     backend.add_plugin_heads(plugin_kinds)
     return backend
 

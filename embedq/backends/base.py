@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
 from embedq import errors
 from embedq.protocol import Fingerprint, encode_result
+from embedq.settings import BackendSettings
 from embedq.version import __version__
 
 
@@ -49,6 +51,22 @@ class ModelInfo:
     runtime_choice: str = ""  # how linear_kernel=auto chose it (candidates, timings); "" when it was forced
     kinds: tuple[str, ...] = ("embed", "tokenize", "decode")  # the job kinds this model serves
     labels: tuple[str, ...] = ()  # classifiers: the label of each logit (``id2label``)
+
+
+@dataclass(frozen=True)
+class RuntimeFacts:
+    """What a worker needs to know of the runtime that runs a backend's forward pass, as the backend reports it
+    (:meth:`Backend.runtime_facts`): no runtime is tested by name outside this subpackage."""
+
+    name: str  # the runtime (``ModelInfo.linear_kernel``): "torch", "onednn", "onnxruntime"; "none": no model
+    #: what ``memory_policy=auto`` settles on (workers/memory.py): ``trim`` where the runtime keeps its activations
+    #: in an arena of its own that it reuses batch after batch, ``mmap`` where they come from malloc
+    auto_memory_policy: str = "mmap"
+    #: the runtime runs the forward pass on a thread pool of its own (PyTorch's threads only compete with it)
+    own_threads: bool = False
+    #: where this runtime runs the graph whole: the layered runtime preemptible bulk micro-batches run on instead
+    #: (None: every micro-batch runs on this one)
+    bulk_runtime: str | None = None
 
 
 @dataclass
@@ -97,11 +115,13 @@ class Head(ABC):
 
 
 class Backend(ABC):
-    info: ModelInfo
     #: padded backends cost ``longest × count`` per batch, unpadded ones ``sum`` of lengths.
     is_padded: bool = True
     #: a lower token budget than the worker's, when a head's tensors grow with it (SPLADE's vocabulary logits)
     max_batch_tokens: int | None = None
+
+    def __init__(self, info: ModelInfo) -> None:
+        self.info = info
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -160,9 +180,33 @@ class Backend(ABC):
         forward passes it starts itself); yields whether it does (see :meth:`preemption_blocker`)."""
         return contextlib.nullcontext(False)
 
+    def runtime_facts(self) -> RuntimeFacts:
+        """What the worker needs to know of the runtime this backend runs its forward pass on."""
+        return RuntimeFacts(self.info.linear_kernel)
+
+    def start_serving(self, *, preempt: bool) -> None:
+        """Called once, after the load and before the first micro-batch, with whether the worker will preempt bulk
+        micro-batches between layers: the backend settles its threads for how it will serve. Here, nothing to settle."""
+        return None
+
     def health(self) -> dict[str, Any]:
         return {"model": self.info.model_id, "device": self.info.device, "dtype": self.info.dtype,
                 "linear_kernel": self.info.linear_kernel, "kinds": list(self.info.kinds)}
+
+
+def backend_settings(settings: BackendSettings | None, overrides: dict[str, Any]) -> BackendSettings:
+    """``settings`` (default: :class:`~embedq.settings.BackendSettings`' defaults) with the fields named in
+    ``overrides`` replaced; a value it refuses is :class:`~embedq.errors.InvalidOption`, a name it lacks a TypeError."""
+    unknown = sorted(set(overrides) - set(BackendSettings.model_fields))
+    if unknown:
+        raise TypeError(f"unknown backend settings {unknown} (known: {sorted(BackendSettings.model_fields)})")
+    base = settings or BackendSettings()
+    if not overrides:
+        return base
+    try:
+        return BackendSettings.model_validate({**base.model_dump(), **overrides})
+    except ValidationError as exc:
+        raise errors.InvalidOption(f"invalid backend settings: {exc}") from exc
 
 
 def row_is_finite(row: Any) -> bool:

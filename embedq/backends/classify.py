@@ -22,14 +22,14 @@ import numpy as np
 import torch
 
 from embedq import errors
-from embedq.backends.base import Encoded, Head, ModelInfo, Prepared
+from embedq.backends.base import Encoded, Head, ModelInfo, Prepared, RuntimeFacts
 from embedq.backends.encoder import Encoder
 from embedq.backends.folder import CLASSIFY
-from embedq.backends.kernels import LinearKernel
 from embedq.backends.model import ModelBackend, base_info, check_modality
 from embedq.backends.modules import activation, read_json
 from embedq.backends.tokens import TOKENIZER_KINDS, read_prompts, tokenizer_heads
 from embedq.protocol import Fingerprint, encode_result
+from embedq.settings import BackendSettings
 from embedq.version import __version__
 
 
@@ -107,10 +107,8 @@ class ClassifierHead(Head):
 
 
 def load_classifier(folder: Path, transformer_dir: Path, st_config: dict[str, Any], modules: list[tuple[str, Path]],
-                    *, model_id: str, device: str = "cpu", dtype: str = "float32", torch_threads: int | None = None,
-                    linear_kernel: LinearKernel = "auto", batch_tokens: int = 2048,
-                    online_tokens: int = 256, trust_remote_code: bool = False,
-                    on_runtime_chosen: Callable[[str], None] | None = None) -> ModelBackend:
+                    settings: BackendSettings, *, model_id: str,
+                    on_runtime_chosen: Callable[[RuntimeFacts], None] | None = None) -> ModelBackend:
     if len(modules) > 1:
         raise errors.UnsupportedModel(
             f"a sequence-classification Transformer followed by {[k for k, _ in modules[1:]]} is not supported")
@@ -118,10 +116,8 @@ def load_classifier(folder: Path, transformer_dir: Path, st_config: dict[str, An
     if st_config.get("module_output_name", "scores") not in ("scores", "logits"):
         raise errors.UnsupportedModel(
             f"Transformer module_output_name={st_config['module_output_name']!r} is not supported")
-    encoder = Encoder(transformer_dir, st_config, task=CLASSIFY, device=device, dtype=dtype,
-                      torch_threads=torch_threads, linear_kernel=linear_kernel, allow_chat_template=bool(modules),
-                      batch_tokens=batch_tokens, online_tokens=online_tokens,
-                      trust_remote_code=trust_remote_code, on_runtime_chosen=on_runtime_chosen)
+    encoder = Encoder(transformer_dir, st_config, settings, task=CLASSIFY, allow_chat_template=bool(modules),
+                      on_runtime_chosen=on_runtime_chosen)
     config = encoder.config
     num_labels = int(getattr(config, "num_labels", 0) or 0)
     if num_labels < 1:

@@ -18,11 +18,10 @@ import numpy as np
 import torch
 
 from embedq import errors
-from embedq.backends.base import Encoded, Head, ModelInfo, Prepared, Tokenized, postprocess
+from embedq.backends.base import Encoded, Head, ModelInfo, Prepared, RuntimeFacts, Tokenized, postprocess
 from embedq.backends.encoder import Encoder
 from embedq.backends.folder import FEATURES
 from embedq.backends.hybrid import is_m3_folder, m3_heads
-from embedq.backends.kernels import LinearKernel
 from embedq.backends.model import ModelBackend, base_info, check_modality, model_task, read_modules
 from embedq.backends.modules import (
     POOLING_MODES,
@@ -42,6 +41,7 @@ from embedq.backends.tokens import (
     tokenizer_heads,
 )
 from embedq.protocol import Fingerprint, encode_result
+from embedq.settings import BackendSettings
 from embedq.version import __version__
 
 log = logging.getLogger(__name__)
@@ -145,11 +145,10 @@ def _dense_modules(folder: Path) -> tuple[Path, dict[str, Any], PoolingConfig | 
 class DenseBackend(ModelBackend):
     """An embedding model: the encoder with the dense head (``embed``) and the tokenize head."""
 
-    def __init__(self, path: str | Path, *, model_id: str | None = None, device: str = "cpu",
-                 dtype: str = "float32", torch_threads: int | None = None,
-                 linear_kernel: LinearKernel = "auto", batch_tokens: int = 2048, online_tokens: int = 256,
-                 pooling: str | None = None, trust_remote_code: bool = False,
-                 on_runtime_chosen: Callable[[str], None] | None = None) -> None:
+    def __init__(self, path: str | Path, settings: BackendSettings | None = None, *, model_id: str | None = None,
+                 on_runtime_chosen: Callable[[RuntimeFacts], None] | None = None) -> None:
+        settings = settings or BackendSettings()
+        pooling = settings.pooling
         if pooling is not None and pooling not in POOLING_MODES:
             raise errors.InvalidOption(f"pooling must be one of {POOLING_MODES}, not {pooling!r}")
         folder = Path(path).resolve()
@@ -159,10 +158,8 @@ class DenseBackend(ModelBackend):
         if st_config.get("module_output_name", "token_embeddings") != "token_embeddings":
             raise errors.UnsupportedModel(
                 f"Transformer module_output_name={st_config['module_output_name']!r} is not supported")
-        encoder = Encoder(transformer_dir, st_config, task=FEATURES, device=device, dtype=dtype,
-                          torch_threads=torch_threads, linear_kernel=linear_kernel, allow_chat_template=has_modules,
-                          batch_tokens=batch_tokens, online_tokens=online_tokens,
-                          trust_remote_code=trust_remote_code, on_runtime_chosen=on_runtime_chosen)
+        encoder = Encoder(transformer_dir, st_config, settings, task=FEATURES, allow_chat_template=has_modules,
+                          on_runtime_chosen=on_runtime_chosen)
         config = encoder.config
         hidden = getattr(config, "hidden_size", None)
         if pooling_config is None:

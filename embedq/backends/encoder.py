@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import logging
 import threading
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from embedq import errors
-from embedq.backends.base import Encoded
+from embedq.backends.base import Encoded, RuntimeFacts
 from embedq.backends.cutting import Cutter
 from embedq.backends.folder import (
     CLASSIFY,
@@ -34,9 +35,10 @@ from embedq.backends.folder import (
     clean_kwargs,
     weights_sha256,
 )
-from embedq.backends.kernels import LinearKernel, pack_linears, swaps_generation
-from embedq.backends.runtime import LAYERED, Candidate, check, choose
+from embedq.backends.kernels import pack_linears, swaps_generation
+from embedq.backends.runtime import LAYERED, Candidate, check, choose, facts
 from embedq.backends.tokenizing import Tokenization, lowercase
+from embedq.settings import BackendSettings
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +70,12 @@ def attention_kernels(device: torch.device) -> Any:
 class Encoder(Tokenization):
     """A transformer folder loaded for inference: tokenizer, model, padding and the forward pass."""
 
-    def __init__(self, folder: Path, st_config: dict[str, Any], *, task: str = FEATURES, device: str = "cpu",
-                 dtype: str = "float32", torch_threads: int | None = None,
-                 linear_kernel: LinearKernel = "auto", allow_chat_template: bool = False,
-                 batch_tokens: int = 2048, online_tokens: int = 256, trust_remote_code: bool = False,
-                 on_runtime_chosen: Callable[[str], None] | None = None) -> None:
+    def __init__(self, folder: Path, st_config: dict[str, Any], settings: BackendSettings, *, task: str = FEATURES,
+                 allow_chat_template: bool = False,
+                 on_runtime_chosen: Callable[[RuntimeFacts], None] | None = None) -> None:
+        device, dtype, torch_threads = settings.device, settings.dtype, settings.torch_threads
+        linear_kernel, trust_remote_code = settings.linear_kernel, settings.trust_remote_code
+        batch_tokens, online_tokens = settings.batch_tokens, settings.online_tokens
         from transformers import (
             AutoConfig,
             AutoModel,
@@ -230,6 +233,19 @@ class Encoder(Tokenization):
         output = TASK_OUTPUTS[task]
         return load_onnx(self.model, weights=weights_sha256(folder), task=task, names=names, output=output,
                          pad_id=self._pad_id, threads=torch.get_num_threads())
+
+    def runtime_facts(self) -> RuntimeFacts:
+        """What the worker needs to know of the runtime chosen (:data:`~embedq.backends.runtime.FACTS`), with the
+        layered runtime kept for preemptible bulk micro-batches."""
+        return dataclasses.replace(facts(self.linear_kernel), bulk_runtime=self.preempt_runtime)
+
+    def start_serving(self, *, preempt: bool) -> None:
+        """PyTorch keeps one thread where the runtime runs the forward pass on a pool of its own and no layered runtime
+        runs bulk micro-batches: PyTorch is left with the heads' small ops, and its idle OpenMP workers would compete
+        with the runtime's for every core (bench/peers.py on 2 cores: 0.85x the raw ONNX Runtime loop with PyTorch's
+        2 threads, 1.03x with 1)."""
+        if facts(self.linear_kernel).own_threads and (not preempt or self.preemption_blocker() is not None):
+            torch.set_num_threads(1)
 
     # -- inference ------------------------------------------------------------------------------------------
     def layers(self) -> Any:

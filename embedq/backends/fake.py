@@ -77,10 +77,10 @@ class FakeBackend(Backend):
         poison = token_ids(os.environ.get("EMBEDQ_FAKE_POISON") or "")
         self.poison = poison[0] if poison else None
         self.table = np.random.default_rng(0).standard_normal((VOCABULARY, self.dimension)).astype(np.float32)
-        self.info = ModelInfo(
+        super().__init__(ModelInfo(
             model_id=model_id, path="", dimension=self.dimension, max_seq_length=MAX_SEQ_LENGTH,
             pooling="fake-hash", normalizes=True, weights_sha256=hashlib.sha256(self.table.tobytes()).hexdigest(),
-            dtype="float32", device="cpu", linear_kernel="none", kinds=("embed", "embed_all"))
+            dtype="float32", device="cpu", linear_kernel="none", kinds=("embed", "embed_all")))
 
     def _encode(self, item: Any, prompt: str | None, truncate: bool, side: str) -> Encoded:
         if side not in ("right", "left"):

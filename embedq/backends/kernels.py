@@ -15,16 +15,14 @@ swaps anything, and leaves the model untouched otherwise.
 from __future__ import annotations
 
 import logging
-from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from embedq import errors
+from embedq.settings import LinearKernel  # onnxruntime: see onnx.py
 
 log = logging.getLogger(__name__)
-
-LinearKernel = Literal["auto", "onednn", "torch", "onnxruntime"]  # onnxruntime: see onnx.py
 
 #: Largest |Δ| allowed between a packed layer and its nn.Linear on the probe, relative to the output's
 #: scale: fp32 rounding noise, or about two bf16 ulps (bf16 outputs are rounded to 8 mantissa bits).

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from embedq import errors
-from embedq.backends.base import Backend, Encoded, Head, ModelInfo, Prepared
+from embedq.backends.base import Backend, Encoded, Head, ModelInfo, Prepared, RuntimeFacts
 from embedq.backends.encoder import Encoder
 from embedq.backends.folder import CLASSIFY, FEATURES, FILL_MASK, sentence_bert_config, weights_sha256
 from embedq.backends.modules import module_kind, read_json
@@ -30,11 +30,11 @@ class ModelBackend(Backend):
 
     def __init__(self, encoder: Encoder, heads: dict[str, Head], info: ModelInfo,
                  more_heads: Sequence[Head] = ()) -> None:
+        super().__init__(info)
         self.encoder = encoder
         self.heads = heads  # kind -> the head that prepares its jobs
         # every head an item may name (a kind's head may hand its items to variants of itself: BGE-M3's outputs)
         self._by_name = {head.name: head for head in [*heads.values(), *more_heads]}
-        self.info = info
         self.max_seq_length = encoder.max_seq_length
 
     def head_names(self) -> tuple[str, ...]:
@@ -126,6 +126,12 @@ class ModelBackend(Backend):
 
     def between_layers(self, callback: Callable[[], None]) -> ContextManager[bool]:
         return self.encoder.between_layers(callback)
+
+    def runtime_facts(self) -> RuntimeFacts:
+        return self.encoder.runtime_facts()
+
+    def start_serving(self, *, preempt: bool) -> None:
+        self.encoder.start_serving(preempt=preempt)
 
     def health(self) -> dict[str, Any]:
         return {**super().health(), "max_seq_length": self.max_seq_length, "pooling": self.info.pooling}

@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from embedq import errors
-from embedq.backends.base import Encoded
+from embedq.backends.base import Encoded, RuntimeFacts
 from embedq.backends.cpu import cpu_description, cpu_summary
 from embedq.backends.folder import TASK_OUTPUTS
 from embedq.settings import cache_dir
@@ -88,6 +88,11 @@ FIDELITY = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 RUNTIMES = ("torch", "onednn", "onnxruntime")
 #: Runtimes that run PyTorch's layer modules (a forward pass on them can stop between two layers).
 LAYERED = ("torch", "onednn")
+#: What a worker needs to know of each runtime (the encoder reports it: ``Encoder.runtime_facts``). ONNX Runtime keeps
+#: its activations in an arena it reuses batch after batch, so ``memory_policy=auto`` keeps glibc's heap and trims it
+#: (PyTorch's kernels allocate theirs from malloc: ``mmap``), and it runs on a thread pool of its own.
+FACTS = {"torch": RuntimeFacts("torch"), "onednn": RuntimeFacts("onednn"),
+         "onnxruntime": RuntimeFacts("onnxruntime", auto_memory_policy="trim", own_threads=True)}
 #: The least share of the chosen runtime's speed on token-budget batches a layered runtime must keep to run bulk
 #: micro-batches in its place (what issue 18 asks bulk to keep while online traffic is about).
 PREEMPT_KEEP = 0.85
@@ -101,6 +106,11 @@ ONLINE_SHAPES = ((1, 13), (2, 29), (4, 22))
 #: docs/BENCHMARKS.md, CPU section).
 DROP_BEHIND = 1.4
 DROP_AFTER = 2
+
+
+def facts(runtime: str) -> RuntimeFacts:
+    """The facts of ``runtime`` (:data:`FACTS`; a runtime it does not list, a test's candidate, has the defaults)."""
+    return FACTS.get(runtime) or RuntimeFacts(runtime)
 
 
 @dataclass
@@ -414,13 +424,13 @@ def _trial(data: dict[str, Any]) -> Trial:
 
 def choose(encoder: Encoder, *, weights: str, tokens: int = 2048, online_tokens: int = 256,
            extra: Sequence[Candidate] = (), use_cache: bool = True,
-           on_chosen: Callable[[str], None] | None = None) -> tuple[Choice, Candidate]:
+           on_chosen: Callable[[RuntimeFacts], None] | None = None) -> tuple[Choice, Candidate]:
     """Pick the runtime for ``encoder`` (see the module's docstring): (the choice, its candidate, entered).
 
-    ``on_chosen`` is called with the chosen runtime as soon as it is measured, before the duels. The worker settles
-    its memory policy there (workers/memory.settle: ONNX Runtime's heap settings), so the layered runtimes duel under
-    the allocator settings their bulk batches will run under: PyTorch's many temporaries cost a third more under the
-    mmap settings (measured on 2 cores, AVX2: 1.81 s against 1.36 s for the same batches).
+    ``on_chosen`` is called with the chosen runtime's facts (:func:`facts`) as soon as it is measured, before the
+    duels. The worker settles its memory policy there (workers/memory.settle: ONNX Runtime's heap settings), so the
+    layered runtimes duel under the allocator settings their bulk batches will run under: PyTorch's many temporaries
+    cost a third more under the mmap settings (measured on 2 cores, AVX2: 1.81 s against 1.36 s for the same batches).
 
     ``extra`` candidates (tests, experiments) compete with the built-in ones and are never cached."""
     path = cache_root() / f"{cache_key(encoder, weights, tokens)}.json"
@@ -455,7 +465,7 @@ def choose(encoder: Encoder, *, weights: str, tokens: int = 2048, online_tokens:
     trials += unavailable
     runtime = pick(trials)
     if on_chosen is not None:
-        on_chosen(runtime)
+        on_chosen(facts(runtime))
     duels = duel(encoder, candidates, trials, runtime, tokens, online_tokens)
     choice = Choice(runtime, trials, cached=False, path=None if extra else str(path), tokens=real, duels=duels)
     if not extra:

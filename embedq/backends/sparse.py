@@ -26,14 +26,14 @@ import numpy as np
 import torch
 
 from embedq import errors
-from embedq.backends.base import Encoded, Head, ModelInfo, Prepared
+from embedq.backends.base import Encoded, Head, ModelInfo, Prepared, RuntimeFacts
 from embedq.backends.encoder import DTYPES, Encoder
 from embedq.backends.folder import FILL_MASK
-from embedq.backends.kernels import LinearKernel
 from embedq.backends.model import ModelBackend, base_info, check_modality
 from embedq.backends.modules import read_json
 from embedq.backends.tokens import TOKENIZER_KINDS, prepare_texts, read_prompts, tokenizer_heads
 from embedq.protocol import Fingerprint, encode_result
+from embedq.settings import BackendSettings
 from embedq.version import __version__
 
 #: Most bytes a micro-batch's vocabulary logits may take; the token budget is lowered to stay under it
@@ -170,10 +170,8 @@ def splade_config(modules: list[tuple[str, Path]]) -> tuple[str, str]:
 
 
 def load_sparse(folder: Path, transformer_dir: Path, st_config: dict[str, Any], modules: list[tuple[str, Path]],
-                *, model_id: str, device: str = "cpu", dtype: str = "float32", torch_threads: int | None = None,
-                linear_kernel: LinearKernel = "auto", batch_tokens: int = 2048,
-                online_tokens: int = 256, trust_remote_code: bool = False,
-                on_runtime_chosen: Callable[[str], None] | None = None) -> ModelBackend:
+                settings: BackendSettings, *, model_id: str,
+                on_runtime_chosen: Callable[[RuntimeFacts], None] | None = None) -> ModelBackend:
     strategy, activation = splade_config(modules)
     check_modality(st_config, "logits")
     if st_config.get("module_output_name", "token_embeddings") != "token_embeddings":
@@ -182,13 +180,12 @@ def load_sparse(folder: Path, transformer_dir: Path, st_config: dict[str, Any], 
     vocab = int(read_json(transformer_dir / "config.json").get("vocab_size") or 0)
     if vocab < 1:
         raise errors.UnsupportedModel(f"{transformer_dir}: a SPLADE model needs config.json's vocab_size")
-    element = torch.finfo(DTYPES.get(dtype, torch.float32)).bits // 8
+    element = torch.finfo(DTYPES.get(settings.dtype, torch.float32)).bits // 8
     cap = max(1, LOGITS_BYTES // (vocab * element))
-    budget, online = min(batch_tokens, cap), min(online_tokens, cap)
-    encoder = Encoder(transformer_dir, st_config, task=FILL_MASK, device=device, dtype=dtype,
-                      torch_threads=torch_threads, linear_kernel=linear_kernel,
-                      allow_chat_template=bool(modules), batch_tokens=budget, online_tokens=online,
-                      trust_remote_code=trust_remote_code, on_runtime_chosen=on_runtime_chosen)
+    budget, online = min(settings.batch_tokens, cap), min(settings.online_tokens, cap)
+    encoder = Encoder(transformer_dir, st_config, settings.model_copy(update={"batch_tokens": budget,
+                                                                              "online_tokens": online}),
+                      task=FILL_MASK, allow_chat_template=bool(modules), on_runtime_chosen=on_runtime_chosen)
     head = SpladeHead(encoder, strategy, activation)
     prompts, default_prompt_name = read_prompts(folder)
     info = base_info(folder, encoder, model_id=model_id, dimension=vocab, pooling=head.pooling, normalizes=False,
@@ -196,5 +193,5 @@ def load_sparse(folder: Path, transformer_dir: Path, st_config: dict[str, Any], 
                      kinds=("embed_sparse", "embed", *TOKENIZER_KINDS))
     head.info = info
     backend = ModelBackend(encoder, {"embed_sparse": head, "embed": head, **tokenizer_heads(encoder, info)}, info)
-    backend.max_batch_tokens = budget if budget < batch_tokens else None
+    backend.max_batch_tokens = budget if budget < settings.batch_tokens else None
     return backend

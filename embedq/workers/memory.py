@@ -7,7 +7,8 @@ free space in the middle of the heap that glibc keeps: RSS creeps up by tens of 
 
 ``auto`` (default)
     ``mmap`` while the model loads (so the runtime tuner times PyTorch's kernels under the settings they
-    would run with), then ``trim`` if the runtime chosen is ONNX Runtime, else ``mmap``. ONNX Runtime
+    would run with), then what the backend reports for the runtime chosen (``RuntimeFacts.auto_memory_policy``,
+    embedq/backends/runtime.py's ``FACTS``): ``trim`` for ONNX Runtime, else ``mmap``. ONNX Runtime
     keeps its activations in its own arena, which it reuses from batch to batch: RSS stays flat without
     mapping anything per batch (measured under ``bench/load.py``: +0.0 % drift with glibc's malloc as it
     is). PyTorch's kernels allocate their activations from malloc, and only ``mmap`` kept them flat.
@@ -41,7 +42,10 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # pragma: no cover
+    from embedq.backends.base import RuntimeFacts
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +95,12 @@ def configure(policy: MemoryPolicy) -> None:
         _mallopt(HEAP_MMAP_THRESHOLD, HEAP_TRIM_THRESHOLD)
 
 
-def settle(policy: MemoryPolicy, runtime: str) -> MemoryPolicy:
-    """The policy in force once the model is loaded with ``runtime``: ``auto`` becomes ``trim`` for ONNX
-    Runtime and stays ``mmap`` otherwise. Returns the effective policy."""
+def settle(policy: MemoryPolicy, runtime: RuntimeFacts) -> MemoryPolicy:
+    """The policy in force once the model is loaded with ``runtime`` (what its backend reports of it): ``auto``
+    becomes the runtime's ``auto_memory_policy`` (``trim`` or ``mmap``). Returns the effective policy."""
     if policy != "auto":
         return policy
-    if runtime == "onnxruntime":
+    if runtime.auto_memory_policy == "trim":
         _mallopt(HEAP_MMAP_THRESHOLD, HEAP_TRIM_THRESHOLD)
         return "trim"
     return "mmap"

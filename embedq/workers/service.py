@@ -116,7 +116,7 @@ class EmbeddingService:
         """How online micro-batches get ahead of bulk ones on this worker, in words (``embedq status``)."""
         if not self.preemptive:
             return f"off: {self.preemption_blocker}"
-        layered = getattr(getattr(self.backend, "encoder", None), "preempt_runtime", None)
+        layered = self.backend.runtime_facts().bulk_runtime
         return f"between layers (bulk micro-batches on {layered})" if layered else "between layers"
 
     @property
