@@ -1,160 +1,148 @@
-"""Where ``embedq index`` writes: a file output (Parquet, NPY, JSONL; ``sinks.py``) or a database named by a URL.
+"""The scheme table of ``embedq index -o``: which sink writes a URL ``scheme://...`` (anything else is a path: a file
+output, ``files.py``).
 
-``-o`` takes a path or a URL; the URL's scheme picks the database sink, imported only when used, so a producer
-install without the database's client library runs everything else (a missing one is refused naming the extra
-to install). A *target* is what the runner needs before and around a :class:`~embedq.producers.index.sinks.Sink`:
+A :class:`SinkScheme` names a scheme's target class (``contract.py``'s :class:`~.contract.Target`, constructed with
+``(url, config)``), imported only when a URL of it is used, so a producer install without a database's client
+library runs everything else (a missing one is refused naming the extra to install); and the URL form and name the
+CLI's help shows. The built-ins are PostgreSQL with pgvector, LanceDB and Milvus. More come from plugins
+(:func:`load_sinks`), as kinds do (``embedq/kinds.py``): a module named in ``EMBEDQ_SINKS`` (``package.module``, its
+``SINKS`` list, or ``package.module:NAME``, a scheme or a list of them) or an entry point of the group
+``embedq.sinks``, registered with :func:`register_sink`. A URL of a scheme the table does not hold is refused,
+naming those it holds.
 
-* ``check()``: reach the target and check what it holds against the run's options, before any text is embedded
-  (the CLI calls it before it starts a private broker; the runner again, which costs nothing the second time);
-* ``lock()``: one writer per target (a second run on it fails at once);
-* ``open(...)``: the sink, continuing what the target holds (its committed ids), or a new one;
-* ``exists()`` / ``remove()``: a refused run that created the target leaves nothing behind.
-
-A database sink has the file sinks' contract: rows are committed at checkpoints (a commit is one transaction that
-also records the manifest), resumed from the ids the target holds, each id once (the primary key), and the
-embedding-space fingerprint and options are kept beside the data and checked before anything is written. To add a
-database: a module with a ``Target`` class (constructor ``(url, config)``) and a line in :data:`SCHEMES`.
+Light on purpose (no sink, no numpy): the CLI reads the table to build its help.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import importlib
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
-from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
+from typing import TYPE_CHECKING, Any
 
-from embedq import errors
-from embedq.producers.index.sinks import OutputLock, Sink, detect_output_format, open_sink, remove_output
+from embedq import errors, plugins
+
+if TYPE_CHECKING:
+    from embedq.producers.index.sinks.contract import Target
+
+ENTRY_POINT_GROUP = "embedq.sinks"
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 @dataclass(frozen=True)
-class Backend:
-    module: str  # embedq.producers.index.<module>, holding a ``Target`` class
-    extra: str  # the install extra (errors.install_hint)
-    needs: tuple[str, ...]  # the modules the extra installs (checked before the sink module is imported)
+class SinkScheme:
+    """One sink of the table, under its URL scheme and aliases."""
+
+    scheme: str  # the URL's scheme, lower case (``postgresql``)
+    #: the target: "package.module:Class", imported when a URL of the scheme is used, or the class (any callable)
+    #: itself; called with (the URL as given, the run's ``IndexConfig``)
+    target: str | Callable[[str, Any], Target]
+    name: str  # what the help calls it (``pgvector``)
+    example: str  # the URL form the help shows
+    extra: str | None = None  # embedq's install extra that brings ``needs`` (a plugin's: None)
+    needs: tuple[str, ...] = ()  # modules checked before the target is imported (named when one is missing)
+    aliases: tuple[str, ...] = ()  # other schemes of the same sink (``postgres``)
+
+    @property
+    def schemes(self) -> tuple[str, ...]:
+        return (self.scheme, *self.aliases)
+
+    def open_target(self, url: str, config: Any) -> Target:
+        """The target of ``url``, its needs checked first."""
+        for module in self.needs:
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                how = errors.install_hint(self.extra) if self.extra else f"install {module}"
+                what = f"the {self.extra} extra" if self.extra else module
+                raise errors.InvalidOption(f"a {self.scheme}:// output needs {what} ({module} is not installed: "
+                                           f"{exc}); {how}") from None
+        make = self.target
+        if isinstance(make, str):
+            module_name, _, attr = make.partition(":")
+            make = getattr(importlib.import_module(module_name), attr)
+        return make(url, config)
 
 
-#: URL scheme -> the database sink that writes there.
-SCHEMES: dict[str, Backend] = {
-    "postgresql": Backend("pgvector", "pgvector", ("psycopg",)),
-    "postgres": Backend("pgvector", "pgvector", ("psycopg",)),
-    "lancedb": Backend("lancedb", "lancedb", ("lancedb",)),
-    "milvus": Backend("milvus", "milvus", ("pymilvus",)),
-}
+BUILT_IN = (
+    SinkScheme("postgresql", "embedq.producers.index.sinks.pgvector:Target", "pgvector",
+               "postgresql://user@host:5432/db?table=docs", "pgvector", ("psycopg",), aliases=("postgres",)),
+    SinkScheme("lancedb", "embedq.producers.index.sinks.lancedb:Target", "LanceDB",
+               "lancedb:///absolute/path/to/db?table=docs", "lancedb", ("lancedb",)),
+    SinkScheme("milvus", "embedq.producers.index.sinks.milvus:Target", "Milvus",
+               "milvus://host:19530?collection=docs or, Milvus Lite's file, "
+               "milvus:///absolute/path/file.db?collection=docs", "milvus", ("pymilvus",)),
+)
+
+#: Each scheme (and alias) of the table -> its sink.
+SCHEMES: dict[str, SinkScheme] = {}
 
 
-class Target(Protocol):
-    format: str
-
-    def describe(self) -> str: ...
-    def check(self) -> None: ...
-    def lock(self) -> contextlib.AbstractContextManager[Any]: ...
-    def exists(self) -> bool: ...
-    def remove(self) -> None: ...
-    def open(self, *, vector_dtype: str, options: dict[str, Any], shard_rows: int, overwrite: bool) -> Sink: ...
-    def default_errors_path(self) -> Path: ...
-
-
-def is_url(output: str | Path) -> bool:
-    """A database URL (``scheme://...``), not a path."""
-    return isinstance(output, str) and "://" in output and urlsplit(output).scheme.lower() in SCHEMES
-
-
-def mask_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (what logs, errors and the summary show)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = quote(unquote(parts.username or ""), safe="")
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+def register_sink(entry: SinkScheme) -> SinkScheme:
+    """Add a sink to the table (a plugin's, or the built-ins at import). Registering the same one again does nothing;
+    one whose scheme or alias another holds is refused."""
+    if not isinstance(entry, SinkScheme):
+        raise errors.InvalidOption(f"a sink must be an embedq.producers.index.sinks.SinkScheme, got "
+                                   f"{type(entry).__name__}")
+    if not entry.target or not all(_URL.match(f"{s}://") and s == s.lower() for s in entry.schemes):
+        raise errors.InvalidOption(f"sink {entry.name!r}: a scheme is lower-case letters, digits, +, - and ., and "
+                                   "names its target")
+    for scheme in entry.schemes:
+        if scheme in SCHEMES and SCHEMES[scheme] != entry:
+            raise errors.InvalidOption(f"scheme {scheme}:// is already {SCHEMES[scheme].name}'s; {entry.name} "
+                                       "cannot take it")
+    for scheme in entry.schemes:
+        SCHEMES[scheme] = entry
+    return entry
 
 
-def split_param(url: str, name: str) -> tuple[str, str | None]:
-    """``url`` without the query parameter ``name`` (embedq's own, e.g. ``table``), and its value. The other
-    parameters stay, in order, for the database's client (libpq's ``sslmode``, ``application_name``, ...)."""
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    values = [v for k, v in query if k == name]
-    rest = urlencode([(k, v) for k, v in query if k != name])
-    return urlunsplit(parts._replace(query=rest)), (values[-1] if values else None)
+for _entry in BUILT_IN:
+    register_sink(_entry)
 
 
-def database_errors_path(name: str, target: str) -> Path:
-    """Where a database target's failed records go by default: the working folder, never elsewhere, whatever the
-    table or collection is called (``table=/abs/x`` or ``../../x`` included). The file is named after ``name`` made
-    safe (letters, digits, ``_``, ``-`` and single dots; no path separator, no ``..``, no leading dot or dash; at
-    most 64 characters) and a short hash of ``target`` (the URL as shown, password masked: two targets whose names
-    read alike never share a file): ``docs.1f2e3d4c.errors.jsonl``."""
-    safe = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9_.-]+", "_", name)).lstrip(".-")[:64].rstrip(".") or "target"
-    tag = hashlib.sha256(target.encode("utf-8", "surrogatepass")).hexdigest()[:8]
-    return Path.cwd() / f"{safe}.{tag}.errors.jsonl"
+def sink_schemes() -> list[SinkScheme]:
+    """Each sink of the table once, built-ins first."""
+    return list(dict.fromkeys(SCHEMES.values()))
 
 
-def _require(backend: Backend, scheme: str) -> None:
-    for module in backend.needs:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise errors.InvalidOption(
-                f"a {scheme}:// output needs the {backend.extra} extra ({module} is not installed: {exc}); "
-                f"{errors.install_hint(backend.extra)}") from None
+def schemes_help() -> str:
+    """The URL forms ``embedq index -o`` takes, for its help."""
+    forms = [f"{s.example} ({s.name}" + (f", the {s.extra} extra)" if s.extra else ")") for s in sink_schemes()]
+    return "; ".join(forms) + "; or a plugin's scheme (EMBEDQ_SINKS)"
 
 
-class FileTarget:
-    """A Parquet dataset, an NPY matrix or a JSONL file (``sinks.py``)."""
-
-    def __init__(self, path: Path, fmt: str | None = None) -> None:
-        self.path = path
-        self.format = fmt or detect_output_format(path)
-
-    def describe(self) -> str:
-        return str(self.path)
-
-    def check(self) -> None:
-        """Checked when opened (the manifest beside the output)."""
-
-    def check_input(self, input_path: str) -> None:
-        if input_path != "-" and Path(input_path).resolve() == self.path.resolve():
-            raise errors.InvalidOption("the output would overwrite the input")
-
-    def lock(self) -> OutputLock:
-        return OutputLock(self.path)
-
-    def exists(self) -> bool:
-        return self.path.exists()
-
-    def remove(self) -> None:
-        remove_output(self.path, self.format)
-
-    def remove_empty(self) -> None:
-        """A run that wrote no row (every record failed): the output made of nothing goes, its errors file stays."""
-        remove_output(self.path, self.format, keep_errors=True)
-
-    def open(self, *, vector_dtype: Any, options: dict[str, Any], shard_rows: int, overwrite: bool) -> Sink:
-        return open_sink(self.path, self.format, vector_dtype=vector_dtype, options=options, shard_rows=shard_rows,
-                         overwrite=overwrite)
-
-    def default_errors_path(self) -> Path:
-        from embedq.producers.index.sinks import sidecar
-
-        return sidecar(self.path, ".errors.jsonl")
+def load_sinks(paths: Iterable[str] = (), *, entry_point_group: str | None = ENTRY_POINT_GROUP) -> list[SinkScheme]:
+    """Import and register sinks: each of ``paths`` is ``module`` (its ``SINKS`` list) or ``module:NAME`` (a
+    :class:`SinkScheme` or a list of them); then every entry point of ``entry_point_group``. Returns those loaded. A
+    path that cannot be imported or holds no scheme raises :class:`~embedq.errors.InvalidOption` naming it."""
+    loaded = plugins.load(paths, kind=SinkScheme, attr="SINKS", group=entry_point_group, what="sink plugin")
+    for entry in loaded:
+        register_sink(entry)
+    return loaded
 
 
-def output_target(output: str | Path | Any, fmt: str | None = None, config: Any = None) -> Any:
-    """The target ``-o`` names: a database URL (:data:`SCHEMES`) or a path; a target made already is returned."""
+def url_scheme(output: Any) -> str | None:
+    """The scheme of a URL (``scheme://...``, lower case), None for a path."""
+    match = _URL.match(output) if isinstance(output, str) else None
+    return match.group(1).lower() if match else None
+
+
+def output_target(output: str | Path | Target, fmt: str | None = None, config: Any = None) -> Target:
+    """The target ``-o`` names: a URL of a scheme of the table, or a path; a target made already is returned."""
     if not isinstance(output, (str, Path)):
         return output
-    if not is_url(output):
+    scheme = url_scheme(output)
+    if scheme is None:
+        from embedq.producers.index.sinks.files import FileTarget  # numpy and the file sinks: not for the CLI's help
+
         return FileTarget(Path(output), fmt)
-    scheme = urlsplit(str(output)).scheme.lower()
+    entry = SCHEMES.get(scheme)
+    if entry is None:
+        known = ", ".join(f"{s}://" for s in SCHEMES)
+        raise errors.InvalidOption(f"no sink writes {scheme}:// URLs; the schemes are {known} (a plugin's sink: "
+                                   "EMBEDQ_SINKS), and any other output is a file path")
     if fmt is not None and fmt != "parquet":
         raise errors.InvalidOption(f"--output-format {fmt} is for files; a {scheme}:// output is a database")
-    backend = SCHEMES[scheme]
-    _require(backend, scheme)
-    module = importlib.import_module(f"embedq.producers.index.{backend.module}")
-    return module.Target(str(output), config)
+    return entry.open_target(str(output), config)
