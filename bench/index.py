@@ -130,7 +130,7 @@ def sink_main(args: argparse.Namespace, base: dict) -> None:
     """Parquet against pgvector: same texts, same worker, alternating runs; the ANN index build timed apart."""
     import contextlib
 
-    from embedq.producers.index.targets import mask_url, split_param
+    from embedq.producers.index.sinks.urls import mask_url, split_param
 
     n = args.n if args.n_given else 4000
     logdir = Path(os.environ.get("TMPDIR", "/tmp")) / "embedq-bench"

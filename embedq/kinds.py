@@ -21,14 +21,12 @@ the worker, a producer, the gateway, the indexer — loads the same plugins (eac
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any, Literal
 
-from embedq import errors
+from embedq import errors, plugins
 from embedq.protocol import (
     TASK_NAME,
     DecodeOptions,
@@ -357,45 +355,13 @@ def kind_names() -> list[str]:
     return [spec.kind for spec in TASKS.values()]
 
 
-def _specs(value: Any, where: str) -> list[TaskSpec]:
-    if isinstance(value, TaskSpec):
-        return [value]
-    if isinstance(value, (list, tuple)) and all(isinstance(v, TaskSpec) for v in value):
-        return list(value)
-    raise errors.InvalidOption(f"kind plugin {where} holds {type(value).__name__}, not a TaskSpec or a list of them")
-
-
 def load_plugins(paths: Iterable[str] = (), *, entry_point_group: str | None = ENTRY_POINT_GROUP) -> list[TaskSpec]:
     """Import and register kinds: each of ``paths`` is ``module`` (its ``KINDS`` list) or ``module:NAME`` (a spec
     or a list of specs); then every entry point of ``entry_point_group``. Returns the specs loaded. A path that
     cannot be imported or holds no spec raises :class:`~embedq.errors.InvalidOption` naming it."""
-    loaded: list[TaskSpec] = []
-    for path in paths:
-        module_name, _, attr = path.strip().partition(":")
-        if not module_name:
-            continue
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise errors.InvalidOption(f"kind plugin {path!r} cannot be imported: {exc}") from exc
-        attr = attr or "KINDS"
-        if not hasattr(module, attr):
-            raise errors.InvalidOption(f"kind plugin {path!r}: module {module_name} has no {attr}")
-        loaded += _specs(getattr(module, attr), repr(path))
-    if entry_point_group:
-        loaded += _entry_point_specs(entry_point_group)
+    loaded = plugins.load(paths, kind=TaskSpec, attr="KINDS", group=entry_point_group, what="kind plugin")
     for spec in loaded:
         register(spec)
-    return loaded
-
-
-@functools.cache
-def _entry_point_specs(group: str) -> list[TaskSpec]:
-    """The kinds installed packages declare under ``group``, read once per process (scanning every installed
-    distribution's metadata costs milliseconds, and every ``make_app`` loads the plugins)."""
-    loaded: list[TaskSpec] = []
-    for point in entry_points(group=group):
-        loaded += _specs(point.load(), f"entry point {point.name!r}")
     return loaded
 
 

@@ -335,6 +335,13 @@ class Settings(BaseSettings):
         "'embedq.kinds' entry-point group. Every process that meets such a kind (worker, producers, gateway, "
         "indexer) must load the same plugins (docs/ARCHITECTURE.md, Adding a kind).",
     )
+    sinks: str = Field(
+        default="",
+        description="Sinks of `embedq index` from plugins: comma-separated import paths, each 'package.module' (its "
+        "SINKS list) or 'package.module:NAME' (a SinkScheme or a list of them); packages may also declare sinks "
+        "under the 'embedq.sinks' entry-point group. `-o SCHEME://...` then writes through the sink of that scheme "
+        "(embedq/producers/index/sinks/contract.py: the contract it implements).",
+    )
     memory_policy: Literal["auto", "trim", "mmap", "glibc"] = Field(
         default="auto",
         description="How a worker keeps its RSS flat (embedq/workers/memory.py). auto: trim when the chosen runtime "
@@ -424,6 +431,11 @@ class Settings(BaseSettings):
     def kind_plugins(self) -> list[str]:
         """:attr:`kinds` as a list of import paths."""
         return [path.strip() for path in self.kinds.split(",") if path.strip()]
+
+    @property
+    def sink_plugins(self) -> list[str]:
+        """:attr:`sinks` as a list of import paths."""
+        return [path.strip() for path in self.sinks.split(",") if path.strip()]
 
     @property
     def callback_queue_names(self) -> frozenset[str]:

@@ -253,7 +253,7 @@ def test_d_a_missing_extra_names_it(worker, tmp_path):
 def test_a_second_writer_is_refused_and_an_adopted_empty_table_gets_the_record(worker, corpus, tmp_path):
     """One writer per table (the lock beside the database's folder); an empty table made by someone else with
     exactly the columns is used, and carries embedq's record from its first commit."""
-    from embedq.producers.index.targets import output_target
+    from embedq.producers.index.sinks.registry import output_target
 
     db = tmp_path / "db"
     db.mkdir()

@@ -378,7 +378,7 @@ def test_d_a_missing_extra_names_it(worker, tmp_path):
 
 def test_a_second_writer_is_refused(worker, corpus, tmp_path):
     """One writer per collection: the lock beside a Milvus Lite file."""
-    from embedq.producers.index.targets import output_target
+    from embedq.producers.index.sinks.registry import output_target
 
     db = tmp_path / "lock.db"
     src = tmp_path / "in.jsonl"

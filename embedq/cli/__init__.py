@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from embedq import errors
 from embedq.cli import flower
+from embedq.producers.index.sinks.registry import schemes_help, sink_schemes
 from embedq.settings import Settings
 from embedq.version import __version__
 
@@ -112,8 +113,9 @@ def cmd_index(ns: argparse.Namespace, settings: Settings) -> int:
     from embedq.producers.client import Client
     from embedq.producers.index import IndexConfig, run_index
     from embedq.producers.index.precheck import nothing_to_embed
+    from embedq.producers.index.sinks.contract import check_flags
+    from embedq.producers.index.sinks.registry import load_sinks, output_target
     from embedq.producers.index.sources import Source
-    from embedq.producers.index.targets import FileTarget, output_target
 
     if ns.model:
         settings = settings.model_copy(update={"model": ns.model})
@@ -128,10 +130,9 @@ def cmd_index(ns: argparse.Namespace, settings: Settings) -> int:
     # leaves nothing
     source = Source(ns.input, ns.input_format, text_field=ns.text_field, id_field=ns.id_field)
     source.check()
+    load_sinks(settings.sink_plugins)  # a plugin's scheme (EMBEDQ_SINKS, entry points embedq.sinks)
     target = output_target(ns.output, ns.output_format, config)
-    if (ns.build_index or ns.store_text) and isinstance(target, FileTarget):
-        raise errors.InvalidOption("--build-index and --store-text are for a database output (-o postgresql://..., "
-                                   "lancedb://... or milvus://...)")
+    check_flags(target, build_index=ns.build_index, store_text=ns.store_text)
     target.check()
 
     def _stop(signum: int, frame: Any) -> None:  # SIGTERM (systemd, kill): stop like Ctrl-C (the run's own
@@ -262,9 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--loglevel", default="INFO")
     w.set_defaults(func=cmd_worker)
 
+    *outputs, last = ["Parquet", "NPY", "JSONL", *(s.name for s in sink_schemes())]
     i = sub.add_parser(
-        "index", help="embed a file (JSONL, CSV, Parquet, text or stdin) into Parquet, NPY, JSONL, pgvector, LanceDB "
-        "or Milvus; resumable",
+        "index", help=f"embed a file (JSONL, CSV, Parquet, text or stdin) into {', '.join(outputs)} or {last}; "
+        "resumable",
         description="Embed every record of INPUT into OUTPUT. Run the same command again after an "
         "interruption and it embeds only the ids missing from OUTPUT; an OUTPUT made with another model or "
         "other options is refused. Input, broker and a live worker on the queue are checked before OUTPUT is "
@@ -273,10 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("input", help="a .jsonl/.csv/.tsv/.parquet/.txt file (.gz for line formats) or - for stdin")
     i.add_argument("-o", "--output", required=True,
                    help="OUT.parquet (a directory of shards), OUT.npy (+ OUT.ids.txt), OUT.jsonl, or a database: "
-                   "postgresql://user@host:5432/db?table=docs (the pgvector extra) or "
-                   "lancedb:///absolute/path/to/db?table=docs (the lancedb extra) or "
-                   "milvus://host:19530?collection=docs, milvus:///absolute/path/file.db?collection=docs (Milvus Lite; "
-                   "the milvus extra); docs/INDEXING.md")
+                   f"{schemes_help()}; docs/INDEXING.md")
     i.add_argument("--input-format", choices=["jsonl", "csv", "tsv", "parquet", "text"],
                    help="default: from the input's suffix; stdin: jsonl if its first line is a JSON object, else text")
     i.add_argument("--output-format", choices=["parquet", "npy", "jsonl"], help="default: from the output's suffix")

@@ -10,9 +10,10 @@ from embedq import errors
 from embedq.producers.index.idset import IdSet, digest
 from embedq.producers.index.kinds import index_kind
 from embedq.producers.index.runner import IndexConfig, storage_options
+from embedq.producers.index.sinks.contract import Target
+from embedq.producers.index.sinks.registry import output_target
 from embedq.producers.index.sources import Source, record_text
 from embedq.producers.index.summary import Summary
-from embedq.producers.index.targets import Target, output_target
 
 
 def nothing_to_embed(source: Source, output: Path | str | Target, output_format: str | None, config: IndexConfig,
@@ -23,7 +24,7 @@ def nothing_to_embed(source: Source, output: Path | str | Target, output_format:
     this run's options and model, and holds every id of the input, each of whose records is usable. Read under the
     output's lock; nothing is written."""
     target = output_target(output, output_format, config)
-    if config.overwrite or not hasattr(target, "remove_empty") or not target.exists() or config.outputs is not None:
+    if config.overwrite or not target.precheck or not target.exists() or config.outputs is not None:
         return None
     kind = index_kind(config.kind, target.format)
     t0 = time.perf_counter()

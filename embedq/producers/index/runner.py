@@ -37,11 +37,12 @@ from embedq import errors
 from embedq.producers.client import Client, JobHandle
 from embedq.producers.index.idset import IdSet, digest
 from embedq.producers.index.kinds import INDEX_KINDS, IndexKind, index_kind
-from embedq.producers.index.sinks import Sink, VectorDtype
+from embedq.producers.index.sinks.contract import Sink, Target, check_flags
+from embedq.producers.index.sinks.manifests import VectorDtype
+from embedq.producers.index.sinks.registry import load_sinks, output_target
 from embedq.producers.index.sources import Record, Source, record_text
 from embedq.producers.index.stopping import Stop, Stopper, ride_out, say, wait_for_worker
 from embedq.producers.index.summary import Summary
-from embedq.producers.index.targets import Target, output_target
 from embedq.protocol import Fingerprint, decode_result
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class Indexer:
         self.client = client
         self.source = source
         self.config = config
+        load_sinks(client.settings.sink_plugins)  # a plugin's scheme, as the CLI loads them (EMBEDQ_SINKS)
         self.target = output_target(output, output_format, config)
         self.kind = index_kind(config.kind, self.target.format)
         self.job_options = self.kind.job_options(config.options, config.vector_dtype)
@@ -125,8 +127,8 @@ class Indexer:
     def run(self) -> Summary:
         """Check the input, reach the broker and find a worker before the output is created (a refused run
         leaves no files), then stream. Ctrl-C or SIGTERM stops at once at any stage, committing what arrived."""
-        if hasattr(self.target, "check_input"):
-            self.target.check_input(self.source.path)
+        check_flags(self.target, build_index=self.config.ann_index, store_text=self.config.store_text)
+        self.target.check_input(self.source.path)
         self.target.check()  # a database reached and its table checked before the broker (a file: when opened)
         self._fit_kind()
         t0 = time.perf_counter()
@@ -148,7 +150,7 @@ class Indexer:
     def _fit_kind(self) -> None:
         """The kind as the target stores it (a database says which column shapes it cannot store): outputs it cannot
         store are left out, with a note, or the run is refused before anything is embedded."""
-        refused = self.target.refused_shapes() if hasattr(self.target, "refused_shapes") else {}
+        refused = self.target.refused_shapes()
         if refused or self.config.outputs is not None:
             self.kind, notes = self.kind.fit(self.config.outputs, refused, self.target.describe())
             self.job_options = self.kind.job_options(self.config.options, self.config.vector_dtype)
@@ -176,7 +178,7 @@ class Indexer:
         self._last_commit = time.monotonic()
         try:
             self._check_stop()
-            if self.sink.manifest.fingerprint is not None or getattr(self.sink, "probe_first", False):
+            if self.sink.manifest.fingerprint is not None or self.sink.probe_first:
                 self._probe()
             from tqdm import tqdm
 
@@ -203,10 +205,8 @@ class Indexer:
             raise
         else:
             self._finish(t0, complete=True)
-            remove_empty = getattr(self.target, "remove_empty", None)
-            if created and self.sink.manifest.fingerprint is None and remove_empty is not None:
-                remove_empty()  # no record had a usable text: no output made of nothing (its errors file stays)
-                self.summary.output_removed = True
+            if created and self.sink.manifest.fingerprint is None and self.target.remove_empty():
+                self.summary.output_removed = True  # no record had a usable text: no output made of nothing
                 return
             if self.config.ann_index:  # after the load, timed on its own line of the summary
                 self.summary.ann_index, self.summary.ann_index_seconds = self.target.build_index()
@@ -379,13 +379,12 @@ class Indexer:
             fingerprint, data = self.kind.table(payload, self.config.vector_dtype)
         else:  # a sink that maps the kind's columns itself (pgvector.py)
             fingerprint, data = self.kind.arrays(payload)
-        texts = {"texts": chunk.texts} if self.config.store_text else {}
         with self.stop.writing():
             self.sink.accept(fingerprint)  # OutputMismatch before the first write
-            refused = self.sink.write(chunk.ids, data, **texts)
-        for doc_id, exc in refused or ():  # rows the database refuses (Milvus: an empty sparse vector)
+            refused = self.sink.write(chunk.ids, data, chunk.texts if self.config.store_text else None)
+        for doc_id, exc in refused:  # rows the database refuses (Milvus: an empty sparse vector)
             self._fail(doc_id, exc)
-        n = len(chunk.ids) - len(refused or ())
+        n = len(chunk.ids) - len(refused)
         self.summary.texts += n
         tokens = (payload.get("usage") or {}).get("tokens", 0)
         self.summary.tokens += tokens
@@ -490,7 +489,7 @@ def run_index(client: Client, input_path: str | Source, output: Path | str | Tar
               input_format: str | None = None, output_format: str | None = None, text_field: str = "text",
               id_field: str | None = None, config: IndexConfig | None = None) -> Summary:
     """Embed ``input_path`` (a path, ``-``, or a :class:`Source` made already) into ``output`` (a path, a database
-    URL or a target made already: ``targets.py``); see :class:`IndexConfig`."""
+    URL or a target made already: ``sinks/``); see :class:`IndexConfig`."""
     source = input_path if isinstance(input_path, Source) else Source(input_path, input_format,
                                                                        text_field=text_field, id_field=id_field)
     return Indexer(client, source, output, output_format, config or IndexConfig()).run()

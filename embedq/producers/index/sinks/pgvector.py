@@ -40,12 +40,11 @@ from typing import Any
 import numpy as np
 
 from embedq import errors
-from embedq.producers.index.idset import digest
 from embedq.producers.index.kinds import index_kind
-from embedq.producers.index.manifests import Manifest, check_manifest, check_space, utc_now
-from embedq.producers.index.pgvector_names import check_schema, index_name, split_table
-from embedq.producers.index.sinks import Sink
-from embedq.producers.index.targets import database_errors_path, mask_url, split_param
+from embedq.producers.index.sinks import contract
+from embedq.producers.index.sinks.manifests import Ledger, Manifest, check_manifest, check_space, utc_now
+from embedq.producers.index.sinks.pgvector_names import check_schema, index_name, split_table
+from embedq.producers.index.sinks.urls import database_errors_path, mask_url, split_param
 from embedq.protocol import Fingerprint
 
 MANIFEST_TABLE = "embedq_index"
@@ -69,10 +68,12 @@ def _psycopg() -> Any:
     return psycopg
 
 
-class Target:
+class Target(contract.Target):
     """A PostgreSQL table as an ``embedq index`` output (see the module's docstring)."""
 
     format = "postgresql"
+    builds_index = True  # --build-index (build_index)
+    stores_text = True  # --store-text
 
     def __init__(self, url: str, config: Any) -> None:
         self.url = url
@@ -85,6 +86,8 @@ class Target:
         self.conn: Any = None
         self.version: tuple[int, ...] = ()
         self.manifest: Manifest | None = None
+        self.table_exists = False
+        self._required: set[str] = set()  # the table's NOT NULL columns without a default (columns())
         self._checked = False
 
     # -- what the runner asks ----------------------------------------------------------------------
@@ -211,10 +214,7 @@ class Target:
             self._checked = False
 
     def exists(self) -> bool:
-        return bool(getattr(self, "table_exists", False))
-
-    def remove(self) -> None:
-        """Nothing to remove: the table is created by the first commit's transaction."""
+        return self.table_exists
 
     def open(self, *, vector_dtype: Any, options: dict[str, Any], shard_rows: int, overwrite: bool) -> PgvectorSink:
         self.check()
@@ -305,40 +305,39 @@ def _scalar(name: str) -> _Col:
                 lambda arrays: [struct.pack("!id", 8, float(v)) for v in np.asarray(arrays[0]).reshape(-1)])
 
 
-class PgvectorSink(Sink):
+class PgvectorSink(contract.Sink):
     """Rows into a PostgreSQL table, committed with the manifest in one transaction (see the module's docstring)."""
 
-    format = "postgresql"
     arrow_columns = False  # the kind's columns as numpy arrays, mapped by shape in _plan
+    container = "table"
 
     def __init__(self, target: Target, manifest: Manifest) -> None:
-        super().__init__(Path(target.table), manifest, shard_rows=0)
+        existing = target.columns() if target.table_exists else []
+        # an existing table (an adopted empty one too): one probe first checks its vector column's dimension before
+        # any text is embedded
+        super().__init__(Ledger(manifest), where=f"table {target.table} at {target.describe()}",
+                         probe_first=bool(existing))
         self.target = target
         self.conn = target.conn
-        self.where = f"table {target.table} at {target.describe()}"
         self.cols: list[_Col] | None = None
         self.broken = False  # a write failed: its transaction was rolled back, so nothing is committed any more
-        self.existing = target.columns() if target.table_exists else []
-        # an adopted empty table: one probe first checks its vector column's dimension before any text is embedded
-        self.probe_first = bool(self.existing)
+        self.existing = existing
 
     def load_committed(self) -> None:
+        """The ids the table holds, and their count as the manifest's rows (the manifest row commits with them)."""
         if not self.existing:
             return
-        rows = 0
         with self.conn.cursor(name="embedq_ids") as cur:
             cur.itersize = 50_000
             cur.execute(self.target._sql("SELECT id FROM {t}"))
-            for (doc_id,) in cur:
-                self.committed.add(digest(doc_id))
-                rows += 1
+            self.ledger.take_committed((doc_id for (doc_id,) in cur), where=self.where, container="table")
         self.conn.commit()
-        self.manifest.rows = rows  # what the table holds (the manifest row was committed with it)
 
     # -- Sink's contract ---------------------------------------------------------------------------
     def accept(self, fingerprint: Fingerprint) -> None:
         check_space(self.manifest.fingerprint, fingerprint, where=self.where, container="table")
-        if self.existing and self.cols is None and index_kind(self.target.config.kind, self.format).columns is None:
+        plain = index_kind(self.target.config.kind, self.target.format).columns is None  # the dense ``vector`` path
+        if self.existing and self.cols is None and plain:
             want = [("id", "text"), ("embedding", self._vector_type(fingerprint.dimensions))]
             self._compare(want + ([("text", "text")] if self.target.config.store_text else []))
         self.manifest.fingerprint = fingerprint
@@ -350,7 +349,7 @@ class PgvectorSink(Sink):
         have = dict(self.existing)
         problems = [f"{name} is {have[name]}, this run writes {pgtype}" if name in have else f"no column {name} "
                     f"({pgtype})" for name, pgtype in want if have.get(name) != pgtype]
-        required = getattr(self.target, "_required", set()) - {n for n, _ in want}
+        required = self.target._required - {n for n, _ in want}
         problems += [f"column {name} is NOT NULL without a default" for name in sorted(required)]
         if problems:
             raise errors.OutputMismatch(f"{self.where} has another schema: {'; '.join(problems)}. Write to another "
@@ -393,7 +392,7 @@ class PgvectorSink(Sink):
             raise errors.InvalidOption(f"creating {self.where} failed: {_first_line(exc)}") from None
         self.existing = want
 
-    def write(self, ids: list[str], data: Any, texts: list[str] | None = None) -> None:
+    def write(self, ids: list[str], data: Any, texts: list[str] | None = None) -> contract.Refused:
         if self.cols is None:
             self._plan(ids, data, texts)
         assert self.cols is not None
@@ -424,13 +423,12 @@ class PgvectorSink(Sink):
             self.broken = True
             raise errors.Unavailable(f"writing to {self.where} failed: {str(exc).strip()}; run again to continue "
                                      "from the last commit") from None
-        self.pending_rows += len(ids)
+        self.ledger.pending_rows += len(ids)
+        return []
 
-    def commit(self) -> None:
-        """The rows since the last commit and the manifest, in one transaction."""
-        self.manifest.rows += self.pending_rows
-        self.pending_rows = 0
-        self.save_manifest()
+    def flush(self) -> None:
+        """Nothing: COPY sent the rows in the commit's transaction, which :meth:`save_manifest` commits with the
+        manifest row."""
 
     def save_manifest(self) -> None:
         if self.manifest.fingerprint is None or not self.existing or self.broken:

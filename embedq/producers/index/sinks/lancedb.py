@@ -2,7 +2,7 @@
 
 The URL names the database's folder (an absolute local path; it is created if missing, its parent must exist) and,
 with ``table``, the table in it. The ``lancedb`` package is imported only here, absolutely (this module's name is
-``embedq.producers.index.lancedb``; ``from __future__ import annotations`` keeps every import absolute).
+``embedq.producers.index.sinks.lancedb``; ``from __future__ import annotations`` keeps every import absolute).
 
 **The table** is created by the first commit: ``id`` (string), then the kind's columns exactly as the kinds table
 builds them for Parquet (``kinds.py``: the runner hands this sink one pyarrow table per result, so no kind is named
@@ -50,9 +50,10 @@ import numpy as np
 
 from embedq import errors
 from embedq.producers.index.kinds import index_kind
-from embedq.producers.index.manifests import KeptRecord, Manifest, check_manifest, check_space, utc_now
-from embedq.producers.index.sinks import OutputLock, Sink
-from embedq.producers.index.targets import database_errors_path, split_param
+from embedq.producers.index.sinks import contract
+from embedq.producers.index.sinks.locks import OutputLock
+from embedq.producers.index.sinks.manifests import Ledger, Manifest, check_manifest, check_space, utc_now
+from embedq.producers.index.sinks.urls import database_errors_path, split_param
 from embedq.protocol import Fingerprint
 
 MANIFEST_KEY = b"embedq.manifest"
@@ -90,10 +91,12 @@ def _type_name(t: Any) -> str:
     return str(t).replace("item: ", "")
 
 
-class Target:
+class Target(contract.Target):
     """A LanceDB table as an ``embedq index`` output (see the module's docstring)."""
 
     format = "lancedb"
+    builds_index = True  # --build-index (build_index)
+    stores_text = True  # --store-text
 
     def __init__(self, url: str, config: Any) -> None:
         self.url = url
@@ -176,9 +179,8 @@ class Target:
                                        f"readable embedq record ({exc}); pass --overwrite to start afresh") from None
 
     def lock(self) -> OutputLock:
-        lock = OutputLock(self.path.with_name(f"{self.path.name}.{self.table}"))  # <db>.<table>.embedq.lock
-        lock.output = Path(f"{self.path}?table={self.table}")
-        return lock
+        # <db>.<table>.embedq.lock
+        return OutputLock(self.path.with_name(f"{self.path.name}.{self.table}"), f"{self.path}?table={self.table}")
 
     def exists(self) -> bool:
         return self.tbl is not None
@@ -230,21 +232,20 @@ class Target:
         return "; ".join(built) or "none (no vector column)", time.perf_counter() - t0
 
 
-class LanceSink(KeptRecord, Sink):
+class LanceSink(contract.Sink):
     """Rows appended to a LanceDB table at each commit, the record in its id field's metadata (the module's
     docstring)."""
 
-    format = "lancedb"
     arrow_columns = True  # a kind's columns as one pyarrow table: stored as they are
+    container = "table"
 
     def __init__(self, target: Target, manifest: Manifest) -> None:
-        super().__init__(Path(target.table), manifest, shard_rows=0)
-        self.target = target
-        self.where = f"table {target.table} of {target.path}"
-        self.schema: Any = target.tbl.schema if target.tbl is not None else None
-        self.adopted = target.tbl is not None and target.manifest is None  # an empty table of someone else's
+        adopted = target.tbl is not None and target.manifest is None  # an empty table of someone else's
         # an adopted empty table: one probe first checks its vector column against the space before any text
-        self.probe_first = self.adopted
+        super().__init__(Ledger(manifest), where=f"table {target.table} of {target.path}", probe_first=adopted)
+        self.target = target
+        self.schema: Any = target.tbl.schema if target.tbl is not None else None
+        self.adopted = adopted
         self._buffer: list[Any] = []
         self._buffered = 0
         self._table_rows = 0  # rows the table holds (committed)
@@ -255,13 +256,13 @@ class LanceSink(KeptRecord, Sink):
             return
         batches = tbl.search().select(["id"]).to_batches()
         ids = (doc_id for batch in batches for doc_id in batch.column("id").to_pylist())
-        self._table_rows = self._take_committed(ids, "table")
+        self._table_rows = self.ledger.take_committed(ids, where=self.where, container="table")
 
     # -- Sink's contract ---------------------------------------------------------------------------
     def accept(self, fingerprint: Fingerprint) -> None:
         have = self.manifest.fingerprint
         check_space(have, fingerprint, where=self.where, container="table")
-        if self.adopted and have is None and index_kind(self.target.config.kind, self.format).columns is None:
+        if self.adopted and have is None and index_kind(self.target.config.kind, self.target.format).columns is None:
             # the plain dense path: its columns are known now (a kind's are compared at its first write)
             pa = _pa()
             value = pa.float16() if self.manifest.vector_dtype == "float16" else pa.float32()
@@ -278,11 +279,12 @@ class LanceSink(KeptRecord, Sink):
             raise errors.OutputMismatch(f"{self.where} has another schema: {'; '.join(problems)}. Write to another "
                                         "table, or pass --overwrite to replace it")
 
-    def write(self, ids: list[str], data: Any, texts: list[str] | None = None) -> None:
+    def write(self, ids: list[str], data: Any, texts: list[str] | None = None) -> contract.Refused:
         pa = _pa()
         if isinstance(data, np.ndarray):
-            rows = self._vectors(data)
-            value = pa.float16() if self.manifest.vector_dtype == "float16" else pa.float32()
+            half = self.manifest.vector_dtype == "float16"
+            rows = np.ascontiguousarray(data, dtype=np.float16 if half else np.float32)
+            value = pa.float16() if half else pa.float32()
             table = pa.table({"vector": pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1), value),
                                                                           int(rows.shape[1]))})
         else:
@@ -296,9 +298,10 @@ class LanceSink(KeptRecord, Sink):
             self._compare(table.schema)
         self._buffer.append(table)
         self._buffered += len(ids)
-        self.pending_rows += len(ids)
+        self.ledger.pending_rows += len(ids)
         if self._buffered >= ROWS_PER_ADD:
             self._append()
+        return []
 
     def _append(self) -> None:
         """The buffered rows as one LanceDB commit (creating the table with its record), then checked."""
@@ -311,15 +314,15 @@ class LanceSink(KeptRecord, Sink):
             if self.target.tbl is None:
                 self.manifest.rows = n
                 self.manifest.updated = utc_now()
-                record = self._record()
+                record = self.ledger.record()
                 field = batch.schema.field("id").with_metadata({MANIFEST_KEY: record})
                 schema = batch.schema.set(batch.schema.get_field_index("id"), field)
                 self.target.tbl = self.target.db.create_table(self.target.table, batch.cast(schema))
-                self._saved = record
+                self.ledger.stored(record)
                 self.manifest.rows = 0  # counted again by commit()
             else:
                 if self.adopted and self.target.manifest is None:  # the record before the rows: never rows without
-                    self._save(force=True)
+                    self.ledger.save(self._store_record, force=True)
                     self.target.manifest = self.manifest
                 self.target.tbl.add(batch)
             count = self.target.tbl.count_rows()
@@ -332,12 +335,15 @@ class LanceSink(KeptRecord, Sink):
                                      "another writer went around embedq's lock; stop it, then run again")
         self._table_rows = count
 
-    def _flush_data(self) -> None:
-        """At a commit: the rows since the last one as one append (then the base class stores the record)."""
+    def flush(self) -> None:
+        """At a commit: the rows since the last one as one append (then :meth:`save_manifest`)."""
         self._append()
 
-    def _record_target(self) -> bool:
-        return self.target.tbl is not None
+    def save_manifest(self) -> None:
+        """The record into the id field's metadata, when it changed (a metadata update is a table version); none
+        before the table exists."""
+        if self.target.tbl is not None:
+            self.ledger.save(self._store_record)
 
     def _store_record(self, record: str) -> None:
         try:

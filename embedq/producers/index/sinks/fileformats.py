@@ -13,8 +13,8 @@ ids, and embeds only the rest, so the output holds every id exactly once.
 - **NPY**: one ``.npy`` matrix (its header rewritten at each commit) plus ``<name>.ids.txt``.
 - **JSONL**: one ``{"id": ..., "vector": [...]}`` object per line.
 
-The manifest's model and its check against a run's settings are in ``manifests.py`` (shared with the database
-sinks); ``Manifest`` and ``VectorDtype`` are importable from here too.
+This module holds the three sinks; ``files.py`` the target that opens them (``open_sink``); ``manifests.py`` the
+manifest's model and its check against a run's settings (shared with the database sinks).
 """
 
 from __future__ import annotations
@@ -22,28 +22,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import struct
+from abc import abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from embedq import errors
-from embedq.producers.index.idset import IdSet, digest
-from embedq.producers.index.manifests import Manifest, Part, VectorDtype, check_manifest, check_space, utc_now
-from embedq.protocol import Fingerprint
-
-OUTPUT_FORMATS = ("parquet", "npy", "jsonl")
-_OUT_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".npy": "npy", ".jsonl": "jsonl", ".ndjson": "jsonl"}
-
-
-def detect_output_format(path: Path) -> str:
-    fmt = _OUT_SUFFIXES.get(path.suffix.lower())
-    if fmt is None:
-        raise errors.InvalidOption(f"cannot tell the output format of {str(path)!r}; name it .parquet, .npy or "
-                                   ".jsonl, or pass --output-format")
-    return fmt
+from embedq.producers.index.idset import digest
+from embedq.producers.index.sinks.contract import Refused, Sink
+from embedq.producers.index.sinks.manifests import Ledger, Manifest, Part, utc_now
 
 
 def sidecar(path: Path, suffix: str) -> Path:
@@ -70,23 +58,20 @@ def _atomic_write(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
-class Sink:
-    """Base of the three outputs. Use :func:`open_sink`."""
+class FileSink(Sink):
+    """Base of the three file outputs: the manifest a JSON file beside the output (inside a Parquet dataset), rows
+    appended to files that are cut back to the last commit when continued. Use ``files.open_sink``."""
 
-    format = ""
-    arrow_columns = True  # a kind's columns reach write() as one pyarrow table (False: as decoded numpy arrays)
+    format: ClassVar[str] = ""
 
     def __init__(self, path: Path, manifest: Manifest, *, shard_rows: int) -> None:
+        super().__init__(Ledger(manifest), where=str(path))
         self.path = path
-        self.manifest = manifest
         self.shard_rows = shard_rows
-        self.committed = IdSet()  # ids committed before this run
-        self.pending_rows = 0  # written since the last commit
 
     @property
     def dimension(self) -> int | None:
-        fp = self.manifest.fingerprint
-        return fp.dimensions if fp is not None else None
+        return self.ledger.dimension
 
     # -- paths -------------------------------------------------------------------------------------
     @classmethod
@@ -97,41 +82,14 @@ class Sink:
     def sidecars(cls, path: Path) -> list[Path]:
         return [cls.manifest_path(path)]
 
-    @property
-    def errors_path(self) -> Path:
-        return sidecar(self.path, ".errors.jsonl")
-
     # -- life cycle --------------------------------------------------------------------------------
-    def accept(self, fingerprint: Fingerprint) -> None:
-        """Check a result's embedding space against the output's before anything is written."""
-        check_space(self.manifest.fingerprint, fingerprint, where=str(self.path))
-        self.manifest.fingerprint = fingerprint
-
-    def write(self, ids: list[str], vectors: np.ndarray) -> Any:
-        """Add rows (committed by the next :meth:`commit`). A sink may return the rows its target refuses, as
-        ``[(id, EmbedqError)]`` (Milvus: an empty sparse vector): the runner makes them those records' errors."""
-        raise NotImplementedError
-
-    def commit(self) -> None:
-        """Make everything written so far durable and record it in the manifest."""
-        self._flush_data()
-        self.manifest.rows += self.pending_rows
-        self.pending_rows = 0
-        self.save_manifest()
-
     def save_manifest(self) -> None:
         self.manifest.updated = utc_now()
         _atomic_write(self.manifest_path(self.path), self.manifest.model_dump_json(indent=2))
 
-    def close(self) -> None:
-        """Release open files (after a final :meth:`commit`; uncommitted rows are dropped next run)."""
-
-    def _flush_data(self) -> None:
-        raise NotImplementedError
-
-    def _repair(self) -> None:
-        """Cut the output back to the manifest's last commit and load the committed ids."""
-        raise NotImplementedError
+    @abstractmethod
+    def repair(self) -> None:
+        """Cut the output back to the manifest's last commit and load the committed ids (when continued)."""
 
     def _vectors(self, vectors: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(vectors, dtype=np.float16 if self.manifest.vector_dtype == "float16"
@@ -139,7 +97,7 @@ class Sink:
 
 
 # -- Parquet dataset ---------------------------------------------------------------------------
-class ParquetSink(Sink):
+class ParquetSink(FileSink):
     format = "parquet"
     ROW_GROUP_ROWS = 8192
 
@@ -164,16 +122,17 @@ class ParquetSink(Sink):
     def _tmp_path(self) -> Path:
         return self.path / f".{self._shard_name()}.tmp"
 
-    def write(self, ids: list[str], vectors: Any) -> None:
+    def write(self, ids: list[str], vectors: Any, texts: list[str] | None = None) -> Refused:
         """``vectors``: a dense matrix (the ``vector`` column), or a pyarrow table of a kind's columns
         (``producers/index/kinds.py``)."""
         self._buffer.append((ids, vectors if hasattr(vectors, "schema") else self._vectors(vectors)))
         self._buffered += len(ids)
-        self.pending_rows += len(ids)
+        self.ledger.pending_rows += len(ids)
         if self._buffered >= self.ROW_GROUP_ROWS:
             self._write_group()
         if self._shard_rows >= self.shard_rows:
             self.commit()
+        return []
 
     def _write_group(self) -> None:
         import pyarrow as pa
@@ -208,7 +167,7 @@ class ParquetSink(Sink):
         self._shard_rows += len(ids)
         self._buffer, self._buffered = [], 0
 
-    def _flush_data(self) -> None:
+    def flush(self) -> None:
         self._write_group()
         if self._writer is None:
             return
@@ -227,7 +186,7 @@ class ParquetSink(Sink):
             self._writer.close()
             self._writer = None
 
-    def _repair(self) -> None:
+    def repair(self) -> None:
         import pyarrow.parquet as pq
 
         listed = {p.file for p in self.manifest.parts}
@@ -236,7 +195,7 @@ class ParquetSink(Sink):
                 f.unlink()
         for part in self.manifest.parts:
             ids = pq.read_table(self.path / part.file, columns=["id"]).column("id").to_pylist()
-            self.committed.update(digest(i) for i in ids)
+            self.ledger.committed.update(digest(i) for i in ids)
 
 
 # -- NPY matrix + ids file ---------------------------------------------------------------------
@@ -250,7 +209,7 @@ def _npy_header(dtype: str, rows: int, dim: int) -> bytes:
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(body)) + body.encode("latin1")
 
 
-class NpySink(Sink):
+class NpySink(FileSink):
     format = "npy"
 
     def __init__(self, path: Path, manifest: Manifest, *, shard_rows: int) -> None:
@@ -282,7 +241,7 @@ class NpySink(Sink):
         self._ids = open(self.ids_path(self.path), "r+b")  # noqa: SIM115
         self._ids.seek(self._ids_len)
 
-    def write(self, ids: list[str], vectors: np.ndarray) -> None:
+    def write(self, ids: list[str], vectors: np.ndarray, texts: list[str] | None = None) -> Refused:
         self._open()
         data = self._vectors(vectors).tobytes()
         names = "".join(i + "\n" for i in ids).encode("utf-8")
@@ -290,16 +249,17 @@ class NpySink(Sink):
         self._ids.write(names)
         self._data_len += len(data)
         self._ids_len += len(names)
-        self.pending_rows += len(ids)
+        self.ledger.pending_rows += len(ids)
+        return []
 
-    def _flush_data(self) -> None:
+    def flush(self) -> None:
         if self._data is None:
             return
         for fh in (self._data, self._ids):
             fh.flush()
             os.fsync(fh.fileno())
         assert self.dimension is not None
-        rows = self.manifest.rows + self.pending_rows
+        rows = self.manifest.rows + self.ledger.pending_rows
         self._data.seek(0)
         self._data.write(_npy_header(self.manifest.vector_dtype, rows, self.dimension))
         self._data.flush()
@@ -314,7 +274,7 @@ class NpySink(Sink):
                 fh.close()
         self._data = self._ids = None
 
-    def _repair(self) -> None:
+    def repair(self) -> None:
         m = self.manifest
         if m.data_bytes == 0:
             for p in (self.path, self.ids_path(self.path)):
@@ -328,11 +288,11 @@ class NpySink(Sink):
         with open(self.ids_path(self.path), "r+b") as fh:
             fh.truncate(m.ids_bytes)
             fh.seek(0)
-            self.committed.update(digest(line.decode("utf-8").rstrip("\n")) for line in fh)
+            self.ledger.committed.update(digest(line.decode("utf-8").rstrip("\n")) for line in fh)
 
 
 # -- JSONL -------------------------------------------------------------------------------------
-class JsonlSink(Sink):
+class JsonlSink(FileSink):
     format = "jsonl"
 
     def __init__(self, path: Path, manifest: Manifest, *, shard_rows: int) -> None:
@@ -340,7 +300,7 @@ class JsonlSink(Sink):
         self._fh: Any = None
         self._len = manifest.data_bytes  # bytes of complete writes only
 
-    def write(self, ids: list[str], vectors: np.ndarray) -> None:
+    def write(self, ids: list[str], vectors: np.ndarray, texts: list[str] | None = None) -> Refused:
         if self._fh is None:
             self._fh = open(self.path, "r+b" if self.path.exists() else "w+b")  # noqa: SIM115 - kept for the run
             self._fh.seek(self._len)
@@ -351,21 +311,22 @@ class JsonlSink(Sink):
         blob = "".join(lines).encode("utf-8")
         self._fh.write(blob)
         self._len += len(blob)
-        self.pending_rows += len(ids)
-
-    def _flush_data(self) -> None:
-        if self._fh is None:
-            return
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self.manifest.data_bytes = self._len
+        self.ledger.pending_rows += len(ids)
+        return []
 
     def close(self) -> None:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
 
-    def _repair(self) -> None:
+    def flush(self) -> None:
+        if self._fh is None:
+            return
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self.manifest.data_bytes = self._len
+
+    def repair(self) -> None:
         if self.manifest.data_bytes == 0:
             self.path.unlink(missing_ok=True)
             return
@@ -376,96 +337,8 @@ class JsonlSink(Sink):
             for line in fh:
                 text = line.decode("utf-8")
                 doc_id = decoder.raw_decode(text, 7)[0] if text.startswith('{"id": ') else json.loads(text)["id"]
-                self.committed.add(digest(doc_id))
+                self.ledger.committed.add(digest(doc_id))
 
 
-_SINKS: dict[str, type[Sink]] = {"parquet": ParquetSink, "npy": NpySink, "jsonl": JsonlSink}
-
-
-def remove_output(path: Path, fmt: str, *, keep_errors: bool = False) -> None:
-    """Delete an output and its sidecars (``--overwrite``); ``keep_errors``: not its errors file (a run that wrote no
-    row leaves only the list of what failed)."""
-    cls = _SINKS[fmt]
-    if path.is_dir() and fmt == "parquet":
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
-    for side in [*cls.sidecars(path), *([] if keep_errors else [sidecar(path, ".errors.jsonl")])]:
-        side.unlink(missing_ok=True)
-
-
-def open_sink(path: Path, fmt: str, *, vector_dtype: VectorDtype, options: dict[str, Any],
-              shard_rows: int = 100_000, overwrite: bool = False) -> Sink:
-    """A new output, or an existing one to continue (cut back to its last commit).
-
-    Refuses with :class:`~embedq.errors.OutputMismatch`, touching nothing, when the existing output
-    was made in another format, vector dtype or with other options. The embedding space itself is
-    checked by :meth:`Sink.accept` against the first result, before the first write.
-    """
-    if fmt not in _SINKS:
-        raise errors.InvalidOption(f"unknown output format {fmt!r}; use one of {', '.join(OUTPUT_FORMATS)}")
-    cls = _SINKS[fmt]
-    if overwrite:
-        remove_output(path, fmt)
-    mpath = cls.manifest_path(path)
-    if mpath.exists():
-        try:
-            manifest = Manifest.model_validate_json(mpath.read_text(encoding="utf-8"))
-        except ValueError as exc:
-            raise errors.InvalidOption(f"{mpath} is not a readable embedq manifest ({exc}); pass --overwrite "
-                                       "to start the output afresh") from None
-        check_manifest(manifest, format=fmt, vector_dtype=vector_dtype, options=options, where=str(path))
-        sink = cls(path, manifest, shard_rows=shard_rows)
-        sink._repair()
-        return sink
-    if path.exists() and not (fmt == "parquet" and path.is_dir() and not any(path.iterdir())):
-        raise errors.InvalidOption(f"{path} exists and was not written by embedq index (no {mpath.name}); "
-                                   "choose another output or pass --overwrite")
-    if fmt == "parquet":
-        path.mkdir(parents=True, exist_ok=True)
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    manifest = Manifest(format=fmt, vector_dtype=vector_dtype, options=options)
-    sink = cls(path, manifest, shard_rows=shard_rows)
-    sink.save_manifest()  # from now on the output is ours: a run killed before its first commit resumes it
-    return sink
-
-
-class OutputLock:
-    """One writer per output: a second ``embedq index`` on the same output fails at once.
-
-    An ``flock`` on a sibling ``.embedq.lock`` file; the kernel drops it when the holder dies. The holder deletes the
-    file when it is done (no empty file left beside every output); a writer that locked a file deleted meanwhile
-    (its path now names another file, or none) opens the path again, so two writers never hold "the" lock.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.output = path
-        self.path = sidecar(path, ".embedq.lock")
-        self._fh: Any = None
-
-    def __enter__(self) -> OutputLock:
-        import fcntl
-
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            fh = open(self.path, "a+")
-            try:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                fh.close()
-                raise errors.InvalidOption(f"another embedq index is writing {self.output}; "
-                                           "wait for it or stop it first") from None
-            try:
-                same = os.stat(self.path).st_ino == os.fstat(fh.fileno()).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                self._fh = fh
-                return self
-            fh.close()  # the last holder deleted the file after this one opened it: lock the path's file
-
-    def __exit__(self, *exc: object) -> None:
-        with contextlib.suppress(OSError):
-            self.path.unlink()  # still held: a writer that opened it meanwhile finds it gone and opens anew
-        self._fh.close()
+#: The file sinks by format.
+FILE_SINKS: dict[str, type[FileSink]] = {"parquet": ParquetSink, "npy": NpySink, "jsonl": JsonlSink}

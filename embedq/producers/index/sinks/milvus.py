@@ -55,9 +55,10 @@ import numpy as np
 
 from embedq import errors
 from embedq.producers.index.kinds import index_kind
-from embedq.producers.index.manifests import KeptRecord, Manifest, check_manifest, check_space, utc_now
-from embedq.producers.index.sinks import OutputLock, Sink
-from embedq.producers.index.targets import database_errors_path, mask_url, split_param
+from embedq.producers.index.sinks import contract
+from embedq.producers.index.sinks.locks import OutputLock
+from embedq.producers.index.sinks.manifests import Ledger, Manifest, check_manifest, check_space, utc_now
+from embedq.producers.index.sinks.urls import database_errors_path, mask_url, split_param
 from embedq.protocol import Fingerprint
 
 MANIFEST_KEY = "embedq.manifest"
@@ -85,10 +86,12 @@ def _reason(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-class Target:
+class Target(contract.Target):
     """A Milvus collection as an ``embedq index`` output (see the module's docstring)."""
 
     format = "milvus"
+    builds_index = True  # --build-index (build_index)
+    stores_text = True  # --store-text
 
     def __init__(self, url: str, config: Any) -> None:
         self.url = url
@@ -193,18 +196,12 @@ class Target:
 
     def lock(self) -> OutputLock:
         if self.lite:
-            lock = OutputLock(self.path.with_name(f"{self.path.name}.{self.collection}"))
-        else:
-            key = hashlib.sha256(f"{self.connect['uri']} {self.connect.get('db_name', '')}".encode()).hexdigest()[:16]
-            lock = OutputLock(Path(tempfile.gettempdir()) / f"embedq-milvus-{key}.{self.collection}")
-        lock.output = self.where()  # type: ignore[assignment]  (what its refusal names; not a path)
-        return lock
+            return OutputLock(self.path.with_name(f"{self.path.name}.{self.collection}"), self.where())
+        key = hashlib.sha256(f"{self.connect['uri']} {self.connect.get('db_name', '')}".encode()).hexdigest()[:16]
+        return OutputLock(Path(tempfile.gettempdir()) / f"embedq-milvus-{key}.{self.collection}", self.where())
 
     def exists(self) -> bool:
         return self.fields is not None
-
-    def remove(self) -> None:
-        """Nothing to remove: the collection is created by the first commit."""
 
     def open(self, *, vector_dtype: Any, options: dict[str, Any], shard_rows: int, overwrite: bool) -> MilvusSink:
         self._checked = False  # read again under the lock
@@ -241,20 +238,20 @@ class Target:
         return "; ".join(built) or "none (no dense field)", time.perf_counter() - t0
 
 
-class MilvusSink(KeptRecord, Sink):
+class MilvusSink(contract.Sink):
     """Rows upserted into a Milvus collection at each commit, the record in its properties (the module's
     docstring)."""
 
-    format = "milvus"
     arrow_columns = False  # the kind's columns as numpy arrays, mapped by shape
+    container = "collection"
 
     def __init__(self, target: Target, manifest: Manifest) -> None:
-        super().__init__(Path(target.collection), manifest, shard_rows=0)
+        adopted = target.fields is not None and target.manifest is None  # an empty collection of someone else's
+        # its vector field checked against the space before any text is embedded
+        super().__init__(Ledger(manifest), where=target.where(), probe_first=adopted)
         self.target = target
         self.client = target.client
-        self.where = target.where()
-        self.adopted = target.fields is not None and target.manifest is None  # an empty collection of someone else's
-        self.probe_first = self.adopted  # its vector field checked against the space before any text is embedded
+        self.adopted = adopted
         self.schema: list[tuple[str, Any, int | None]] | None = None  # (field, DataType, dim) this run writes
         self._rows: list[dict[str, Any]] = []
         self._count = 0  # rows the collection holds (committed)
@@ -277,14 +274,15 @@ class MilvusSink(KeptRecord, Sink):
                     yield row["id"]
 
         try:
-            self._count = self._take_committed(ids(), "collection")
+            self._count = self.ledger.take_committed(ids(), where=self.where, container="collection")
         finally:
             it.close()
 
     # -- Sink's contract ---------------------------------------------------------------------------
     def accept(self, fingerprint: Fingerprint) -> None:
         check_space(self.manifest.fingerprint, fingerprint, where=self.where, container="collection")
-        if self.adopted and self.schema is None and index_kind(self.target.config.kind, self.format).columns is None:
+        plain = index_kind(self.target.config.kind, self.target.format).columns is None  # the dense ``vector`` path
+        if self.adopted and self.schema is None and plain:
             self._compare(self._plan_dense(fingerprint.dimensions))  # a kind's fields: at its first write
         self.manifest.fingerprint = fingerprint
 
@@ -324,7 +322,7 @@ class MilvusSink(KeptRecord, Sink):
             raise errors.OutputMismatch(f"{self.where} has another schema: {'; '.join(problems)}. Write to another "
                                         "collection, or pass --overwrite to replace it")
 
-    def write(self, ids: list[str], data: Any, texts: list[str] | None = None) -> list[tuple[str, errors.EmbedqError]]:
+    def write(self, ids: list[str], data: Any, texts: list[str] | None = None) -> contract.Refused:
         """Buffer the rows; returns those Milvus cannot take, each with its error (they are not written)."""
         if self.schema is None:
             self.schema = self._plan(data)
@@ -355,7 +353,7 @@ class MilvusSink(KeptRecord, Sink):
             else:
                 refused.append((row["id"], errors.InvalidRecord(f"{self.where} cannot store this record: {why}")))
         self._rows += kept
-        self.pending_rows += len(kept)
+        self.ledger.pending_rows += len(kept)
         if len(self._rows) >= ROWS_PER_FLUSH:
             self._send()
         return refused
@@ -389,11 +387,11 @@ class MilvusSink(KeptRecord, Sink):
                 params.add_index(field_name=name, index_name=name, index_type="SPARSE_INVERTED_INDEX",
                                  metric_type="IP")
         self.manifest.updated = utc_now()
-        record = self._record()
+        record = self.ledger.record()
         self.client.create_collection(self.target.collection, schema=schema, index_params=params,
                                       properties={MANIFEST_KEY: record}, consistency_level="Strong",
                                       timeout=WORK_TIMEOUT)
-        self._saved = record
+        self.ledger.stored(record)
         info = self.client.describe_collection(self.target.collection)
         self.target.fields = {f["name"]: (f["type"], (f.get("params") or {}).get("dim")) for f in info["fields"]}
 
@@ -406,7 +404,7 @@ class MilvusSink(KeptRecord, Sink):
             if self.target.fields is None:
                 self._create()
             elif self.adopted and self.target.manifest is None:  # the record before the rows: never rows without
-                self._save(force=True)
+                self.ledger.save(self._store_record, force=True)
                 self.target.manifest = self.manifest
             for i in range(0, n, ROWS_PER_REQUEST):
                 self.client.upsert(self.target.collection, self._rows[i:i + ROWS_PER_REQUEST], timeout=WORK_TIMEOUT)
@@ -422,12 +420,15 @@ class MilvusSink(KeptRecord, Sink):
                                      "writer went around embedq's lock; stop it, then run again")
         self._count = count
 
-    def _flush_data(self) -> None:
-        """At a commit: the rows since the last one (then the base class stores the record)."""
+    def flush(self) -> None:
+        """At a commit: the rows since the last one (then :meth:`save_manifest`)."""
         self._send()
 
-    def _record_target(self) -> bool:
-        return self.target.fields is not None
+    def save_manifest(self) -> None:
+        """The record into the collection's properties, when it changed (an RPC); none before the collection
+        exists."""
+        if self.target.fields is not None:
+            self.ledger.save(self._store_record)
 
     def _store_record(self, record: str) -> None:
         try:

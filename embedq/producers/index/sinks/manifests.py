@@ -2,22 +2,23 @@
 
 A :class:`Manifest` says how an output was made (format, vector dtype, embedding options, the embedding-space
 fingerprint) and what it has committed. Each sink stores it in its own place (a JSON file beside or inside the file
-outputs, a table of its own in PostgreSQL, a field's metadata in LanceDB, a collection's properties in Milvus;
-:class:`KeptRecord` for the last two); :func:`check_manifest` is the one comparison of a stored record with a new
-run's settings, made before anything is embedded.
+outputs, a table of its own in PostgreSQL, a field's metadata in LanceDB, a collection's properties in Milvus);
+:func:`check_manifest` is the one comparison of a stored record with a new run's settings, made before anything is
+embedded. A sink keeps its manifest in a :class:`Ledger`, with the ids committed before the run and the rows written
+since the last commit: what the runner reads to resume, whatever the sink.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from embedq import errors
-from embedq.producers.index.idset import digest
+from embedq.producers.index.idset import IdSet, digest
 from embedq.protocol import Fingerprint
 
 VectorDtype = Literal["float32", "float16"]
@@ -83,20 +84,36 @@ def check_space(have: Fingerprint | None, fingerprint: Fingerprint, *, where: st
             "another one, or pass --overwrite")
 
 
-class KeptRecord:
-    """For a database sink whose record lives in the database's own metadata (LanceDB's ``id`` field metadata,
-    Milvus's collection properties): the record as the last commit stored it (``_saved``), and :meth:`_save`, which
-    stores it again only when it changed beyond its timestamp (each store is a database write: a table version, an
-    RPC). A sink says where by :meth:`_store_record` and whether the target exists yet by :meth:`_record_target`."""
+class Ledger:
+    """What every output keeps beside its rows, whatever stores them: the :class:`Manifest`, the ids committed before
+    this run, the rows written since the last commit, and the record as the target last stored it. A sink owns one,
+    handed to it by its target's ``open``, and says where the record lives (:meth:`save`'s ``store``)."""
 
-    manifest: Manifest
-    committed: Any  # Sink's IdSet
-    where: str
-    _saved: str | None = None
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self.committed = IdSet()  # ids committed before this run
+        self.pending_rows = 0  # written since the last commit
+        self._stored: str | None = None  # the record as the target holds it (None: none read or stored yet)
 
-    def _take_committed(self, ids: Iterable[str], container: str) -> int:
-        """The ids the target holds into ``committed``, and their count as the record's rows (the record's own may
-        lag by the last commit); refused when an id is there twice (written outside embedq index)."""
+    @property
+    def dimension(self) -> int | None:
+        fp = self.manifest.fingerprint
+        return fp.dimensions if fp is not None else None
+
+    def accept(self, fingerprint: Fingerprint, *, where: str, container: str = "output") -> None:
+        """A result's embedding space checked against the output's (:func:`check_space`), then the output's."""
+        check_space(self.manifest.fingerprint, fingerprint, where=where, container=container)
+        self.manifest.fingerprint = fingerprint
+
+    def commit_rows(self) -> None:
+        """The rows written since the last commit are committed (counted in the manifest)."""
+        self.manifest.rows += self.pending_rows
+        self.pending_rows = 0
+
+    def take_committed(self, ids: Iterable[str], *, where: str, container: str) -> int:
+        """The ids a database target holds into ``committed``, and their count as the record's rows (the stored
+        record's own may lag by the last commit); refused when an id is there twice (written outside embedq index).
+        The record read with them is the one the target holds."""
         rows = dups = 0
         for doc_id in ids:
             key = digest(doc_id)
@@ -104,32 +121,31 @@ class KeptRecord:
             self.committed.add(key)
             rows += 1
         if dups:
-            raise errors.OutputMismatch(f"{self.where} holds {dups} ids more than once: it was written outside "
+            raise errors.OutputMismatch(f"{where} holds {dups} ids more than once: it was written outside "
                                         f"embedq index; write to another {container}, or pass --overwrite")
         self.manifest.rows = rows
-        self._saved = self._record()
+        self._stored = self.record()
         return rows
 
-    def _record(self) -> str:
+    def record(self) -> str:
+        """The manifest as stored (JSON)."""
         return self.manifest.model_dump_json()
 
-    def _record_target(self) -> bool:
-        raise NotImplementedError
+    def stored(self, record: str) -> None:
+        """The target holds ``record`` now (stored by the sink itself, e.g. with the rows that created the table)."""
+        self._stored = record
 
-    def _store_record(self, record: str) -> None:
-        raise NotImplementedError
-
-    def save_manifest(self) -> None:
-        self._save()
-
-    def _save(self, force: bool = False) -> None:
-        if not self._record_target() or self.manifest.fingerprint is None:
-            return  # nothing written: no table, no record
-        unchanged = json.loads(self._saved or "{}") | {"updated": None} == \
-            json.loads(self._record()) | {"updated": None}
+    def save(self, store: Callable[[str], None], *, force: bool = False) -> None:
+        """Hand the record to ``store`` when it changed beyond its timestamp since the target last held it, or when
+        ``force``d (each store is a database write: a table version, an RPC); never before a result was accepted
+        (nothing written: no record)."""
+        if self.manifest.fingerprint is None:
+            return
+        stamp = {"updated": None}
+        unchanged = json.loads(self._stored or "{}") | stamp == json.loads(self.record()) | stamp
         if unchanged and not force:
             return
         self.manifest.updated = utc_now()
-        record = self._record()
-        self._store_record(record)
-        self._saved = record
+        record = self.record()
+        store(record)
+        self._stored = record
