@@ -50,8 +50,8 @@ def make_head(backend):
         kinds = ("token_count",)
 
         def prepare(self, kind, items, options):
-            encoded, _ = backend.encoder.encode_texts(items, truncate=options.truncate,
-                                                      truncation_side=options.truncation_side)
+            encoded, _ = backend.encoder.tokenization.encode_texts(items, truncate=options.truncate,
+                                                                   truncation_side=options.truncation_side)
             special = 0 if options.add_special_tokens else 2
             n = [len(e.ids) - special for e in encoded]
             return Prepared([], sum(n), {"counts": n})

@@ -44,7 +44,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def _logits(backend, texts=TEXTS) -> np.ndarray:
-    items, _ = backend.encoder.encode_texts(texts)
+    items, _ = backend.encoder.tokenization.encode_texts(texts)
     with torch.inference_mode():
         return backend.encoder.run(items)[0].logits.float().numpy()
 
@@ -97,10 +97,12 @@ def test_pick_is_the_fastest_faithful_candidate():
 
 
 def test_auto_measures_logs_caches_and_the_cache_decides(tiny, cache, caplog):
+    chosen: list = []  # what on_runtime_chosen is called with: the chosen runtime's facts (the worker's memory policy)
     with caplog.at_level(logging.INFO, logger="embedq.backends.runtime"):
-        first = load_backend(str(tiny))
+        first = load_backend(str(tiny), on_runtime_chosen=chosen.append)
     choice = first.encoder.runtime_choice
     assert choice is not None and not choice.cached
+    assert chosen == [rt.facts(choice.runtime)] and first.runtime_facts().name == choice.runtime
     assert first.info.linear_kernel == choice.runtime in rt.RUNTIMES
     trials = {t.name: t for t in choice.trials}
     expected = {"torch"} | ({"onednn"} if onednn_available() else set()) | ({"onnxruntime"} if HAVE_ORT else set())

@@ -232,11 +232,13 @@ def minilm():
 
 @pytest.fixture(scope="module")
 def encoders(minilm, root, train_corpus) -> dict:
-    """Each tokenizer type's encoder: the real MiniLM (WordPiece, 256 tokens) and tiny models (48 tokens)."""
-    found = {"minilm": minilm.encoder}
+    """Each tokenizer type's tokenization (its encoder's): the real MiniLM (WordPiece, 256 tokens) and tiny models
+    (48 tokens)."""
+    found = {"minilm": minilm.encoder.tokenization}
     for family in [*(FAMILIES[name] for name in TINY), LLAMA3]:
         folder = save(family, root / family.name, train_corpus)
-        found[family.name] = load_backend(str(folder), device="cpu", dtype="float32", linear_kernel="torch").encoder
+        backend = load_backend(str(folder), device="cpu", dtype="float32", linear_kernel="torch")
+        found[family.name] = backend.encoder.tokenization
     return found
 
 
@@ -260,7 +262,7 @@ SINGLE_CASES = {
 
 @pytest.mark.parametrize("case", list(SINGLE_CASES))
 def test_a_long_text_hands_the_tokenizer_only_what_the_model_reads(minilm, train_corpus, case):
-    encoder = minilm.encoder
+    encoder = minilm.encoder.tokenization
     text = _english(train_corpus, LONG, seed=1)
     options = EmbedOptions(**SINGLE_CASES[case])
     with counting(encoder) as handed:
@@ -273,7 +275,7 @@ def test_a_long_text_hands_the_tokenizer_only_what_the_model_reads(minilm, train
 
 
 def test_truncate_false_fails_a_long_text_with_bounded_work(minilm, train_corpus):
-    encoder = minilm.encoder
+    encoder = minilm.encoder.tokenization
     texts = ["a short text", _english(train_corpus, LONG, seed=2)]
     with counting(encoder) as handed, pytest.raises(errors.TooLong, match="text 1 has more tokens than"):
         minilm.prepare("embed", texts, EmbedOptions(truncate=False))
@@ -317,7 +319,7 @@ def kinds(minilm, root, train_corpus) -> dict:
                                   "decoder-eos-left-padded"])
 def test_every_kind_tokenizes_a_long_text_as_far_as_the_model_reads(kinds, name):
     backend, kind, options, items = kinds[name]
-    encoder = backend.encoder
+    encoder = backend.encoder.tokenization
     with counting(encoder) as handed:
         prepared = backend.prepare(kind, items, options)
     assert handed[0] <= len(items) * 2 * _bound(encoder)
@@ -343,12 +345,12 @@ def test_150_texts_of_100000_characters_prepare_quickly(minilm, train_corpus):
     """The issue's job: 150 texts of 100,000 characters. Was ~10 s of tokenizing (0.67 µs a character here);
     now each text costs a few thousand characters."""
     texts = [_english(train_corpus, LONG, seed=10 + i) for i in range(150)]
-    with counting(minilm.encoder) as handed:
+    with counting(minilm.encoder.tokenization) as handed:
         started = time.perf_counter()
         prepared = minilm.prepare("embed", texts, EmbedOptions())
         took = time.perf_counter() - started
-    assert handed[0] <= len(texts) * _bound(minilm.encoder)
-    assert all(len(e.ids) == minilm.encoder.max_seq_length for e in prepared.items)
+    assert handed[0] <= len(texts) * _bound(minilm.encoder.tokenization)
+    assert all(len(e.ids) == minilm.encoder.tokenization.max_seq_length for e in prepared.items)
     assert took < 5.0, f"{took:.2f} s"
 
 
@@ -482,12 +484,12 @@ def test_two_long_sides_and_an_odd_budget_cost_what_they_did(kinds):
     backend, _, _, items = kinds["rerank"]
     text = items[0][1][:8000]  # the reference's pair truncation of two long texts is quadratic
     pairs = [(text, text[:-1000]), (text[:-1000], text), (text[:3000], text), (text, text)]
-    with counting(backend.encoder) as handed:
+    with counting(backend.encoder.tokenization) as handed:
         prepared = backend.prepare("rerank", pairs, RerankOptions())
     # each distinct side counted whole once (single texts), then pieces
     assert handed[0] <= sum(map(len, {t for pair in pairs for t in pair})) \
-        + len(pairs) * 2 * _bound(backend.encoder)
-    assert [e.ids for e in prepared.items] == [ids for ids, _ in Reference(backend.encoder).pairs(pairs)]
+        + len(pairs) * 2 * _bound(backend.encoder.tokenization)
+    assert [e.ids for e in prepared.items] == [ids for ids, _ in Reference(backend.encoder.tokenization).pairs(pairs)]
 
 
 @pytest.mark.parametrize("model", ["rerank", "rerank-long-query"])  # budgets of 61 (odd) and 60 content tokens
@@ -499,13 +501,13 @@ def test_two_100000_character_sides_are_cheap(kinds, model):
     text = kinds["embed"][3][0]
     pairs = [(text, text[::-1]), (text[::-1], text)]
     for side in ("right", "left"):
-        with counting(backend.encoder) as handed:
+        with counting(backend.encoder.tokenization) as handed:
             started = time.perf_counter()
             prepared = backend.prepare(kind, pairs, RerankOptions(truncation_side=side))
             took = time.perf_counter() - started
-        assert handed[0] <= 2 * LONG + len(pairs) * 2 * _bound(backend.encoder)
+        assert handed[0] <= 2 * LONG + len(pairs) * 2 * _bound(backend.encoder.tokenization)
         assert took < 5.0
-        assert all(len(e.ids) == backend.encoder.max_seq_length for e in prepared.items)
+        assert all(len(e.ids) == backend.encoder.tokenization.max_seq_length for e in prepared.items)
 
 
 def test_a_suffix_starts_where_the_whole_text_starts_a_word(encoders):

@@ -27,6 +27,7 @@ from embedq.backends.encoder import Encoder
 from embedq.backends.folder import CLASSIFY
 from embedq.backends.model import ModelBackend, base_info, check_modality
 from embedq.backends.modules import activation, read_json
+from embedq.backends.tokenizing import Tokenization
 from embedq.backends.tokens import TOKENIZER_KINDS, read_prompts, tokenizer_heads
 from embedq.protocol import Fingerprint, encode_result
 from embedq.settings import BackendSettings
@@ -51,8 +52,8 @@ def activation_name(folder: Path, config: Any, num_labels: int) -> str:
 class ClassifierHead(Head):
     name = "classifier"
 
-    def __init__(self, encoder: Encoder, labels: tuple[str, ...], activation_fn: str) -> None:
-        self.encoder = encoder
+    def __init__(self, tokenization: Tokenization, labels: tuple[str, ...], activation_fn: str) -> None:
+        self.tokenization = tokenization
         self.labels = labels
         self.activation_name = activation_fn
         self.activation = activation(activation_fn, "CrossEncoder activation_fn")
@@ -65,10 +66,10 @@ class ClassifierHead(Head):
         encoded: list[Encoded | None] = [None] * len(items)
         kw = {"truncate": options.truncate, "truncation_side": options.truncation_side}
         if pairs:
-            for (i, _), enc in zip(pairs, self.encoder.encode_pairs([p for _, p in pairs], **kw)):
+            for (i, _), enc in zip(pairs, self.tokenization.encode_pairs([p for _, p in pairs], **kw)):
                 encoded[i] = enc
         if texts:
-            done, _ = self.encoder.encode_texts([t for _, t in texts], **kw)
+            done, _ = self.tokenization.encode_texts([t for _, t in texts], **kw)
             for (i, _), enc in zip(texts, done):
                 encoded[i] = enc
         rows = [e for e in encoded if e is not None]
@@ -124,12 +125,12 @@ def load_classifier(folder: Path, transformer_dir: Path, st_config: dict[str, An
         raise errors.UnsupportedModel(f"{folder}: a classifier needs at least one label")
     id2label = getattr(config, "id2label", None) or {}
     labels = tuple(str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
-    head = ClassifierHead(encoder, labels, activation_name(folder, config, num_labels))
+    head = ClassifierHead(encoder.tokenization, labels, activation_name(folder, config, num_labels))
     prompts, default_prompt_name = read_prompts(folder)
     info = base_info(folder, encoder, model_id=model_id, dimension=num_labels, pooling="classifier",
                      normalizes=False, prompts=prompts, default_prompt_name=default_prompt_name,
                      kinds=(*head.kinds, *TOKENIZER_KINDS), labels=labels)
     head.info = info
     heads: dict[str, Head] = dict.fromkeys(head.kinds, head)
-    heads.update(tokenizer_heads(encoder, info))
+    heads.update(tokenizer_heads(encoder.tokenization, info))
     return ModelBackend(encoder, heads, info)

@@ -33,6 +33,7 @@ from embedq.backends.modules import (
     read_json,
 )
 from embedq.backends.multi import TokenEmbeddingsHead
+from embedq.backends.tokenizing import Tokenization
 from embedq.backends.tokens import (
     TOKENIZER_KINDS,
     prepare_texts,
@@ -47,23 +48,36 @@ from embedq.version import __version__
 log = logging.getLogger(__name__)
 
 
-def ends_with_eos(encoder: Encoder) -> bool:
+def ends_with_eos(tokenizer: Any) -> bool:
     """Whether the tokenizer ends a text with its EOS token, as last-token models are trained (Qwen3-Embedding,
     gte-Qwen2, e5-mistral with ``add_eos_token``); no EOS token at all counts as yes (nothing to append)."""
-    eos = encoder.tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
     if eos is None:
         return True
-    ids = encoder.tokenizer("a", add_special_tokens=True)["input_ids"]
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
     return bool(ids) and ids[-1] == eos
+
+
+#: Heads a folder's layout adds beside the dense one: (whether a folder has the layout, the kind its heads serve, the
+#: heads: the kind's own first, then the variants it hands items to). BGE-M3 (FlagEmbedding's layout:
+#: ``sparse_linear.pt`` and ``colbert_linear.pt`` beside the weights): ``embed_hybrid``.
+LAYOUT_HEADS: tuple[tuple[Callable[[Path], bool], str, Callable[[Path, Encoder], Sequence[Head]]], ...] = (
+    (is_m3_folder, "embed_hybrid", m3_heads),
+)
+
+
+def layout_heads(folder: Path, encoder: Encoder) -> dict[str, Sequence[Head]]:
+    """The heads ``folder``'s layout adds (:data:`LAYOUT_HEADS`), by kind: the kind's own first, then its variants."""
+    return {kind: make(folder, encoder) for applies, kind, make in LAYOUT_HEADS if applies(folder)}
 
 
 class DenseHead(Head):
     name = "dense"
     kinds = ("embed",)
 
-    def __init__(self, encoder: Encoder, pooling: PoolingConfig, steps: list[tuple[str, torch.nn.Module | None]],
-                 normalizes: bool, dimension: int) -> None:
-        self.encoder = encoder
+    def __init__(self, tokenization: Tokenization, pooling: PoolingConfig,
+                 steps: list[tuple[str, torch.nn.Module | None]], normalizes: bool, dimension: int) -> None:
+        self.tokenization = tokenization
         self.pooling = pooling
         self.steps = steps
         self.normalizes = normalizes
@@ -72,11 +86,11 @@ class DenseHead(Head):
 
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
         self._check(options)
-        return prepare_texts(self.encoder, self.info, items, options)
+        return prepare_texts(self.tokenization, self.info, items, options)
 
     def prepare_many(self, kind: str, jobs: list[tuple[list[Any], Any]]) -> list[Prepared | errors.EmbedqError]:
         """The texts of many jobs tokenized together (:func:`prepare_texts_many`); each job checked on its own."""
-        return prepare_texts_many(self.encoder, self.info, jobs, check=self._check)
+        return prepare_texts_many(self.tokenization, self.info, jobs, check=self._check)
 
     def _check(self, options: Any) -> None:
         assert self.info is not None
@@ -142,86 +156,93 @@ def _dense_modules(folder: Path) -> tuple[Path, dict[str, Any], PoolingConfig | 
     return transformer_dir, st_config, pooling_config, steps
 
 
+def folder_pooling(folder: Path, encoder: Encoder, pooling_config: PoolingConfig | None,
+                   override: str | None) -> PoolingConfig:
+    """The pooling of ``folder``'s vectors: its Pooling module's (none: sentence-transformers' fallback, mean, or the
+    last token for a ``*ForCausalLM``), checked against the model's hidden size, or the operator's ``override``."""
+    config = encoder.config
+    hidden = getattr(config, "hidden_size", None)
+    if pooling_config is None:
+        if not isinstance(hidden, int):
+            raise errors.UnsupportedModel(f"{encoder.folder}: cannot tell the hidden size")
+        archs = getattr(config, "architectures", None) or []
+        causal = bool(archs) and archs[0].endswith("ForCausalLM") and getattr(config, "is_causal", True)
+        pooling_config = PoolingConfig(hidden, ("lasttoken",) if causal else ("mean",))
+    elif isinstance(hidden, int) and hidden != pooling_config.embedding_dimension:
+        raise errors.UnsupportedModel(
+            f"Pooling embedding_dimension {pooling_config.embedding_dimension} != model hidden size {hidden}")
+    if override is not None and pooling_config.modes != (override,):
+        # An operator's override (EMBEDQ_POOLING, TEI's --pooling): another vector space than the folder's.
+        # Allowed, as TEI allows it, but said, and the fingerprint's pooling names it.
+        log.warning("pooling=%s overrides %s's own %s pooling: its vectors are not the model's own space",
+                    override, folder, pooling_config.name)
+        pooling_config = PoolingConfig(pooling_config.embedding_dimension, (override,), pooling_config.include_prompt)
+    if pooling_config.modes[-1] == "lasttoken" and not ends_with_eos(encoder.tokenizer):
+        log.warning("%s pools the last token but its tokenizer does not end a text with the EOS token; if the "
+                    "model was trained with EOS appended, its vectors differ from the model card's", folder)
+    return pooling_config
+
+
+def dense_steps(steps: list[tuple[str, Path]], dimension: int,
+                encoder: Encoder) -> tuple[list[tuple[str, torch.nn.Module | None]], bool, int]:
+    """The steps after pooling, loaded (a Dense module, or None for a Normalize), a trailing Normalize left out (each
+    job's ``finish`` applies it, or not): (steps, whether the folder normalizes, the vectors' dimension)."""
+    normalizes = bool(steps) and steps[-1][0] == "Normalize"
+    if normalizes:
+        steps = steps[:-1]
+    modules: list[tuple[str, torch.nn.Module | None]] = []
+    for kind, step_dir in steps:
+        if kind == "Dense":
+            dense = DenseModule(step_dir)
+            if dense.in_features != dimension:
+                raise errors.UnsupportedModel(
+                    f"Dense module {step_dir}: in_features {dense.in_features} != input dimension {dimension}")
+            dimension = dense.out_features
+            modules.append((kind, dense.to(device=encoder.device, dtype=encoder.dtype).eval()))
+        else:
+            modules.append((kind, None))
+    return modules, normalizes, dimension
+
+
 class DenseBackend(ModelBackend):
-    """An embedding model: the encoder with the dense head (``embed``) and the tokenize head."""
+    """An embedding model: the encoder with the dense head (``embed``), the per-token head (``embed_all``), the heads
+    its folder's layout adds (:data:`LAYOUT_HEADS`) and the tokenizer's heads."""
 
     def __init__(self, path: str | Path, settings: BackendSettings | None = None, *, model_id: str | None = None,
                  on_runtime_chosen: Callable[[RuntimeFacts], None] | None = None) -> None:
         settings = settings or BackendSettings()
-        pooling = settings.pooling
-        if pooling is not None and pooling not in POOLING_MODES:
-            raise errors.InvalidOption(f"pooling must be one of {POOLING_MODES}, not {pooling!r}")
+        if settings.pooling is not None and settings.pooling not in POOLING_MODES:
+            raise errors.InvalidOption(f"pooling must be one of {POOLING_MODES}, not {settings.pooling!r}")
         folder = Path(path).resolve()
         transformer_dir, st_config, pooling_config, steps = _dense_modules(folder)
-        has_modules = (folder / "modules.json").is_file()
         check_modality(st_config, "last_hidden_state")
         if st_config.get("module_output_name", "token_embeddings") != "token_embeddings":
             raise errors.UnsupportedModel(
                 f"Transformer module_output_name={st_config['module_output_name']!r} is not supported")
-        encoder = Encoder(transformer_dir, st_config, settings, task=FEATURES, allow_chat_template=has_modules,
-                          on_runtime_chosen=on_runtime_chosen)
-        config = encoder.config
-        hidden = getattr(config, "hidden_size", None)
-        if pooling_config is None:
-            if not isinstance(hidden, int):
-                raise errors.UnsupportedModel(f"{transformer_dir}: cannot tell the hidden size")
-            archs = getattr(config, "architectures", None) or []
-            causal = bool(archs) and archs[0].endswith("ForCausalLM") and getattr(config, "is_causal", True)
-            pooling_config = PoolingConfig(hidden, ("lasttoken",) if causal else ("mean",))
-        elif isinstance(hidden, int) and hidden != pooling_config.embedding_dimension:
-            raise errors.UnsupportedModel(
-                f"Pooling embedding_dimension {pooling_config.embedding_dimension} != model hidden size {hidden}")
-        if pooling is not None and pooling_config.modes != (pooling,):
-            # An operator's override (EMBEDQ_POOLING, TEI's --pooling): another vector space than the folder's.
-            # Allowed, as TEI allows it, but said, and the fingerprint's pooling names it.
-            log.warning("pooling=%s overrides %s's own %s pooling: its vectors are not the model's own space",
-                        pooling, folder, pooling_config.name)
-            pooling_config = PoolingConfig(pooling_config.embedding_dimension, (pooling,),
-                                           pooling_config.include_prompt)
-        if pooling_config.modes[-1] == "lasttoken" and not ends_with_eos(encoder):
-            log.warning("%s pools the last token but its tokenizer does not end a text with the EOS token; if the "
-                        "model was trained with EOS appended, its vectors differ from the model card's", folder)
-        self.pooling_config = pooling_config
-
-        # -- the steps after pooling; a trailing Normalize is left to finish ---------------------------
-        normalizes = bool(steps) and steps[-1][0] == "Normalize"
-        if normalizes:
-            steps = steps[:-1]
-        modules: list[tuple[str, torch.nn.Module | None]] = []
-        dimension = pooling_config.output_dimension
-        for kind, step_dir in steps:
-            if kind == "Dense":
-                dense = DenseModule(step_dir)
-                if dense.in_features != dimension:
-                    raise errors.UnsupportedModel(
-                        f"Dense module {step_dir}: in_features {dense.in_features} != input dimension {dimension}")
-                dimension = dense.out_features
-                modules.append((kind, dense.to(device=encoder.device, dtype=encoder.dtype).eval()))
-            else:
-                modules.append((kind, None))
+        encoder = Encoder(transformer_dir, st_config, settings, task=FEATURES,
+                          allow_chat_template=(folder / "modules.json").is_file(), on_runtime_chosen=on_runtime_chosen)
+        pooling_config = folder_pooling(folder, encoder, pooling_config, settings.pooling)
+        modules, normalizes, dimension = dense_steps(steps, pooling_config.output_dimension, encoder)
+        head = DenseHead(encoder.tokenization, pooling_config, modules, normalizes, dimension)
+        per_token = TokenEmbeddingsHead(encoder.tokenization, pooling_config.embedding_dimension)
+        more = layout_heads(folder, encoder)
         prompts, default_prompt_name = read_prompts(folder)
-        head = DenseHead(encoder, pooling_config, modules, normalizes, dimension)
-        # BGE-M3 (FlagEmbedding's layout: sparse_linear.pt and colbert_linear.pt beside the weights): embed_hybrid
-        m3 = m3_heads(folder, encoder) if is_m3_folder(folder) else []
-        per_token = TokenEmbeddingsHead(encoder, pooling_config.embedding_dimension)
-        kinds = ("embed", "embed_all", *(["embed_hybrid"] if m3 else []), *TOKENIZER_KINDS)
         info = base_info(folder, encoder, model_id=model_id if model_id is not None else str(path),
                          dimension=dimension, pooling=pooling_config.name, normalizes=normalizes, prompts=prompts,
-                         default_prompt_name=default_prompt_name, kinds=kinds)
-        heads: dict[str, Head] = {"embed": head, "embed_all": per_token, **tokenizer_heads(encoder, info)}
-        for each in [head, per_token, *m3]:
+                         default_prompt_name=default_prompt_name, kinds=("embed", "embed_all", *more, *TOKENIZER_KINDS))
+        variants = [each for heads in more.values() for each in heads]
+        for each in [head, per_token, *variants]:
             each.info = info
-        if m3:
-            heads["embed_hybrid"] = m3[0]
-        super().__init__(encoder, heads, info, more_heads=m3)
-        self.model = encoder.model
+        heads: dict[str, Head] = {"embed": head, "embed_all": per_token, **{k: v[0] for k, v in more.items()},
+                                  **tokenizer_heads(encoder.tokenization, info)}
+        super().__init__(encoder, heads, info, more_heads=variants)
 
     # -- direct use (tests, benchmarks): the same code paths the worker takes --------------------------
     def tokenize(self, texts: Sequence[str], *, prompt: str | None = None, truncate: bool = True,
                  truncation_side: str = "right") -> Tokenized:
         """Tokenize texts exactly as sentence-transformers would (prompt prepended)."""
-        encoded, plen = self.encoder.encode_texts(texts, prompt=prompt, truncate=truncate,
-                                                  truncation_side=truncation_side)
+        encoded, plen = self.encoder.tokenization.encode_texts(texts, prompt=prompt, truncate=truncate,
+                                                               truncation_side=truncation_side)
         return Tokenized(ids=[e.ids for e in encoded], prompt_length=plen)
 
     def embed(self, batch: Sequence[Sequence[int]], prompt_lengths: Sequence[int] | None = None) -> np.ndarray:

@@ -1,21 +1,16 @@
-"""The encoder: the part of every backend that loads a model folder (:mod:`~embedq.backends.folder`: what the folder
-holds), tokenizes texts or text pairs (:mod:`~embedq.backends.tokenizing`), pads a micro-batch and runs the
-transformer on the runtime chosen for it (:mod:`~embedq.backends.runtime`). Heads (``dense.py``, ``classify.py``,
-``tokens.py``) turn its output into one kind's rows.
-
-Tokenization follows sentence-transformers 6.x exactly: ``max_seq_length`` → ``model_max_length``, else
-the tokenizer's limit capped at ``max_position_embeddings``; pairs are tokenized as one sequence
-(``[CLS] a [SEP] b [SEP]``) with ``longest_first`` truncation and segment ids where the model takes them.
+"""The encoder: the part of every backend that loads a model folder (:mod:`~embedq.backends.transformer`, one step a
+function: where it runs, its tokenizer, its model), owns the :class:`~embedq.backends.tokenizing.Tokenization` that
+tokenizes texts or text pairs as sentence-transformers does, pads a micro-batch and runs the transformer on the runtime
+chosen for it (:mod:`~embedq.backends.runtime`). Heads (``dense.py``, ``classify.py``, ``tokens.py``) turn its output
+into one kind's rows.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import inspect
 import logging
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,28 +20,15 @@ import torch
 
 from embedq import errors
 from embedq.backends.base import Encoded, RuntimeFacts
-from embedq.backends.cutting import Cutter
-from embedq.backends.folder import (
-    CLASSIFY,
-    FEATURES,
-    FILL_MASK,
-    TASK_OUTPUTS,
-    check_remote_code,
-    clean_kwargs,
-    weights_sha256,
-)
+from embedq.backends.folder import FEATURES, TASK_OUTPUTS, check_remote_code, weights_sha256
 from embedq.backends.kernels import pack_linears, swaps_generation
 from embedq.backends.runtime import LAYERED, Candidate, check, choose, facts
-from embedq.backends.tokenizing import Tokenization, lowercase
+from embedq.backends.tokenizing import Tokenization
+from embedq.backends.transformer import load_tokenizer, load_transformer, pad_id, placement
 from embedq.settings import BackendSettings
 
 log = logging.getLogger(__name__)
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
 
 def attention_kernels(device: torch.device) -> Any:
     """The attention kernels a forward pass may use: on CUDA, every kernel but cuDNN's fused attention.
@@ -67,122 +49,59 @@ def attention_kernels(device: torch.device) -> Any:
     return lambda: sdpa_kernel(kernels)
 
 
-class Encoder(Tokenization):
-    """A transformer folder loaded for inference: tokenizer, model, padding and the forward pass."""
+class Encoder:
+    """A transformer folder loaded for inference: its tokenizer (and the :class:`Tokenization` that calls it as
+    sentence-transformers does), its model, padding and the forward pass on the runtime chosen for it."""
 
     def __init__(self, folder: Path, st_config: dict[str, Any], settings: BackendSettings, *, task: str = FEATURES,
                  allow_chat_template: bool = False,
                  on_runtime_chosen: Callable[[RuntimeFacts], None] | None = None) -> None:
-        device, dtype, torch_threads = settings.device, settings.dtype, settings.torch_threads
-        linear_kernel, trust_remote_code = settings.linear_kernel, settings.trust_remote_code
-        batch_tokens, online_tokens = settings.batch_tokens, settings.online_tokens
-        from transformers import (
-            AutoConfig,
-            AutoModel,
-            AutoModelForMaskedLM,
-            AutoModelForSequenceClassification,
-            AutoTokenizer,
-        )
-
-        if dtype not in DTYPES:
-            raise errors.InvalidOption(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
-        try:
-            torch_device = torch.device(device)
-        except RuntimeError as exc:
-            raise errors.InvalidOption(f"invalid device {device!r}: {exc}") from exc
-        if torch_device.type not in ("cpu", "cuda"):
-            raise errors.InvalidOption(f"device must be 'cpu' or 'cuda[:N]', not {device!r}")
-        if torch_threads is not None:
-            torch.set_num_threads(int(torch_threads))
         self.folder = folder
         self.task = task
-        self.device = torch_device
-        self.dtype_name = dtype
-        self.dtype = DTYPES[dtype]
-        self._attention = attention_kernels(torch_device)
-
-        # -- tokenizer (as ST: max_seq_length → model_max_length; else capped at max positions) --------
-        config_kwargs = clean_kwargs(st_config.get("config_kwargs", st_config.get("config_args")))
-        model_kwargs = clean_kwargs(st_config.get("model_kwargs", st_config.get("model_args")))
-        tok_kwargs = clean_kwargs(st_config.get("processor_kwargs", st_config.get("tokenizer_args")))
-        max_seq_length = st_config.get("max_seq_length")
-        if max_seq_length is not None and "model_max_length" not in tok_kwargs:
-            tok_kwargs["model_max_length"] = int(max_seq_length)
-        trust = check_remote_code(folder, trust_remote_code)
-        try:
-            config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust, **config_kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust, **tok_kwargs)
-        except (OSError, ValueError, KeyError, ImportError) as exc:
-            raise errors.UnsupportedModel(f"cannot load the transformer in {folder}: {exc}") from exc
-        if not getattr(tokenizer, "is_fast", False):
-            raise errors.UnsupportedModel(f"{folder}: embedq needs a fast tokenizer")
-        if getattr(config, "is_encoder_decoder", False):
-            raise errors.UnsupportedModel(f"{folder}: encoder-decoder models are not supported")
-        if "model_max_length" not in tok_kwargs:
-            max_pos = getattr(config, "max_position_embeddings", None)
-            if isinstance(max_pos, int) and max_pos != -1:
-                tokenizer.model_max_length = min(tokenizer.model_max_length, max_pos)
-        if not allow_chat_template and getattr(tokenizer, "chat_template", None):
-            raise errors.UnsupportedModel(
-                f"{folder} has no modules.json and its tokenizer has a chat template: sentence-transformers "
-                "would render texts as chat messages, which embedq does not implement"
-            )
-        if st_config.get("do_lower_case", False):
-            lowercase(tokenizer)
-        self.config = config
-        self.max_seq_length = int(tokenizer.model_max_length)
-        self.tokenizer = tokenizer
-        self._tokenizer_left = copy.deepcopy(tokenizer)
-        self._tokenizer_left.truncation_side = "left"
-        # Long texts are tokenized only as far as the model reads them (cutting.py): the same ids, bounded work.
-        self.cutter = Cutter(tokenizer, need=self.max_seq_length + 1)
-        self._lock = threading.Lock()
-        self._prompt_lengths: dict[str, int] = {}
-        pad_id = tokenizer.pad_token_id
-        if pad_id is None:
-            pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-        self._pad_id = int(pad_id)
-        self.left_padding = tokenizer.padding_side == "left"
-
-        # -- model -----------------------------------------------------------------------------------
-        for key in ("dtype", "torch_dtype", "device_map"):
-            model_kwargs.pop(key, None)
-        if hasattr(config, "use_cache"):
-            config.use_cache = False
-        auto = {CLASSIFY: AutoModelForSequenceClassification, FILL_MASK: AutoModelForMaskedLM}.get(task, AutoModel)
-        try:
-            model = auto.from_pretrained(str(folder), config=config, dtype=self.dtype, trust_remote_code=trust,
-                                         **model_kwargs)
-        except (OSError, ValueError, KeyError) as exc:
-            raise errors.UnsupportedModel(f"cannot load the transformer in {folder}: {exc}") from exc
-        self.model = model.to(self.device).eval()
+        self.device, self.dtype = placement(settings)
+        self.dtype_name = settings.dtype
+        self._attention = attention_kernels(self.device)
+        trust = check_remote_code(folder, settings.trust_remote_code)
+        self.config, self.tokenizer = load_tokenizer(folder, st_config, trust=trust,
+                                                     allow_chat_template=allow_chat_template)
+        self.model = load_transformer(folder, st_config, self.config, task=task, device=self.device,
+                                      dtype=self.dtype, trust=trust)
         params = inspect.signature(self.model.forward).parameters
-        self.takes_token_type_ids = "token_type_ids" in params and "token_type_ids" in tokenizer.model_input_names
+        self.max_seq_length = int(self.tokenizer.model_max_length)
+        self.takes_token_type_ids = "token_type_ids" in params and "token_type_ids" in self.tokenizer.model_input_names
         self._position_ids = "position_ids" in params
-        self._forward: Any = self.model
+        self._pad_id = pad_id(self.tokenizer)
+        self.left_padding = self.tokenizer.padding_side == "left"
+        self.tokenization = Tokenization(self.tokenizer, self.max_seq_length, self.takes_token_type_ids)
         # Bulk micro-batches that may be preempted run here when the chosen runtime cannot stop between layers
         # (runtime.preemptible_alternative); None: they run on the chosen one.
         self._preempt_forward: Any = None
         self.preempt_runtime: str | None = None
         self._override: Any = None  # the forward pass run() uses inside between_layers (not in its callback)
         self.runtime_choice: Any = None  # runtime.Choice when linear_kernel=auto chose by measurement
-        if linear_kernel == "auto" and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
-            self.runtime_choice, candidate = choose(self, weights=weights_sha256(folder), tokens=batch_tokens,
-                                                    online_tokens=online_tokens, on_chosen=on_runtime_chosen)
-            self._forward, self.linear_kernel = candidate.forward, self.runtime_choice.runtime
-            self._preemptible_runtime()
-        elif linear_kernel == "onnxruntime":
-            self._forward = self._onnx(folder, task)
-            self.linear_kernel = "onnxruntime"
-        else:  # an operator's choice (or a GPU / float16, where PyTorch's own kernels run)
-            self.linear_kernel = pack_linears(self.model, linear_kernel)
+        self._forward: Any = self.model
+        self.linear_kernel = "torch"
+        self._layers: Any = False  # the layer stack, once looked for (layers())
+        self._points: tuple[int, list[Any]] | None = None  # the preemption points, by swaps generation
+        self._choose_runtime(settings, on_runtime_chosen)
 
-    def _preemptible_runtime(self) -> None:
-        """When ``auto`` chose a runtime that runs the graph whole, keep a layered one for bulk micro-batches if the
-        measurements say it is nearly as fast on them (runtime.preemptible_alternative), checked for fidelity."""
-        name = self.runtime_choice.bulk_runtime
-        if name is not None:
-            self.layered_for_bulk(name)
+    def _choose_runtime(self, settings: BackendSettings, on_chosen: Callable[[RuntimeFacts], None] | None) -> None:
+        """The runtime of the forward pass: measured where ``linear_kernel=auto`` on a CPU in float32 or bfloat16
+        (:func:`~embedq.backends.runtime.choose`; a layered one kept for bulk micro-batches where the chosen one runs
+        the graph whole and the measurements say it is nearly as fast on them), else the one asked for (a GPU or
+        float16: PyTorch's own kernels)."""
+        kernel = settings.linear_kernel
+        if kernel == "auto" and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
+            self.runtime_choice, candidate = choose(self, weights=weights_sha256(self.folder),
+                                                    tokens=settings.batch_tokens, online_tokens=settings.online_tokens,
+                                                    on_chosen=on_chosen)
+            self._forward, self.linear_kernel = candidate.forward, self.runtime_choice.runtime
+            if self.runtime_choice.bulk_runtime is not None:
+                self.layered_for_bulk(self.runtime_choice.bulk_runtime)
+        elif kernel == "onnxruntime":
+            self._forward, self.linear_kernel = self._onnx(), "onnxruntime"
+        else:
+            self.linear_kernel = pack_linears(self.model, kernel)
 
     def layered_for_bulk(self, name: str) -> bool:
         """Run preemptible bulk micro-batches (inside :meth:`between_layers`) on the layered runtime ``name``
@@ -217,10 +136,10 @@ class Encoder(Tokenization):
         if name == "onnxruntime":
             if self.device.type != "cpu" or self.dtype != torch.float32 or self.left_padding:
                 return None
-            return Candidate("onnxruntime", self._onnx(self.folder, self.task))
+            return Candidate("onnxruntime", self._onnx())
         raise errors.InvalidOption(f"unknown runtime {name!r}")
 
-    def _onnx(self, folder: Path, task: str) -> Any:
+    def _onnx(self) -> Any:
         """The forward pass in ONNX Runtime (onnx.py), checked against this model before it serves."""
         from embedq.backends.onnx import load_onnx
 
@@ -230,8 +149,8 @@ class Encoder(Tokenization):
             raise errors.InvalidOption("linear_kernel=onnxruntime serves right-padded encoders; this tokenizer "
                                        "pads on the left")
         names = ["input_ids", "attention_mask"] + (["token_type_ids"] if self.takes_token_type_ids else [])
-        output = TASK_OUTPUTS[task]
-        return load_onnx(self.model, weights=weights_sha256(folder), task=task, names=names, output=output,
+        output = TASK_OUTPUTS[self.task]
+        return load_onnx(self.model, weights=weights_sha256(self.folder), task=self.task, names=names, output=output,
                          pad_id=self._pad_id, threads=torch.get_num_threads())
 
     def runtime_facts(self) -> RuntimeFacts:
@@ -251,7 +170,7 @@ class Encoder(Tokenization):
     def layers(self) -> Any:
         """The model's stack of transformer layers (the ``nn.ModuleList`` of ``num_hidden_layers`` blocks: BERT's
         ``encoder.layer``, a decoder's ``layers``, ...), or None where there is none to find."""
-        if getattr(self, "_layers", False) is False:
+        if self._layers is False:
             count = int(getattr(self.model.config, "num_hidden_layers", 0) or 0)
             stacks = [m for _, m in self.model.named_modules()
                       if isinstance(m, torch.nn.ModuleList) and count and len(m) == count]
@@ -273,9 +192,8 @@ class Encoder(Tokenization):
         layer. Kept until a runtime swaps modules (the oneDNN runtime swaps the Linear layers: kernels.Swaps); every
         bulk micro-batch asks, and walking the modules costs 50 µs for one layer, 12 times that for BERT-base's."""
         generation = swaps_generation()
-        cached = getattr(self, "_points", None)
-        if cached is not None and cached[0] == generation:
-            return cached[1]
+        if self._points is not None and self._points[0] == generation:
+            return self._points[1]
         points: list[Any] = []
         for layer in self.layers() or ():
             points.append(layer)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from embedq import errors
 from embedq.backends.base import Encoded, Head, ModelInfo, Prepared
 from embedq.backends.encoder import Encoder
+from embedq.backends.tokenizing import Tokenization
 from embedq.backends.tokens import prepare_texts
 from embedq.protocol import HYBRID_OUTPUTS, Fingerprint, encode_result
 from embedq.version import __version__
@@ -75,8 +76,8 @@ class M3Head(Head):
 
     kinds = ("embed_hybrid",)
 
-    def __init__(self, encoder: Encoder, weights: M3Weights, outputs: tuple[str, ...]) -> None:
-        self.encoder = encoder
+    def __init__(self, tokenization: Tokenization, weights: M3Weights, outputs: tuple[str, ...]) -> None:
+        self.tokenization = tokenization
         self.weights = weights
         self.outputs = outputs
         self.name = "m3:" + "+".join(outputs)
@@ -85,7 +86,7 @@ class M3Head(Head):
 
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
         head = self.by_outputs[tuple(o for o in HYBRID_OUTPUTS if o in options.outputs)]
-        prepared = prepare_texts(self.encoder, self.info, items, options)
+        prepared = prepare_texts(self.tokenization, self.info, items, options)
         for item in prepared.items:  # the variant that computes exactly the job's outputs
             item.head = head.name
         return prepared
@@ -138,7 +139,7 @@ class M3Head(Head):
         if "lexical" in wanted:
             extra["lexical_dimensions"] = self.weights.vocab
         if options.return_tokens and "lexical" in wanted:
-            extra["lexical_tokens"] = self.encoder.tokenizer.convert_ids_to_tokens(
+            extra["lexical_tokens"] = self.tokenization.tokenizer.convert_ids_to_tokens(
                 arrays["lexical_indices"].tolist())
         # float16 is for the dense and ColBERT vectors; lexical weights stay float32
         return encode_result(kind, arrays, fingerprint, items=len(rows), tokens=prepared.tokens,
@@ -180,7 +181,7 @@ def m3_heads(folder: Path, encoder: Encoder) -> list[M3Head]:
     """One head per non-empty combination of outputs, all sharing the weights; the first serves prepare."""
     weights = M3Weights(folder, encoder)
     combos = [c for n in range(len(HYBRID_OUTPUTS), 0, -1) for c in itertools.combinations(HYBRID_OUTPUTS, n)]
-    heads = [M3Head(encoder, weights, combo) for combo in combos]
+    heads = [M3Head(encoder.tokenization, weights, combo) for combo in combos]
     table = {head.outputs: head for head in heads}
     for head in heads:
         head.by_outputs = table

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from embedq.backends.base import Encoded, Head, ModelInfo, Prepared, per_token_result
-from embedq.backends.encoder import Encoder
+from embedq.backends.tokenizing import Tokenization
 from embedq.backends.tokens import prepare_texts
 
 
@@ -23,13 +23,13 @@ class TokenEmbeddingsHead(Head):
     name = "tokens"
     kinds = ("embed_all",)
 
-    def __init__(self, encoder: Encoder, hidden: int) -> None:
-        self.encoder = encoder
+    def __init__(self, tokenization: Tokenization, hidden: int) -> None:
+        self.tokenization = tokenization
         self.hidden = hidden
         self.info: ModelInfo | None = None
 
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
-        return prepare_texts(self.encoder, self.info, items, options)
+        return prepare_texts(self.tokenization, self.info, items, options)
 
     def rows(self, output: Any, mask: torch.Tensor, index: Any, batch: Sequence[Encoded]) -> list[np.ndarray]:
         hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]

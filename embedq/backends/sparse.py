@@ -27,11 +27,13 @@ import torch
 
 from embedq import errors
 from embedq.backends.base import Encoded, Head, ModelInfo, Prepared, RuntimeFacts
-from embedq.backends.encoder import DTYPES, Encoder
+from embedq.backends.encoder import Encoder
 from embedq.backends.folder import FILL_MASK
 from embedq.backends.model import ModelBackend, base_info, check_modality
 from embedq.backends.modules import read_json
+from embedq.backends.tokenizing import Tokenization
 from embedq.backends.tokens import TOKENIZER_KINDS, prepare_texts, read_prompts, tokenizer_heads
+from embedq.backends.transformer import DTYPES
 from embedq.protocol import Fingerprint, encode_result
 from embedq.settings import BackendSettings
 from embedq.version import __version__
@@ -95,8 +97,8 @@ class SpladeHead(Head):
     name = "splade"
     kinds = ("embed_sparse", "embed")
 
-    def __init__(self, encoder: Encoder, strategy: str, activation: str) -> None:
-        self.encoder = encoder
+    def __init__(self, tokenization: Tokenization, strategy: str, activation: str) -> None:
+        self.tokenization = tokenization
         self.strategy = strategy
         self.activation = activation
         self.info: ModelInfo | None = None
@@ -114,7 +116,7 @@ class SpladeHead(Head):
             if options.dimensions is not None and options.dimensions > self.info.dimension:
                 raise errors.InvalidDimensions(f"dimensions={options.dimensions} is more than the model's "
                                                f"{self.info.dimension}")
-        return prepare_texts(self.encoder, self.info, items, options)
+        return prepare_texts(self.tokenization, self.info, items, options)
 
     def rows(self, output: Any, mask: torch.Tensor, index: Any, batch: Sequence[Encoded]) -> list[Any]:
         # items of another head in the batch: only this head's rows are read
@@ -143,7 +145,7 @@ class SpladeHead(Head):
         values = np.concatenate([v for _, v in kept]) if kept else np.zeros(0, np.float32)
         extra = None
         if options.return_tokens:
-            extra = {"tokens": self.encoder.tokenizer.convert_ids_to_tokens(indices.tolist())}
+            extra = {"tokens": self.tokenization.tokenizer.convert_ids_to_tokens(indices.tolist())}
         fingerprint = Fingerprint(kind=kind, model=info.model_id, weights_sha256=info.weights_sha256,
                                   pooling=self.pooling, normalize=False, dimensions=info.dimension, dtype=info.dtype,
                                   prompt=prepared.state.get("prompt"), embedq_version=__version__)
@@ -186,12 +188,13 @@ def load_sparse(folder: Path, transformer_dir: Path, st_config: dict[str, Any], 
     encoder = Encoder(transformer_dir, st_config, settings.model_copy(update={"batch_tokens": budget,
                                                                               "online_tokens": online}),
                       task=FILL_MASK, allow_chat_template=bool(modules), on_runtime_chosen=on_runtime_chosen)
-    head = SpladeHead(encoder, strategy, activation)
+    head = SpladeHead(encoder.tokenization, strategy, activation)
     prompts, default_prompt_name = read_prompts(folder)
     info = base_info(folder, encoder, model_id=model_id, dimension=vocab, pooling=head.pooling, normalizes=False,
                      prompts=prompts, default_prompt_name=default_prompt_name,
                      kinds=("embed_sparse", "embed", *TOKENIZER_KINDS))
     head.info = info
-    backend = ModelBackend(encoder, {"embed_sparse": head, "embed": head, **tokenizer_heads(encoder, info)}, info)
+    heads: dict[str, Head] = {"embed_sparse": head, "embed": head, **tokenizer_heads(encoder.tokenization, info)}
+    backend = ModelBackend(encoder, heads, info)
     backend.max_batch_tokens = budget if budget < settings.batch_tokens else None
     return backend

@@ -5,6 +5,7 @@ reads them (:mod:`embedq.backends.cutting`), and the details ``embedq.tokenize``
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,15 +40,20 @@ def _cut_details(d: Details, limit: int, keep_head: int, with_strings: bool) -> 
 
 
 class Tokenization:
-    """The tokenizing half of :class:`~embedq.backends.encoder.Encoder`, which sets what it reads."""
+    """A model's tokenizer called as sentence-transformers calls it, to the model's limit: handed the tokenizer, the
+    limit (``max_seq_length``) and whether the model takes segment ids; owns a copy of the tokenizer that truncates on
+    the left, the :class:`~embedq.backends.cutting.Cutter`, the prompts' lengths and the lock its calls take."""
 
-    tokenizer: Any
-    _tokenizer_left: Any  # the same tokenizer, truncating on the left
-    max_seq_length: int
-    takes_token_type_ids: bool
-    cutter: Cutter
-    _lock: threading.Lock
-    _prompt_lengths: dict[str, int]
+    def __init__(self, tokenizer: Any, max_seq_length: int, takes_token_type_ids: bool) -> None:
+        self.tokenizer = tokenizer
+        self.max_seq_length = max_seq_length
+        self.takes_token_type_ids = takes_token_type_ids
+        self._tokenizer_left = copy.deepcopy(tokenizer)
+        self._tokenizer_left.truncation_side = "left"
+        # Long texts are tokenized only as far as the model reads them (cutting.py): the same ids, bounded work.
+        self.cutter = Cutter(tokenizer, need=max_seq_length + 1)
+        self._lock = threading.Lock()
+        self._prompt_lengths: dict[str, int] = {}
 
     def _call(self, tokenizer: Any, first: list[str], second: list[str] | None, *, truncate: bool,
               details: bool = False, add_special_tokens: bool = True) -> dict[str, Any]:
@@ -265,20 +271,3 @@ class Tokenization:
             rows.append((list(pair.ids), list(pair.type_ids) if self.takes_token_type_ids else None))
         return rows
 
-
-def lowercase(tokenizer: Any) -> None:
-    """ST's ``do_lower_case``: a Lowercase normalizer in front, unless the tokenizer already has one."""
-    from tokenizers.normalizers import Lowercase
-    from tokenizers.normalizers import Sequence as NormalizerSequence
-
-    normalizer = tokenizer.backend_tokenizer.normalizer
-    has_lower = isinstance(normalizer, Lowercase) or (
-        isinstance(normalizer, NormalizerSequence) and any(isinstance(n, Lowercase) for n in normalizer)
-    )
-    if not has_lower:
-        parts: list[Any] = [Lowercase()]
-        if isinstance(normalizer, NormalizerSequence):
-            parts += list(normalizer)
-        elif normalizer is not None:
-            parts.append(normalizer)
-        tokenizer.backend_tokenizer.normalizer = NormalizerSequence(parts)

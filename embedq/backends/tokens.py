@@ -16,8 +16,8 @@ import numpy as np
 
 from embedq import errors
 from embedq.backends.base import Encoded, Head, ModelInfo, Prepared
-from embedq.backends.encoder import Encoder
 from embedq.backends.modules import read_json
+from embedq.backends.tokenizing import Tokenization
 from embedq.protocol import Fingerprint, encode_result
 from embedq.version import __version__
 
@@ -47,38 +47,38 @@ def resolve_prompt(info: ModelInfo, prompt: str | None, prompt_name: str | None)
     return info.prompts[name] or None
 
 
-def encode_items(encoder: Encoder, items: list[Any], *, prompt: str | None, truncate: bool,
+def encode_items(tokenization: Tokenization, items: list[Any], *, prompt: str | None, truncate: bool,
                  truncation_side: str) -> list[Encoded]:
     """A job's inputs as the model takes them: texts tokenized as sentence-transformers does, an input of token
     ids (TEI's routes take them) as those ids (:meth:`~embedq.backends.tokenizing.Tokenization.encode_ids`). With
     a prompt, ids are decoded (special tokens skipped) and tokenized behind it as a text, as TEI does."""
     if all(isinstance(item, str) for item in items):
-        return encoder.encode_texts(items, prompt=prompt, truncate=truncate, truncation_side=truncation_side)[0]
+        return tokenization.encode_texts(items, prompt=prompt, truncate=truncate, truncation_side=truncation_side)[0]
     if prompt is not None:  # an id outside the vocabulary is refused here too, never dropped from the text
         for item in items:
             if not isinstance(item, str):
-                encoder.check_ids(item)
-        items = [item if isinstance(item, str) else encoder.tokenizer.decode(list(item), skip_special_tokens=True)
-                 for item in items]
-        return encoder.encode_texts(items, prompt=prompt, truncate=truncate, truncation_side=truncation_side)[0]
+                tokenization.check_ids(item)
+        decode = tokenization.tokenizer.decode
+        items = [item if isinstance(item, str) else decode(list(item), skip_special_tokens=True) for item in items]
+        return tokenization.encode_texts(items, prompt=prompt, truncate=truncate, truncation_side=truncation_side)[0]
     texts = [item for item in items if isinstance(item, str)]
-    encoded = iter(encoder.encode_texts(texts, truncate=truncate, truncation_side=truncation_side)[0] if texts
+    encoded = iter(tokenization.encode_texts(texts, truncate=truncate, truncation_side=truncation_side)[0] if texts
                    else ())
     return [next(encoded) if isinstance(item, str) else
-            encoder.encode_ids(item, truncate=truncate, truncation_side=truncation_side) for item in items]
+            tokenization.encode_ids(item, truncate=truncate, truncation_side=truncation_side) for item in items]
 
 
-def prepare_texts(encoder: Encoder, info: ModelInfo | None, texts: list[Any], options: Any) -> Prepared:
+def prepare_texts(tokenization: Tokenization, info: ModelInfo | None, texts: list[Any], options: Any) -> Prepared:
     """A job of texts (or token-id inputs) for a head that runs the model: its prompt resolved
     (``state["prompt"]``), its texts tokenized as sentence-transformers does, its token count."""
     assert info is not None
     prompt = resolve_prompt(info, options.prompt, options.prompt_name)
-    encoded = encode_items(encoder, texts, prompt=prompt, truncate=options.truncate,
+    encoded = encode_items(tokenization, texts, prompt=prompt, truncate=options.truncate,
                            truncation_side=options.truncation_side)
     return Prepared(encoded, sum(len(e.ids) for e in encoded), {"prompt": prompt})
 
 
-def prepare_texts_many(encoder: Encoder, info: ModelInfo | None, jobs: list[tuple[list[Any], Any]], *,
+def prepare_texts_many(tokenization: Tokenization, info: ModelInfo | None, jobs: list[tuple[list[Any], Any]], *,
                        check: Callable[[Any], None] | None = None) -> list[Prepared | errors.EmbedqError]:
     """:func:`prepare_texts` for many jobs: those whose prompt and truncation agree are tokenized in one call
     (a call costs about as much for one short text as for dozens: the tokenizer's Python wrapper is most of a short
@@ -102,11 +102,11 @@ def prepare_texts_many(encoder: Encoder, info: ModelInfo | None, jobs: list[tupl
     for (prompt, truncate, side), members in groups.items():
         texts = [text for j in members for text in jobs[j][0]]
         try:
-            encoded = encode_items(encoder, texts, prompt=prompt, truncate=truncate, truncation_side=side)
+            encoded = encode_items(tokenization, texts, prompt=prompt, truncate=truncate, truncation_side=side)
         except errors.EmbedqError:
             for j in members:
                 try:
-                    out[j] = prepare_texts(encoder, info, *jobs[j])
+                    out[j] = prepare_texts(tokenization, info, *jobs[j])
                 except errors.EmbedqError as exc:
                     out[j] = exc
             continue
@@ -122,16 +122,16 @@ def prepare_texts_many(encoder: Encoder, info: ModelInfo | None, jobs: list[tupl
 TOKENIZER_KINDS = ("tokenize", "decode")
 
 
-def tokenizer_heads(encoder: Encoder, info: ModelInfo) -> dict[str, Head]:
+def tokenizer_heads(tokenization: Tokenization, info: ModelInfo) -> dict[str, Head]:
     """The heads of :data:`TOKENIZER_KINDS`, by kind."""
-    return {"tokenize": TokenizeHead(encoder, info), "decode": DecodeHead(encoder, info)}
+    return {"tokenize": TokenizeHead(tokenization, info), "decode": DecodeHead(tokenization, info)}
 
 
 class _TokenizerHead(Head):
-    """A head that runs the tokenizer alone: its encoder, its model's info, and its results' fingerprint."""
+    """A head that runs the tokenizer alone: the model's tokenization, its info, and its results' fingerprint."""
 
-    def __init__(self, encoder: Encoder, info: ModelInfo) -> None:
-        self.encoder = encoder
+    def __init__(self, tokenization: Tokenization, info: ModelInfo) -> None:
+        self.tokenization = tokenization
         self.info = info
 
     def fingerprint(self, dtype: str, prompt: str | None) -> Fingerprint:
@@ -146,9 +146,9 @@ class TokenizeHead(_TokenizerHead):
 
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
         prompt = resolve_prompt(self.info, options.prompt, options.prompt_name)
-        details = self.encoder.details(items, prompt=prompt, truncate=options.truncate,
-                                       truncation_side=options.truncation_side,
-                                       add_special_tokens=options.add_special_tokens, refuse_long=False)
+        details = self.tokenization.details(items, prompt=prompt, truncate=options.truncate,
+                                            truncation_side=options.truncation_side,
+                                            add_special_tokens=options.add_special_tokens, refuse_long=False)
         return Prepared([], sum(len(d.ids) for d in details), {"details": details, "prompt": prompt})
 
     def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]:
@@ -173,7 +173,7 @@ class DecodeHead(_TokenizerHead):
     kinds = ("decode",)
 
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
-        tokenizer = self.encoder.tokenizer
+        tokenizer = self.tokenization.tokenizer
         vocabulary = len(tokenizer)
         texts = tokenizer.batch_decode([[i for i in ids if i < vocabulary] for ids in items],
                                        skip_special_tokens=options.skip_special_tokens)
