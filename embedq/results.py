@@ -14,6 +14,9 @@ A job with Celery canvas work (callbacks, errbacks, a chain, a chord) gets, in t
 that work is sent (:meth:`ResultStore.canvas_sent`), so a worker killed in between leaves the marker, and the
 redelivered message's worker sends the work instead (``workers/canvas.py``). A job without canvas work costs what it
 did before: the same one script per job, with no marker.
+
+Every reader of records reads them one way (:func:`record_key`, :func:`read_outcome`): ``Client.collect`` and
+``JobHandle.result`` (``producers/collect.py``) and the gateway's asyncio waiter (``gateway/results.py``).
 """
 
 from __future__ import annotations
@@ -99,3 +102,28 @@ class ResultStore:
     def outcome(self, job_id: str) -> dict[str, Any]:
         """The stored record's meta (``status`` PENDING when there is none)."""
         return self.app.backend.get_task_meta(job_id, cache=False)
+
+
+def as_key(value: Any) -> bytes:
+    """A Redis key or channel name as bytes (redis-py answers bytes unless it decodes responses)."""
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def record_key(backend: Any, job_id: str) -> bytes:
+    """The key of a job's record in the result backend's Redis, also the channel its storing is published on."""
+    return as_key(backend.get_key_for_task(job_id))
+
+
+def read_outcome(backend: Any, raw: bytes | str) -> dict[str, Any] | BaseException | None:
+    """A stored record (as Redis holds it, or as its notification carries it) read by the result backend: the job's
+    result payload, or its error (an exception, not raised: a typed :class:`~embedq.errors.EmbedqError` for every
+    error embedq stores), or None while the record holds no outcome (a state that is not final)."""
+    meta = backend.decode_result(raw)
+    status = meta.get("status")
+    if status == states.SUCCESS:
+        result: dict[str, Any] = meta["result"]
+        return result
+    if status in states.PROPAGATE_STATES:
+        error: BaseException = backend.exception_to_python(meta["result"])
+        return error
+    return None

@@ -35,7 +35,7 @@ def _sent(client: Client) -> list[dict]:
 def test_every_job_carries_the_clients_identity_and_a_call_may_name_another(redis_server, direct):
     client = _client(redis_server, f"ids.{direct}", client_id="tenant-a")
     if not direct:  # no direct route: every job goes through app.send_task
-        client._routes[("embedq.embed", client.settings.queue_name)] = None
+        client.writer.routes[("embedq.embed", client.settings.queue_name)] = None
     client.submit(["one"])
     client.submit_many([["a"], ["b"]])
     client.submit(["two"], client="tenant-b")

@@ -25,7 +25,7 @@ from embedq.producers import client as client_module
 from embedq.producers import direct as direct_module
 from embedq.producers import handle as handle_module
 from embedq.producers.client import Client
-from embedq.protocol import CLIENT_HEADER, SENT_HEADER, Fingerprint, encode_result
+from embedq.protocol import CLIENT_HEADER, RESENT_HEADER, SENT_HEADER, Fingerprint, encode_result
 from embedq.results import ResultStore
 from embedq.settings import Settings
 
@@ -86,7 +86,7 @@ def test_submit_many_writes_the_message_send_task_would(redis_server, serializer
             assert {m["headers"][CLIENT_HEADER] for m in ours} == {client.client_id}
             r.delete(queue)
             for message, handle in zip(ours, handles):
-                args, wire = handle._resend_args[0], handle._resend_args[1]
+                args, wire = handle.sent.args, handle.sent.options
                 _send_task_copy(client, message, kind=kind, args=args, options=wire, queue=queue,
                                 deadline=handle.deadline)
                 theirs = json.loads(r.lpop(queue))
@@ -101,7 +101,7 @@ def test_submit_many_writes_the_message_send_task_would(redis_server, serializer
             assert r.smembers(f"_kombu.binding.{queue}") == {f"{queue}\x06\x16\x06\x16{queue}".encode()}
             assert r.smembers(f"_kombu.binding_permanent.{queue}") == r.smembers(f"_kombu.binding.{queue}")
     # written directly (not through send_task), and no result channel was subscribed on the way (a round trip each)
-    assert client._route("embedq.embed", client.settings.queue_name) is not None and client._direct_now()
+    assert client.writer.route("embedq.embed", client.settings.queue_name) is not None and client.writer.direct_now()
     assert not client.app.backend.result_consumer.subscribed_to
     client.close()
 
@@ -134,7 +134,7 @@ def test_a_plain_celery_worker_reads_submit_many_and_send_task_alike(redis_serve
     r.delete(queue, out)
     handle = client.submit_many([["hello", "wörld"]], deadline=60, normalize=True)[0]
     message = json.loads(r.lindex(queue, 0))
-    _send_task_copy(client, message, kind="embed", args=handle._resend_args[0], options=handle._resend_args[1],
+    _send_task_copy(client, message, kind="embed", args=handle.sent.args, options=handle.sent.options,
                     queue=queue, deadline=handle.deadline)
     (tmp_path / "plain_app.py").write_text(PLAIN_APP)
     env = {**os.environ, "PLAIN_BROKER": redis_server.url, "PLAIN_OUT": out, "PYTHONPATH": str(tmp_path)}
@@ -245,12 +245,12 @@ def test_collect_reads_stored_and_arriving_results_in_order(redis_server):
     store = ResultStore(client.app)
     handles = client.submit_many([["a"], ["b", "c"], ["d"]] * 20)
     for i, handle in enumerate(handles[:30]):  # done before collect: read many per round trip
-        store.store(handle.id, _payload(i, len(handle._resend_args[0][0])))
+        store.store(handle.id, _payload(i, len(handle.sent.args[0])))
 
     def finish():  # the rest arrive while collect waits on their channels
         time.sleep(0.3)
         for i, handle in enumerate(handles[30:], 30):
-            store.store(handle.id, _payload(i, len(handle._resend_args[0][0])))
+            store.store(handle.id, _payload(i, len(handle.sent.args[0])))
 
     threading.Thread(target=finish).start()
     results = client.collect(handles, timeout=30)
@@ -274,7 +274,7 @@ def test_collect_errors_timeouts_and_deadlines(redis_server):
     store.store(handles[2].id, errors.BackendError("the model failed"))
     with pytest.raises(errors.BackendError):  # raised at once, as handle.result() raises it
         client.collect(handles, timeout=30)
-    assert isinstance(handles[2]._error, errors.BackendError)
+    assert isinstance(handles[2].error, errors.BackendError)
     out = client.collect(handles, timeout=0.3, return_exceptions=True)
     assert float(out[0][0, 0]) == 0.0 and isinstance(out[2], errors.BackendError)
     assert all(isinstance(out[i], errors.JobTimeout) for i in (1, 3))
@@ -303,6 +303,47 @@ def test_handles_that_follow_no_results_still_wait_for_them(redis_server):
     threading.Timer(0.3, lambda: [store.store(h.id, _payload(v)) for h, v in ((handle, 1), (single, 2))]).start()
     assert float(handle.result(timeout=10)[0, 0]) == 1.0
     assert float(single.result(timeout=10)[0, 0]) == 2.0
+    client.close()
+
+
+def test_a_handle_waits_through_its_clients_collect(redis_server):
+    """``handle.result()`` is ``client.collect([handle])``: a result arriving while it waits is read, the record stays
+    (``forget=False``) until ``forget()``, a typed error is kept; ``status()`` and ``ready()`` read the record."""
+    client = _client(redis_server, "one-waiter")
+    store = ResultStore(client.app)
+    handle, failing = client.submit_many([["a"], ["b"]])
+    threading.Timer(0.3, lambda: store.store(handle.id, _payload(7))).start()
+    assert float(handle.result(timeout=10, forget=False)[0, 0]) == 7.0
+    key = client.app.backend.get_key_for_task(handle.id)
+    assert client.redis().exists(key) and handle.status() == "SUCCESS" and handle.ready()
+    handle.forget()
+    assert not client.redis().exists(key) and handle.forgotten
+    store.store(failing.id, errors.BackendError("the model failed"))
+    assert failing.status() == "FAILURE" and failing.ready()
+    with pytest.raises(errors.BackendError):
+        failing.result(timeout=10)
+    assert isinstance(failing.error, errors.BackendError) and not client.pending
+    client.close()
+
+
+def test_a_short_wait_sends_a_job_with_no_result_long_after_sending_again(redis_server):
+    """Every wait, however short (``collect`` as ``handle.result``), sends a job with no result ``resend_after`` after
+    sending again under its id: a message lost in kombu's BRPOP window is not waited for in vain."""
+    client = _client(redis_server, "resend", resend_after=0.05)
+    r, queue = client.redis(), client.settings.queue_name
+    r.delete(queue)
+    handles = client.submit_many([["a"], ["b"]])
+    time.sleep(0.1)
+    out = client.collect(handles, timeout=0.05, return_exceptions=True)
+    assert all(isinstance(o, errors.JobTimeout) for o in out) and [h.resent for h in handles] == [1, 1]
+    copies = [json.loads(m)["headers"] for m in r.lrange(queue, 0, 1)]
+    assert r.llen(queue) == 4 and {c["id"] for c in copies} == {h.id for h in handles}
+    assert all(c[RESENT_HEADER] == 1 and c[CLIENT_HEADER] == client.client_id for c in copies)
+    time.sleep(0.1)
+    with pytest.raises(errors.JobTimeout):
+        handles[0].payload(timeout=0.05)
+    assert [h.resent for h in handles] == [2, 1]
+    r.delete(queue)
     client.close()
 
 

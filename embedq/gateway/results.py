@@ -5,8 +5,9 @@ A job's outcome is the record :class:`embedq.results.ResultStore` writes: Celery
 keeps one pub/sub connection subscribed to the channels of the jobs it waits for, reads the key once right
 after subscribing (a job that finished before the subscription) and reads every waiting key again every
 :data:`POLL_SECONDS` (a notification lost while Redis restarted; a waiter whose SUBSCRIBE fails while Redis restarts
-waits on, read by the poller, which subscribes its key again once Redis answers). Records are decoded by the app's
-own result backend, so a failed job raises its typed :class:`~embedq.errors.EmbedqError`, as ``JobHandle.result``
+waits on, read by the poller, which subscribes its key again once Redis answers). Records are named and read as every
+reader reads them (:func:`embedq.results.record_key`, :func:`embedq.results.read_outcome`: the app's own result
+backend decodes them), so a failed job raises its typed :class:`~embedq.errors.EmbedqError`, as ``JobHandle.result``
 does.
 """
 
@@ -17,11 +18,12 @@ import contextlib
 import logging
 from typing import Any
 
-from celery import Celery, states
+from celery import Celery
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from embedq import errors
+from embedq.results import as_key, read_outcome, record_key
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +80,7 @@ class AsyncResults:
             await self.redis.aclose()
 
     def key(self, job_id: str) -> bytes:
-        key = self.backend.get_key_for_task(job_id)
-        return key if isinstance(key, bytes) else str(key).encode()
+        return record_key(self.backend, job_id)
 
     async def wait(self, job_id: str, timeout: float | None, *, forget: bool = True) -> dict[str, Any]:
         """The job's result payload (the dict its worker stored), deleted from Redis once read unless not
@@ -162,13 +163,14 @@ class AsyncResults:
             log.warning("cannot delete read results or unsubscribe (%s)", task.exception())
 
     def decode(self, raw: bytes) -> dict[str, Any]:
-        meta = self.backend.decode_result(raw)
-        status = meta.get("status")
-        if status == states.SUCCESS:
-            return meta["result"]
-        if status in states.PROPAGATE_STATES:
-            raise self.backend.exception_to_python(meta["result"])
-        raise errors.BackendError(f"unexpected job state {status!r}")
+        """A stored record's result payload; raises the job's error, or :class:`~embedq.errors.BackendError` for a
+        record with no outcome (a state that is not final: embedq stores only final ones)."""
+        outcome = read_outcome(self.backend, raw)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        if outcome is None:
+            raise errors.BackendError("the job's stored record holds no outcome")
+        return outcome
 
     def _deliver(self, key: bytes, raw: bytes) -> None:
         for future in self._waiting.get(key, ()):
@@ -189,8 +191,7 @@ class AsyncResults:
                 await asyncio.sleep(0.5)
                 continue
             if message and message.get("type") == "message":
-                channel = message["channel"]
-                self._deliver(channel if isinstance(channel, bytes) else str(channel).encode(), message["data"])
+                self._deliver(as_key(message["channel"]), message["data"])
 
     async def _poll(self) -> None:
         while True:

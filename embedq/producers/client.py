@@ -12,14 +12,16 @@ lists itself (the message ``send_task`` would write, field for field), so a job 
 where the app is configured in a way it does not reproduce, it sends through ``send_task``.
 
 Every kind goes through one call, :meth:`Client.submit_job` (the kinds table, ``embedq/kinds.py``); the named methods
-are that call with the kind's name. The client's parts: :mod:`~embedq.producers.handle` (a job's handle and its
-waits), :mod:`~embedq.producers.direct` (messages written straight into Redis), :mod:`~embedq.producers.collect`
-(many results per round trip); here: submitting, backpressure, cancelling, the broker's epoch.
+are that call with the kind's name. The client's parts, each an object it owns, handed what it needs: ``writer``
+(:mod:`~embedq.producers.direct`: messages written straight into Redis, else through ``send_task``), ``pending``
+(:mod:`~embedq.producers.pending`: the jobs not collected yet, sent again when Redis lost them), ``collector``
+(:mod:`~embedq.producers.collect`: the one waiter, many results per round trip); a job's handle
+(:mod:`~embedq.producers.handle`) waits through its client's ``collect``. Here: submitting, backpressure,
+cancelling, the broker's epoch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import logging
 import os
@@ -27,7 +29,6 @@ import socket
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -51,21 +52,15 @@ from embedq.kinds import (
     TOKENIZE,
     TaskSpec,
     as_list,
-    task_reprs,
 )
 from embedq.kinds import kind as kind_spec
-from embedq.producers.collect import Collecting
-from embedq.producers.direct import DirectWrites, Route
-from embedq.producers.handle import DEFAULT_RESULT_TIMEOUT, JobHandle, job_expiry
+from embedq.producers.collect import Collector
+from embedq.producers.direct import JobWriter
+from embedq.producers.handle import DEFAULT_RESULT_TIMEOUT, JobHandle, Sent, job_expiry
+from embedq.producers.pending import Pending
 
 __all__ = ["BROKER_ERRORS", "Client", "JobHandle", "worker_stats"]  # what producers import from here
-from embedq.protocol import (
-    CLIENT_HEADER,
-    MAX_CLIENT_CHARS,
-    SENT_HEADER,
-    check_client_id,
-    check_message_size,
-)
+from embedq.protocol import MAX_CLIENT_CHARS, check_client_id, check_message_size
 from embedq.results import ResultStore
 from embedq.settings import Settings
 
@@ -81,7 +76,7 @@ def worker_stats(app: Celery, timeout: float = 1.0) -> dict[str, dict[str, Any]]
     return {node: stats for reply in replies for node, stats in reply.items()}
 
 
-class Client(DirectWrites, Collecting):
+class Client:
     """Send embedding jobs to embedq workers and collect their results."""
 
     def __init__(self, settings: Settings | None = None, *, broker_url: str | None = None,
@@ -94,8 +89,8 @@ class Client(DirectWrites, Collecting):
 
         ``follow_results``: the ``ignore_result`` header of the jobs' messages: False for a caller that reads
         results itself (the gateway's asyncio waiter). Either way no job's result channel is subscribed when it
-        is sent (a round trip per job): ``JobHandle.result`` subscribes when it first waits, after reading the
-        stored record, and :meth:`collect` reads many records per round trip.
+        is sent (a round trip per job): a wait (:meth:`collect`, ``JobHandle.result``) subscribes the channels of
+        the jobs it finds unfinished, after reading their stored records, many per round trip.
 
         ``client_id``: the identity every job of this client carries (message header ``embedq_client``), by which
         a worker shares its model time fairly between clients; default ``EMBEDQ_CLIENT_ID``, else
@@ -105,18 +100,16 @@ class Client(DirectWrites, Collecting):
             settings = settings.model_copy(update={"broker_url": broker_url})
         self.settings = settings
         self.app = app or make_app(settings)
-        self.follow_results = follow_results
         self.require_worker = require_worker
         default_id = f"{socket.gethostname()}:{os.getpid()}"[-MAX_CLIENT_CHARS:]
         self.client_id = check_client_id(client_id or settings.client_id or default_id)
         self.registry = monitor.Registry(max_age=1.0)
         self._redis: Any = None
         self._redis_lock = threading.Lock()
-        self._listeners = threading.local()  # each thread's result-notification connection (collect)
-        self._all_listeners: list[Any] = []
-        self.pending: weakref.WeakSet[JobHandle] = weakref.WeakSet()  # submitted, not yet collected
-        self._resend_lock = threading.Lock()
-        self.resend_after = settings.resend_after or 2.0 * settings.visibility_timeout
+        self.writer = JobWriter(self.app, settings, follow_results=follow_results, redis=self.redis)
+        #: the jobs submitted and not collected yet
+        self.pending = Pending(self.writer, self.epoch, settings.resend_after or 2.0 * settings.visibility_timeout)
+        self.collector = Collector(self.app, self.pending, broker_timeout=settings.broker_timeout)
         self._epoch: str | None = None
         self._epoch_read = 0.0
         #: bulk queue -> (when its depth was read, the depth read plus the jobs admitted since): see _admit
@@ -129,10 +122,11 @@ class Client(DirectWrites, Collecting):
         #: Called on every look at a full bulk queue with (queue, jobs waiting, seconds waited); may raise to
         #: stop waiting (the indexer stops on Ctrl-C that way).
         self.on_bulk_wait: Callable[[str, int, float], None] | None = None
-        #: (task name, queue) -> where its messages go when written directly (None: through send_task)
-        self._routes: dict[tuple[str, str], Route | None] = {}
-        #: (queue binding, broker epoch) pairs already declared by this client (kombu declares once per connection)
-        self._declared: set[tuple[Any, str]] = set()
+
+    @property
+    def follow_results(self) -> bool:
+        """The ``ignore_result`` header of the jobs' messages, negated (see :class:`Client`)."""
+        return self.writer.follow_results
 
     def submit_job(self, kind: str | TaskSpec, job: Any, *, queue: str | None = None, traffic_class: str = ONLINE,
                    deadline: float | dt.datetime | None = None, return_text: bool = False,
@@ -259,8 +253,9 @@ class Client(DirectWrites, Collecting):
                 raise
         wire = spec.parse_options(options).wire()
         queue = queue or limits.queue_for(traffic_class)
-        route = self._route(spec.name, queue)
-        bodies = None if route is None else [self._body(args, wire, i, len(argses)) for i, args in enumerate(argses)]
+        writer = self.writer
+        route = writer.route(spec.name, queue)
+        bodies = None if route is None else [writer.body(args, wire, i, len(argses)) for i, args in enumerate(argses)]
         if bodies is None:
             for args in argses:
                 check_message_size(args, wire, serializer=limits.serializer, limit=limits.max_message_bytes)
@@ -269,30 +264,17 @@ class Client(DirectWrites, Collecting):
                 self.check_worker(queue)
             self._admit(queue, traffic_class, len(argses), texts=texts, client=client)
             epoch = self.epoch()
-            if bodies is not None and route is not None and self._direct_now():
-                ids = self._push(route, spec, argses, bodies, wire, expires, epoch, client)
+            if bodies is not None and route is not None and writer.direct_now():
+                ids = writer.push(route, spec, argses, bodies, wire, expires, epoch, client)
             else:
-                ids = [self._send_task(spec, args, wire, queue, expires, client) for args in argses]
+                ids = [writer.send_task(spec, args, wire, queue, expires, client) for args in argses]
         except BROKER_ERRORS as exc:
             raise self._unreachable(exc) from None
-        handles = [JobHandle(None, self, job_id=job_id, texts=args, options=wire, queue=queue, epoch=epoch,
-                             traffic_class=traffic_class, deadline=expires, spec=spec, return_text=return_text,
-                             client_id=client)
+        handles = [JobHandle(job_id, self, spec=spec, traffic_class=traffic_class, deadline=expires,
+                             return_text=return_text, sent=Sent(args, wire, queue, client, epoch))
                    for job_id, args in zip(ids, argses)]
-        with self._resend_lock:
-            for handle in handles:
-                self.pending.add(handle)
+        self.pending.add(handles)
         return handles
-
-    def _send_task(self, spec: TaskSpec, args: list[Any], wire: dict[str, Any], queue: str,
-                   expires: dt.datetime | None, client: str) -> str:
-        """One job through ``app.send_task`` (where :meth:`_route` finds no direct route): its id."""
-        job_id = str(uuid.uuid4())  # random: job ids cannot be guessed
-        self.app.send_task(spec.name, args=args, kwargs=wire, queue=queue, task_id=job_id, expires=expires,
-                           ignore_result=not self.follow_results,
-                           headers={SENT_HEADER: time.time(), CLIENT_HEADER: client},
-                           **task_reprs(spec, args, wire))
-        return job_id
 
     def _admit(self, queue: str, traffic_class: str, count: int = 1, *, texts: int = 0, client: str = "") -> None:
         """Backpressure, once for ``count`` jobs of ``texts`` items in all sent together: refuse online jobs at once
@@ -337,15 +319,7 @@ class Client(DirectWrites, Collecting):
     def outstanding(self, queue: str) -> dict[str, int]:
         """Texts of this client's online jobs on ``queue`` not collected yet, by client identity (what online
         admission counts as each identity's own backlog)."""
-        out: dict[str, int] = {}
-        with self._resend_lock:
-            handles = list(self.pending)
-        for handle in handles:
-            args, _options, sent_to = handle._resend_args
-            if sent_to == queue and handle.traffic_class == ONLINE and not handle._collected and args is not None:
-                who = handle._client_id or self.client_id
-                out[who] = out.get(who, 0) + handle.spec.size(args)
-        return out
+        return self.pending.outstanding(queue, self.client_id)
 
     def serving(self, queue: str) -> monitor.Serving:
         """Which live workers serve ``queue`` (the registry, re-read at most once a second)."""
@@ -372,6 +346,38 @@ class Client(DirectWrites, Collecting):
         except BROKER_ERRORS as exc:
             raise self._unreachable(exc) from None
 
+    def status(self, job_id: str) -> str:
+        """A job's state by id (its stored record): PENDING (queued, running, or unknown), SUCCESS or FAILURE."""
+        try:
+            status: str = ResultStore(self.app).outcome(job_id)["status"]
+        except BROKER_ERRORS as exc:
+            raise self._unreachable(exc) from None
+        return status
+
+    def collect(self, handles: Iterable[JobHandle], timeout: float | None = DEFAULT_RESULT_TIMEOUT, *,
+                return_exceptions: bool = False, forget: bool = True, decode: bool = True) -> list[Any]:
+        """The results of many jobs, in the order of ``handles``: each what ``handle.result()`` returns (with
+        ``decode=False``, what ``handle.payload()`` returns, for a caller that decodes payloads itself).
+        ``handle.result()`` is this call for one handle.
+
+        Stored records are read many per round trip (MGET); the jobs still running are awaited on their
+        result channels, all on one subscription, not polled. A failed job raises its typed error, as
+        ``handle.result()`` does, as soon as it is read (the first in ``handles``' order of those read);
+        the jobs still running go on and can be collected later. With ``return_exceptions=True`` (as in
+        ``asyncio.gather``) each job's error takes its place in the list instead, and the jobs with no result
+        after ``timeout`` seconds get :class:`~embedq.errors.JobTimeout` (else it is raised). A job past its
+        deadline ends :class:`~embedq.errors.Expired`, a broker that stays away ``broker_timeout`` raises
+        :class:`~embedq.errors.BrokerUnavailable`, and jobs Redis lost, or with no result long after sending
+        (``resend_after``), are sent again. Every handle keeps its outcome. With ``forget`` (the default) the
+        records read are deleted from Redis, in one round trip.
+        """
+        return self.collector.collect(handles, timeout, return_exceptions=return_exceptions, forget=forget,
+                                      decode=decode)
+
+    def forget(self, handles: Iterable[JobHandle]) -> None:
+        """Delete the stored records of ``handles`` in one round trip (each keeps its outcome, once collected)."""
+        self.collector.forget(handles)
+
     def redis(self) -> Any:
         """This client's redis-py connection to the broker (jobs, epoch, queue depths, cancellations)."""
         client = self._redis
@@ -386,14 +392,8 @@ class Client(DirectWrites, Collecting):
 
     def resend_lost(self, epoch: str) -> None:
         """Redis restarted (or came back without its data): send every job of this client still waiting
-        again, under its own id. A worker that holds the job takes the copy as the same job; one that
-        finds its record already stored acknowledges the copy without running it."""
-        with self._resend_lock:
-            lost = [h for h in list(self.pending) if not h._collected and h._epoch not in (None, epoch)]
-            if lost:
-                log.warning("the broker restarted; sending %d waiting jobs again", len(lost))
-            for handle in lost:
-                handle._resend(epoch)
+        again, under its own id (:meth:`Pending.resend_lost <embedq.producers.pending.Pending.resend_lost>`)."""
+        self.pending.resend_lost(epoch)
 
     def _unreachable(self, exc: BaseException) -> errors.BrokerUnavailable:
         if isinstance(exc, errors.BrokerUnavailable):
@@ -480,11 +480,7 @@ class Client(DirectWrites, Collecting):
         return worker_stats(self.app, timeout)
 
     def close(self) -> None:
-        with self._resend_lock:
-            listeners, self._all_listeners = self._all_listeners, []
-        for pubsub in listeners:
-            with contextlib.suppress(Exception):
-                pubsub.close()
+        self.collector.close()
         if self._redis is not None:
             self._redis.close()
         self.app.close()

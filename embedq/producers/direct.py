@@ -1,6 +1,7 @@
-"""Jobs written straight into kombu's Redis lists: the message ``app.send_task`` would write, field for field, so a job
-costs the producer little CPU (:class:`DirectWrites`, mixed into the :class:`~embedq.producers.client.Client`); where
-the app is configured in a way it does not reproduce (:func:`direct_route` says None), jobs go through ``send_task``."""
+"""How a client writes its jobs' messages (:class:`JobWriter`, the :class:`~embedq.producers.client.Client`'s
+``writer``): straight into kombu's Redis lists, the message ``app.send_task`` would write, field for field, so a job
+costs the producer little CPU; where the app is configured in a way it does not reproduce (:func:`direct_route` says
+None), and for a job sent again under its id, through ``send_task``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import base64
 import datetime as dt
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +17,8 @@ from celery import Celery
 
 from embedq import errors
 from embedq.kinds import TaskSpec, task_reprs
-from embedq.protocol import CLIENT_HEADER, SENT_HEADER, check_message_size
+from embedq.protocol import CLIENT_HEADER, RESENT_HEADER, SENT_HEADER, check_message_size
+from embedq.settings import Settings
 
 #: Messages per LPUSH command of a batch, and the bytes after which a command is closed: one round trip sends
 #: many jobs, and no single command grows past what Redis reads comfortably at once.
@@ -79,27 +82,45 @@ def direct_route(app: Celery, name: str, queue: str, broker_url: str | None) -> 
                   binding=binding)
 
 
-class DirectWrites:
-    """The client's direct writes: its routes (worked out once per task and queue) and the pipelined LPUSH of many
-    jobs' messages. Uses the client's ``app``, ``settings``, ``follow_results`` and ``redis()``."""
+class JobWriter:
+    """A client's writes of job messages: its routes (worked out once per task and queue), the pipelined LPUSH of many
+    jobs' messages, and ``send_task`` where no route is found or a job is sent again."""
 
-    app: Celery
-    settings: Any
-    follow_results: bool
-    _routes: dict[tuple[str, str], Route | None]
-    _declared: set[tuple[Any, str]]
+    def __init__(self, app: Celery, settings: Settings, *, follow_results: bool, redis: Callable[[], Any]) -> None:
+        """``follow_results``: the messages' ``ignore_result`` header (see the client's); ``redis``: the client's
+        connection to the broker."""
+        self.app = app
+        self.settings = settings
+        self.follow_results = follow_results
+        self._redis = redis
+        #: (task name, queue) -> where its messages go when written directly (None: through send_task)
+        self.routes: dict[tuple[str, str], Route | None] = {}
+        #: (queue binding, broker epoch) pairs already declared (kombu declares once per connection)
+        self._declared: set[tuple[Any, str]] = set()
 
-    def redis(self) -> Any: ...
-
-    def _route(self, name: str, queue: str) -> Route | None:
+    def route(self, name: str, queue: str) -> Route | None:
         """Where ``app.send_task(name, queue=queue)`` would put a job, when this client can write that message
-        itself (else None: see :func:`_direct_route`); worked out once per task and queue."""
+        itself (else None: see :func:`direct_route`); worked out once per task and queue."""
         key = (name, queue)
-        if key not in self._routes:
-            self._routes[key] = direct_route(self.app, name, queue, self.settings.broker_url)
-        return self._routes[key]
+        if key not in self.routes:
+            self.routes[key] = direct_route(self.app, name, queue, self.settings.broker_url)
+        return self.routes[key]
 
-    def _direct_now(self) -> bool:
+    def send_task(self, spec: TaskSpec, args: list[Any], wire: dict[str, Any], queue: str | None,
+                  expires: dt.datetime | None, client: str | None, *, job_id: str | None = None,
+                  resent: int = 0) -> str:
+        """One job through ``app.send_task`` (where :meth:`route` finds no direct route, or to send it again under
+        its id ``job_id``, ``resent`` times now): its id."""
+        job_id = job_id or str(uuid.uuid4())  # random: job ids cannot be guessed
+        headers: dict[str, Any] = {RESENT_HEADER: resent} if resent else {}
+        headers[SENT_HEADER] = time.time()
+        if client:
+            headers[CLIENT_HEADER] = client
+        self.app.send_task(spec.name, args=args, kwargs=wire, queue=queue, task_id=job_id, expires=expires,
+                           ignore_result=not self.follow_results, headers=headers, **task_reprs(spec, args, wire))
+        return job_id
+
+    def direct_now(self) -> bool:
         """What ``send_task`` does per call that a direct write would miss: a parent task (called from inside a
         Celery task, its ids go in the message) and publish signals someone listens to."""
         from celery import signals
@@ -109,7 +130,7 @@ class DirectWrites:
         return not any(getattr(getattr(signals, name, None), "receivers", None)
                        for name in ("before_task_publish", "after_task_publish", "task_sent"))
 
-    def _body(self, args: list[Any], wire: dict[str, Any], index: int, count: int) -> tuple[str, str, bytes]:
+    def body(self, args: list[Any], wire: dict[str, Any], index: int, count: int) -> tuple[str, str, bytes]:
         """A job's message body as kombu's Redis transport stores it: (content type, content encoding, base64
         of the serialized ``(args, kwargs, embed)``), checked against ``max_message_bytes``."""
         from kombu.serialization import dumps
@@ -128,7 +149,7 @@ class DirectWrites:
         raw = body.encode("utf-8") if isinstance(body, str) else body
         return content_type, encoding, base64.b64encode(raw)
 
-    def _push(self, route: Route, spec: TaskSpec, argses: list[list[Any]], bodies: list[tuple[str, str, bytes]],
+    def push(self, route: Route, spec: TaskSpec, argses: list[list[Any]], bodies: list[tuple[str, str, bytes]],
               wire: dict[str, Any], expires: dt.datetime | None, epoch: str, client: str) -> list[str]:
         """Write the jobs' messages into their queue's Redis list, in one pipeline: the messages
         ``app.send_task`` would publish (Celery's protocol 2 on kombu's Redis transport: headers, properties,
@@ -184,9 +205,9 @@ class DirectWrites:
                 commands.append(("LPUSH", route.key, *messages[start:i + 1]))
                 start, size = i + 1, 0
         if len(commands) == 1:
-            self.redis().execute_command(*commands[0])
+            self._redis().execute_command(*commands[0])
         else:
-            pipe = self.redis().pipeline(transaction=False)
+            pipe = self._redis().pipeline(transaction=False)
             for command in commands:
                 pipe.execute_command(*command)
             pipe.execute()

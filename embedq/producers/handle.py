@@ -1,33 +1,58 @@
-"""A submitted job (:class:`JobHandle`): its id, its state, its outcome once stored, and the waits that ride out a
-broker restart (the job is sent again under its own id when Redis lost it)."""
+"""A submitted job (:class:`JobHandle`): its id, its state, its outcome once read, and how it was sent (:class:`Sent`:
+what sending it again takes). A handle waits through the client that sent it, seen as a :class:`JobOwner`: its
+``result()`` is that client's ``collect([handle])``, one waiter for one job as for many."""
 
 from __future__ import annotations
 
 import datetime as dt
-import logging
 import time
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from celery import states
-from celery.exceptions import TimeoutError as CeleryTimeout
-from celery.result import AsyncResult
 
 from embedq import errors
 from embedq.batching.traffic import ONLINE
-from embedq.broker import BROKER_ERRORS
-from embedq.kinds import EMBED, TaskSpec, task_reprs
-from embedq.protocol import CLIENT_HEADER, MAX_DEADLINE_SECONDS, RESENT_HEADER, SENT_HEADER, Fingerprint
-
-log = logging.getLogger(__name__)
+from embedq.kinds import EMBED, TaskSpec
+from embedq.protocol import MAX_DEADLINE_SECONDS, Fingerprint
 
 #: Seconds a result may take before a producer's blocking call gives up (``Client.embed``).
 DEFAULT_RESULT_TIMEOUT = 600.0
-#: Seconds between checks, while a producer waits, that the broker is there and still holds its jobs.
-WAIT_SLICE = 2.0
-#: Seconds between reads of the stored result once notifications are lost.
-POLL_SLICE = 0.25
 #: Seconds a handle waits past its job's deadline for a result of a job that started just in time.
 DEADLINE_GRACE = 1.0
+
+
+class JobOwner(Protocol):
+    """What a :class:`JobHandle` uses of the client that sent it (:class:`~embedq.producers.client.Client`)."""
+
+    def collect(self, handles: Iterable[JobHandle], timeout: float | None = ..., *, return_exceptions: bool = ...,
+                forget: bool = ..., decode: bool = ...) -> list[Any]: ...
+
+    def forget(self, handles: Iterable[JobHandle]) -> None: ...
+
+    def cancel(self, job_id: str) -> bool: ...
+
+    def status(self, job_id: str) -> str: ...
+
+
+@dataclass
+class Sent:
+    """How a job was sent, for sending it again under its id: its task's positional arguments (None: it cannot be
+    sent again) and options, its queue and the producer identity its message carries; the broker's epoch and the
+    moment (monotonic) of its last sending, and how many times it was sent again."""
+
+    args: list[Any] | None
+    options: dict[str, Any] | None
+    queue: str | None
+    client_id: str | None
+    epoch: str | None
+    at: float = field(default_factory=time.monotonic)
+    resent: int = 0
+
+    def again(self, epoch: str) -> None:
+        """It was just sent again, under the broker epoch ``epoch``."""
+        self.epoch, self.at, self.resent = epoch, time.monotonic(), self.resent + 1
 
 
 class JobHandle:
@@ -35,65 +60,85 @@ class JobHandle:
 
     Once collected, the outcome (vectors or typed error) stays on the handle, so reading it again, or
     asking its status after the stored copy was deleted from Redis, answers at once. While waiting, the
-    handle checks every few seconds that the broker answers (else ``unavailable`` after
+    client checks every few seconds that the broker answers (else ``unavailable`` after
     ``broker_timeout``) and still has its data: if Redis came back empty, the job is sent again under
     the same id (workers treat a repeated id as the same job).
     """
 
-    def __init__(self, result: AsyncResult | None, client: Any = None, *, job_id: str | None = None,
-                 texts: list[Any] | None = None, options: dict[str, Any] | None = None, queue: str | None = None,
-                 epoch: str | None = None, traffic_class: str = ONLINE, deadline: dt.datetime | None = None,
-                 spec: TaskSpec = EMBED, return_text: bool = False, client_id: str | None = None) -> None:
-        """``result``: Celery's handle of the job, or None with ``job_id`` (it is then made on first use, so a
-        batch of handles costs no Celery object each)."""
-        if result is None and (job_id is None or client is None):
-            raise ValueError("a JobHandle needs a Celery AsyncResult, or a job id and a client")
-        self._async = result
-        self._id: str = result.id if result is not None else job_id  # type: ignore[assignment]
-        self._client = client
+    def __init__(self, job_id: str, client: JobOwner, *, spec: TaskSpec = EMBED, traffic_class: str = ONLINE,
+                 deadline: dt.datetime | None = None, return_text: bool = False, sent: Sent | None = None) -> None:
+        """Made by the client that sent the job (``client``), which it waits through."""
+        self._id = job_id
+        self._owner = client
         #: the kind of job (embed, rerank, predict, tokenize)
         self.spec = spec
-        self._return_text = return_text
-        self._resend_args = (texts, options, queue)  # texts: the task's positional arguments
-        self._client_id = client_id  # the producer identity its message carries (sent again with it)
-        self._epoch = epoch
         self.traffic_class = traffic_class
         #: When the job expires (an aware UTC datetime; None: never). A worker that meets it later drops it.
         self.deadline = deadline
+        #: how it was sent (its arguments, queue, epoch): the client sends it again from this
+        self.sent = sent or Sent(None, None, None, None, None)
+        self._return_text = return_text
         self._payload: dict[str, Any] | None = None
         self._error: errors.EmbedqError | None = None
         self.fingerprint: Fingerprint | None = None
         self.usage: dict[str, int] | None = None
-        self.resent = 0
-        self._forgotten = False  # its stored record was deleted (after it was collected)
-        self._pubsub_ok = True
-        self._sent_at = time.monotonic()
+        #: its stored record was deleted (after it was collected): set by the client that deleted it
+        self.forgotten = False
 
     @property
     def id(self) -> str:
         return self._id
 
     @property
-    def _result(self) -> AsyncResult:
-        """Celery's handle of the job (made on first use). Never marked ``ignored``: Celery's ``get`` of an ignored
-        result answers None at once, whereas this handle waits for the stored record."""
-        if self._async is None:
-            assert self._client is not None
-            self._async = self._client.app.AsyncResult(self._id)
-        return self._async
+    def resent(self) -> int:
+        """How many times the client sent the job again (Redis lost it, or it had no result long after sending)."""
+        return self.sent.resent
 
     @property
-    def _collected(self) -> bool:
+    def collected(self) -> bool:
+        """Its outcome is kept here: a result, or a typed error."""
         return self._payload is not None or self._error is not None
+
+    @property
+    def error(self) -> errors.EmbedqError | None:
+        """The job's typed error, once collected (None: none, or not collected yet)."""
+        return self._error
+
+    def keep(self, outcome: dict[str, Any] | BaseException) -> None:
+        """Keep the job's outcome read from its record: a result payload, or a typed error (an error that is not
+        embedq's is not kept: it is raised to the caller that read it)."""
+        if isinstance(outcome, errors.EmbedqError):
+            self._error = outcome
+        elif not isinstance(outcome, BaseException):
+            self._payload = outcome
+
+    def expire(self) -> errors.Expired:
+        """The job's deadline (and its grace) passed with no result: it ends ``expired``."""
+        assert self.deadline is not None
+        self._error = errors.Expired(f"job {self.id} has no result {DEADLINE_GRACE:.0f}s after its deadline "
+                                     f"({self.deadline.isoformat()})")
+        return self._error
+
+    def output(self, *, decode: bool = True) -> Any:
+        """The collected result: decoded for the job's kind (see :meth:`result`; sets ``usage`` and ``fingerprint``),
+        or with ``decode=False`` the raw payload."""
+        payload = self._payload
+        assert payload is not None, "not collected"
+        if not decode:
+            return payload
+        self.usage = payload.get("usage")
+        self.fingerprint = Fingerprint.model_validate(payload["fingerprint"])
+        texts = self.sent.args[-1] if self._return_text and self.sent.args else None
+        return self.spec.decode(payload, texts)
 
     def status(self) -> str:
         """Celery's state: PENDING (queued or buffered), SUCCESS or FAILURE."""
-        if self._collected:
+        if self.collected:
             return "FAILURE" if self._error is not None else "SUCCESS"
-        return self._result.state
+        return self._owner.status(self.id)
 
     def ready(self) -> bool:
-        return self._collected or self._result.ready()
+        return self.collected or self._owner.status(self.id) in states.READY_STATES
 
     def payload(self, timeout: float | None = DEFAULT_RESULT_TIMEOUT) -> dict[str, Any]:
         """The raw result dict, or the job's typed :class:`~embedq.errors.EmbedqError`.
@@ -101,122 +146,8 @@ class JobHandle:
         Raises :class:`~embedq.errors.JobTimeout` after ``timeout`` seconds (None: no limit), and
         :class:`~embedq.errors.Unavailable` when the broker stays unreachable for ``broker_timeout``.
         """
-        if self._error is not None:
-            raise self._error
-        if self._payload is None:
-            self._payload = self._wait(timeout)
-            if self._client is not None:
-                self._client.pending.discard(self)
-        return self._payload
-
-    def _wait(self, timeout: float | None) -> dict[str, Any]:
-        start = time.monotonic()
-        deadline = None if timeout is None else start + timeout
-        expiry = None
-        if self.deadline is not None:  # past it (and a grace for a job that started in time) nothing will come
-            expiry = start + (self.deadline.timestamp() - time.time()) + DEADLINE_GRACE
-            if deadline is None or expiry < deadline:
-                deadline = expiry
-        broker_timeout = self._client.settings.broker_timeout if self._client else 30.0
-        down_since: float | None = None
-        outage = False  # the broker did not answer: compare its epoch as soon as it answers again
-        while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                if deadline == expiry:
-                    stored = self._poll()
-                    if stored is not None:
-                        return stored
-                    raise self._expire()
-                raise errors.JobTimeout(f"job {self.id} has no result after {timeout}s")
-            step = WAIT_SLICE if left is None else max(min(WAIT_SLICE, left), 0.01)
-            try:
-                if outage and self._client is not None:
-                    # Before taking any result: a restart may have lost jobs of this client that a result
-                    # arriving now would hide until the next slice lapses (which may never happen).
-                    self._check_broker(refresh=True)
-                    outage = False
-                if self._pubsub_ok:
-                    try:
-                        return self._result.get(timeout=step, propagate=True, disable_sync_subtasks=False)
-                    except CeleryTimeout:
-                        pass
-                    except errors.EmbedqError as exc:  # the job's own outcome: kept on the handle
-                        self._error = exc
-                        raise
-                    except RuntimeError:  # Celery's result consumer gave up reconnecting: poll instead
-                        log.warning("result notifications are lost after a broker outage; polling for job %s",
-                                    self.id)
-                        self._pubsub_ok = False
-                else:
-                    time.sleep(min(step, POLL_SLICE))
-                stored = self._poll()
-                if stored is not None:
-                    return stored
-                if self._client is not None:
-                    self._check_broker()
-                    self._maybe_resend()
-                down_since = None
-            except BROKER_ERRORS as exc:
-                outage = True
-                down_since = ride_out(down_since, broker_timeout, exc, f"job {self.id}")
-
-    def _poll(self) -> dict[str, Any] | None:
-        """Read the stored record directly (a notification can be lost while Redis restarts)."""
-        backend = self._result.backend
-        return self._settle(backend, backend.get_task_meta(self.id, cache=False))
-
-    def _settle(self, backend: Any, meta: dict[str, Any]) -> dict[str, Any] | None:
-        """A stored record's outcome: its payload, or the job's error raised (a typed one stays on the handle);
-        None while the record holds no outcome."""
-        if meta.get("status") == states.SUCCESS:
-            return meta["result"]
-        if meta.get("status") in states.PROPAGATE_STATES:
-            exc = backend.exception_to_python(meta["result"])
-            if isinstance(exc, errors.EmbedqError):
-                self._error = exc
-            raise exc
-        return None
-
-    def _expire(self) -> errors.Expired:
-        """The job's deadline (and its grace) passed with no result: it ends ``expired``."""
-        assert self.deadline is not None
-        self._error = errors.Expired(f"job {self.id} has no result {DEADLINE_GRACE:.0f}s after its deadline "
-                                     f"({self.deadline.isoformat()})")
-        return self._error
-
-    def _check_broker(self, *, refresh: bool = False) -> None:
-        """Between two waits: has Redis lost its data since this job was sent? Then the client sends
-        this job, and every other job of its own still waiting, again."""
-        assert self._client is not None
-        # At most 1 s old (one read per client per second, however many wait); fresh after an outage.
-        epoch = self._client.epoch(refresh=refresh)
-        if self._epoch is not None and epoch != self._epoch:
-            self._client.resend_lost(epoch)
-
-    def _maybe_resend(self) -> None:
-        """No result long after sending: send the job again under its id. This covers the one window in
-        which Redis can lose a message whatever its persistence: a worker killed between popping it and
-        recording it as unacknowledged (kombu's BRPOP and its unacked record are two steps). A copy of a
-        job that is held or already stored costs the worker one lookup."""
-        assert self._client is not None
-        if time.monotonic() - self._sent_at >= self._client.resend_after:
-            log.info("job %s has no result after %.0fs; sending it again", self.id, self._client.resend_after)
-            self._resend(self._client.epoch())
-
-    def _resend(self, epoch: str) -> None:
-        args, options, queue = self._resend_args
-        if args is None:
-            raise errors.JobLost(f"job {self.id} may be lost: the broker restarted and the job cannot be resent")
-        assert self._client is not None
-        self._client.app.send_task(self.spec.name, args=args, kwargs=options, queue=queue, task_id=self.id,
-                                   expires=self.deadline, ignore_result=not self._client.follow_results,
-                                   headers={RESENT_HEADER: self.resent + 1, SENT_HEADER: time.time(),
-                                            **({CLIENT_HEADER: self._client_id} if self._client_id else {})},
-                                   **task_reprs(self.spec, args, options))
-        self._epoch = epoch
-        self._sent_at = time.monotonic()
-        self.resent += 1
+        payload: dict[str, Any] = self._owner.collect([self], timeout, forget=False, decode=False)[0]
+        return payload
 
     def result(self, timeout: float | None = DEFAULT_RESULT_TIMEOUT, *, forget: bool = True) -> Any:
         """Block for the job's output, decoded for its kind:
@@ -231,26 +162,14 @@ class JobHandle:
           characters of the string the model saw: the prompt, if any, then the text);
         * ``decode``: per id list, its text.
 
-        With ``forget`` (the default) the stored result is deleted from Redis once read.
+        With ``forget`` (the default) the stored result is deleted from Redis once read. This is the client's
+        ``collect([handle], timeout, forget=forget)``: the same waits, errors and timeouts.
         """
-        try:
-            payload = self.payload(timeout)
-        finally:
-            if forget and self._collected:
-                self.forget()
-        return self._output(payload)
-
-    def _output(self, payload: dict[str, Any]) -> Any:
-        """``payload`` decoded for the job's kind (see :meth:`result`); sets ``usage`` and ``fingerprint``."""
-        self.usage = payload.get("usage")
-        self.fingerprint = Fingerprint.model_validate(payload["fingerprint"])
-        texts = self._resend_args[0][-1] if self._return_text and self._resend_args[0] else None
-        return self.spec.decode(payload, texts)
+        return self._owner.collect([self], timeout, forget=forget)[0]
 
     def forget(self) -> None:
         """Delete the job's stored record from Redis (its outcome, once collected, stays on this handle)."""
-        self._result.forget()
-        self._forgotten = True
+        self._owner.forget([self])
 
     def cancel(self) -> bool:
         """Cancel the job unless it already has an outcome.
@@ -260,14 +179,9 @@ class JobHandle:
         handle then raises :class:`~embedq.errors.Cancelled` (a job that was already running finishes in
         its worker, harmlessly; its result expires unread). False: the job had finished; read it as usual.
         """
-        if self._collected:
-            return False
-        if self._client is None:
-            raise errors.Unavailable("this handle has no client to cancel through")
-        if not self._client.cancel(self.id):
+        if self.collected or not self._owner.cancel(self.id):
             return False
         self._error = errors.Cancelled(f"job {self.id} was cancelled")
-        self._client.pending.discard(self)
         return True
 
 
@@ -306,15 +220,3 @@ def _number(value: float) -> str:
     if isinstance(value, int) and abs(value) >= 10**18:
         return f"an integer of {value.bit_length()} bits"
     return f"{value:.6g}" if isinstance(value, float) else str(value)
-
-
-def ride_out(down_since: float | None, broker_timeout: float, exc: BaseException, waiting_for: str) -> float:
-    """A wait's read failed because the broker is away: raise :class:`~embedq.errors.BrokerUnavailable` once it has
-    been away ``broker_timeout`` seconds, else pause before the next try. Returns when the outage began."""
-    now = time.monotonic()
-    down_since = down_since or now
-    if now - down_since >= broker_timeout:
-        raise errors.BrokerUnavailable(f"the broker has not answered for {now - down_since:.0f}s while waiting for "
-                                       f"{waiting_for} ({type(exc).__name__})") from None
-    time.sleep(min(0.5, broker_timeout / 10))
-    return down_since
