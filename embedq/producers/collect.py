@@ -84,21 +84,23 @@ class Collector:
                 return_exceptions: bool = False, forget: bool = True, decode: bool = True) -> list[Any]:
         """``Client.collect`` (see there)."""
         handles = list(handles)
+        wait = _Wait(self, handles, timeout, fail_fast=not return_exceptions)
         try:
-            unkept = _Wait(self, handles, timeout, fail_fast=not return_exceptions).run()
+            unkept = wait.run()
         finally:
+            collected = [h for h in handles if h.collected]
+            self.pending.discard_all([*collected, *wait.ended])  # nothing to send again
             if forget:
-                self.forget([h for h in handles if h.collected])
+                self.forget(collected)
+        found: list[BaseException | None] = []  # each handle's error (kept on it, or not)
+        for handle in handles:
+            error: BaseException | None = handle.error
+            found.append(unkept.get(handle) if error is None and unkept else error)
         if not return_exceptions:  # the first error in the handles' order, before any result is decoded
-            for handle in handles:
-                error = handle.error if handle.error is not None else unkept.get(handle)
+            for error in found:
                 if error is not None:
                     raise error
-        out: list[Any] = []
-        for handle in handles:
-            error = handle.error if handle.error is not None else unkept.get(handle)
-            out.append(error if error is not None else handle.output(decode=decode))
-        return out
+        return [handle.output(decode=decode) if error is None else error for handle, error in zip(handles, found)]
 
     def forget(self, handles: Iterable[JobHandle]) -> None:
         """Delete the stored records of ``handles`` in one round trip; a broker that does not answer is logged (the
@@ -139,6 +141,7 @@ class _Wait:
         self.timeout = timeout
         self.fail_fast = fail_fast
         self.unkept: dict[JobHandle, BaseException] = {}
+        self.ended: list[JobHandle] = []  # the handles whose record holds an error they do not keep
         self.failed = False
         self.waiting: dict[bytes, list[JobHandle]] = {}  # record key -> its handles without an outcome
         for handle in handles:
@@ -220,11 +223,12 @@ class _Wait:
         self.expiry.pop(key, None)
         for handle in some:
             handle.keep(outcome)  # a typed error stays on the handle, as a result does
-            self.pending.discard(handle)
-            if isinstance(outcome, BaseException):
-                self.failed = True
+        if isinstance(outcome, BaseException):
+            self.failed = True
+            for handle in some:
                 if handle.error is None:
                     self.unkept[handle] = outcome
+                    self.ended.append(handle)
 
     def read(self, keys: list[bytes]) -> None:
         if not keys:
@@ -245,7 +249,6 @@ class _Wait:
         for key in overdue:
             for handle in self.waiting.pop(key, ()):
                 handle.expire()
-                self.pending.discard(handle)
                 self.failed = True
             self.expiry.pop(key, None)
         return True

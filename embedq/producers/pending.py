@@ -40,6 +40,11 @@ class Pending:
         with self._lock:
             self._handles.discard(handle)
 
+    def discard_all(self, handles: Iterable[JobHandle]) -> None:
+        with self._lock:
+            for handle in handles:
+                self._handles.discard(handle)
+
     def waiting(self) -> list[JobHandle]:
         """The handles still without an outcome."""
         with self._lock:
