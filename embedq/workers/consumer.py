@@ -209,8 +209,8 @@ class Worker:
             except Exception as exc:  # whatever a message holds, the consumer goes on (and the job gets an answer)
                 log.exception("refusing a message that could not be handled")
                 if not getattr(message, "acknowledged", False):
-                    self.reader.refuse(task, message,
-                                errors.InvalidMessage(f"cannot handle the message ({type(exc).__name__})"))
+                    self.reader.refuse(message,
+                                       errors.InvalidMessage(f"cannot handle the message ({type(exc).__name__})"))
 
         return handler
 

@@ -53,7 +53,7 @@ class MessageReader:
         settings = self.settings
         too_large = getattr(message, "refusal", None) or _too_large(message, settings.max_message_bytes)
         if too_large is not None:
-            self.refuse(task, message, too_large)
+            self.refuse(message, too_large)
             return
         try:
             if body is None and "args" not in message.payload:
@@ -67,23 +67,23 @@ class MessageReader:
                       decoded=decoded, utc=utc)
             args, kwargs = req.args, req.kwargs
         except ContentDisallowed:
-            self.refuse(task, message, errors.InvalidMessage(
+            self.refuse(message, errors.InvalidMessage(
                 f"content type {message.content_type!r} refused: only json and msgpack are accepted"))
             return
         except Exception as exc:
-            self.refuse(task, message, errors.InvalidMessage(f"malformed task message ({type(exc).__name__})"))
+            self.refuse(message, errors.InvalidMessage(f"malformed task message ({type(exc).__name__})"))
             return
         if not _job_id_ok(req.id):
-            self.refuse(task, message, errors.InvalidMessage(
+            self.refuse(message, errors.InvalidMessage(
                 f"the message has no job id (a string of 1 to {MAX_JOB_ID} characters, UTF-8)"))
             return
         refusal = self.canvas_rules.check(_embed_of(req), req._request_dict)
         if refusal is not None:  # nothing of its canvas is sent: its job gets the refusal, and that is all
-            self.refuse(task, message, refusal)
+            self.refuse(message, refusal)
             return
         self.deliver(req, args, kwargs, message, TASKS[task.name])
 
-    def refuse(self, task: Task, message: Any, error: errors.EmbedqError) -> None:
+    def refuse(self, message: Any, error: errors.EmbedqError) -> None:
         """A message that is never run: record its typed error when it names a job, acknowledge it, and log
         its id and the reason only (never its body: it may hold users' texts)."""
         headers = getattr(message, "headers", None)

@@ -20,7 +20,6 @@ from celery.worker.consumer import Consumer
 
 from embedq import errors
 from embedq.kinds import TASKS, TaskSpec
-from embedq.protocol import TASK_NAME
 from embedq.workers import transport
 from embedq.workers.consumer import Worker
 from embedq.workers.observe import WorkerInfo
@@ -104,12 +103,9 @@ class EmbedqConsumer(Consumer):
     producer waiting; these record a typed ``invalid_message`` error for the job id and log the reason.
     """
 
-    def _task(self) -> Task:
-        return self.app.tasks[TASK_NAME]
-
     def _refuse(self, message: Any, reason: str) -> None:
         refusal = getattr(message, "refusal", None)  # the transport could not read the body (too large inflated)
-        worker_of(self.app).reader.refuse(self._task(), message, refusal or errors.InvalidMessage(reason))
+        worker_of(self.app).reader.refuse(message, refusal or errors.InvalidMessage(reason))
 
     def update_strategies(self) -> None:
         """Only embedq's job kinds run here. Every Celery app registers Celery's built-in tasks

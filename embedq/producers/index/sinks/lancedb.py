@@ -52,7 +52,7 @@ from embedq import errors
 from embedq.producers.index.kinds import index_kind
 from embedq.producers.index.sinks import contract
 from embedq.producers.index.sinks.locks import OutputLock
-from embedq.producers.index.sinks.manifests import Ledger, Manifest, check_manifest, check_space, utc_now
+from embedq.producers.index.sinks.manifests import Ledger, Manifest, check_space, resume_or_start, utc_now
 from embedq.producers.index.sinks.urls import database_errors_path, split_param
 from embedq.protocol import Fingerprint
 
@@ -202,12 +202,8 @@ class Target(contract.Target):
         if overwrite and self.tbl is not None:
             self.db.drop_table(self.table)
             self.tbl, self.manifest = None, None
-        manifest = self.manifest
-        if manifest is not None:
-            check_manifest(manifest, format=self.format, vector_dtype=vector_dtype, options=options,
-                           where=f"table {self.table} of {self.path}", container="table")
-        else:
-            manifest = Manifest(format=self.format, vector_dtype=vector_dtype, options=options)
+        manifest = resume_or_start(self.manifest, format=self.format, vector_dtype=vector_dtype, options=options,
+                                   where=f"table {self.table} of {self.path}", container="table")
         sink = LanceSink(self, manifest)
         sink.load_committed()
         return sink

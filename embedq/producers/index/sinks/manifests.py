@@ -73,6 +73,17 @@ def check_manifest(manifest: Manifest, *, format: str, vector_dtype: str, option
                 f"pipelines must not share {article} {container}: write to another one, or pass --overwrite")
 
 
+def resume_or_start(manifest: Manifest | None, *, format: str, vector_dtype: str, options: dict[str, Any], where: str,
+                    container: str) -> Manifest:
+    """A database target's manifest for this run: the one it keeps, checked against the run (:func:`check_manifest`),
+    or a new one where it keeps none."""
+    if manifest is None:
+        return Manifest(format=format, vector_dtype=vector_dtype, options=options)
+    check_manifest(manifest, format=format, vector_dtype=vector_dtype, options=options, where=where,
+                   container=container)
+    return manifest
+
+
 def check_space(have: Fingerprint | None, fingerprint: Fingerprint, *, where: str, container: str = "output") -> None:
     """Raise :class:`~embedq.errors.OutputMismatch` when ``where`` holds vectors of another embedding space than a
     result's (``have``: the record's fingerprint, None before the first result)."""

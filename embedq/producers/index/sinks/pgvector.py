@@ -42,7 +42,7 @@ import numpy as np
 from embedq import errors
 from embedq.producers.index.kinds import index_kind
 from embedq.producers.index.sinks import contract
-from embedq.producers.index.sinks.manifests import Ledger, Manifest, check_manifest, check_space, utc_now
+from embedq.producers.index.sinks.manifests import Ledger, Manifest, check_space, resume_or_start, utc_now
 from embedq.producers.index.sinks.pgvector_names import check_schema, index_name, split_table
 from embedq.producers.index.sinks.urls import database_errors_path, mask_url, split_param
 from embedq.protocol import Fingerprint
@@ -225,12 +225,8 @@ class Target(contract.Target):
                     cur.execute(f"DELETE FROM {MANIFEST_TABLE} WHERE name = %s", (self.table,))
             self.conn.commit()
             self.manifest, self.table_exists = None, False
-        manifest = self.manifest
-        if manifest is not None:
-            check_manifest(manifest, format=self.format, vector_dtype=vector_dtype, options=options,
-                           where=f"table {self.table} at {self.describe()}", container="table")
-        else:
-            manifest = Manifest(format=self.format, vector_dtype=vector_dtype, options=options)
+        manifest = resume_or_start(self.manifest, format=self.format, vector_dtype=vector_dtype, options=options,
+                                   where=f"table {self.table} at {self.describe()}", container="table")
         sink = PgvectorSink(self, manifest)
         sink.load_committed()
         return sink
