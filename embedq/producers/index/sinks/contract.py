@@ -17,10 +17,16 @@ A run, in the order of the calls:
    the target holds (its ledger's ``committed`` ids are skipped);
 3. ``sink.accept(fingerprint)`` before each write (the first result's embedding space checked against the output's;
    when the output has one already or ``sink.probe_first``, a one-text probe is accepted before any record is read),
-   ``sink.write(ids, data, texts)``, ``sink.commit()`` at checkpoints, ``sink.save_manifest()`` after the run's line
-   is added to the manifest's ``runs``, ``sink.close()``;
+   ``sink.write(ids, data, texts[, hashes])``, ``sink.commit()`` at checkpoints, ``sink.rows_by_hash(hashes)`` (rows
+   it holds reused for texts it has a vector of already), ``sink.prune(keep)`` at the end of a complete ``--prune``
+   run, ``sink.save_manifest()`` after the run's line is added to the manifest's ``runs``, ``sink.close()``;
 4. after the run: ``remove()`` when the run was refused before a row and the target did not exist before it,
    ``remove_empty()`` when no record had a usable text, ``build_index()`` for ``--build-index``.
+
+A sink that keeps content hashes (:attr:`Sink.stores_hashes`, ``content.py``) is re-indexed by content: a new output
+records the hash scheme in its manifest (``Manifest.content_hash``), every ``write`` gets each row's hash, an id it
+holds already is replaced by a write, and it can be pruned and read back (``rows_by_hash``, ``Target.open_reader``
+for ``--reuse``). One that keeps none (a plugin's, the NPY and JSONL files) is continued by id alone.
 
 A sink from outside the package subclasses these two and is named in the scheme table (``registry.py``).
 """
@@ -50,6 +56,9 @@ class Sink(ABC):
     arrow_columns: ClassVar[bool] = True
     #: How messages name the kind of container (``check_space``: "must not share a table").
     container: ClassVar[str] = "output"
+    #: Whether it stores a content hash with every row (``content.py``), and so replaces, prunes and reads rows back
+    #: (see the module's docstring). Default: no (continued by id alone).
+    stores_hashes: ClassVar[bool] = False
 
     def __init__(self, ledger: Ledger, *, where: str, probe_first: bool = False) -> None:
         self.ledger = ledger
@@ -76,7 +85,12 @@ class Sink(ABC):
     def write(self, ids: list[str], data: Any, texts: list[str] | None = None) -> Refused:
         """Add rows, committed by the next :meth:`commit`: ``data`` holds one row per id (see :attr:`arrow_columns`);
         ``texts`` the texts when the run stores them (``--store-text``), else None. Returns the rows the target
-        refuses, ``[(id, EmbedqError)]`` (not written; the runner makes them those records' errors), usually []."""
+        refuses, ``[(id, EmbedqError)]`` (not written; the runner makes them those records' errors), usually [].
+
+        A sink that :attr:`stores_hashes` takes a fourth argument, ``hashes``: each row's 16-byte content hash when its
+        ledger :attr:`~embedq.producers.index.sinks.manifests.Ledger.keeps_hashes` (else None), and *replaces* an id
+        its ledger holds committed: the old row is gone once the new one is committed, in the same commit where the
+        target can (a re-indexed text that was edited)."""
 
     def commit(self) -> None:
         """Make what was written since the last commit durable (:meth:`flush`), count it, and store the manifest."""
@@ -95,6 +109,17 @@ class Sink(ABC):
     def close(self) -> None:  # noqa: B027 - a default that does nothing
         """Release what the sink holds, after a final :meth:`commit` or without one (uncommitted rows are dropped: the
         next run embeds them again). Default: nothing to release."""
+
+    def prune(self, keep: IdSet) -> int:
+        """``--prune``, at the end of a complete run: remove the committed rows whose id (digest) is not in ``keep``,
+        durable at the next :meth:`commit`; returns how many. Default: refused (the output cannot remove rows)."""
+        raise errors.InvalidOption(f"--prune: {self.where} cannot remove rows")
+
+    def rows_by_hash(self, hashes: list[bytes]) -> tuple[list[bytes], Any]:
+        """Committed rows of these content hashes, one per hash found (any of the rows that has it): the hashes
+        found and their rows, in :meth:`write`'s form, in the same order. The runner writes them under the ids whose
+        texts have those hashes instead of embedding the texts again. Default: none found."""
+        return [], None
 
 
 class Target(ABC):
@@ -138,6 +163,14 @@ class Target(ABC):
     @abstractmethod
     def default_errors_path(self) -> Path:
         """Where the failed records go unless ``--errors`` says."""
+
+    def open_reader(self, *, vector_dtype: str, options: dict[str, Any]) -> Sink:
+        """``--reuse``: the existing output opened to read rows back (:meth:`Sink.rows_by_hash`) with its ledger's
+        committed ids and hashes; nothing is written or locked. Refused with
+        :class:`~embedq.errors.OutputMismatch` when it was made with another vector dtype or options (its format may
+        differ), :class:`~embedq.errors.InvalidOption` when it does not exist or keeps no content hashes. Default:
+        refused (it cannot be read back)."""
+        raise errors.InvalidOption(f"--reuse: {self.describe()} cannot be read back")
 
     def remove(self) -> None:  # noqa: B027 - a default that does nothing
         """A run refused before its first row, on a target it created: leave nothing behind. Default: nothing to

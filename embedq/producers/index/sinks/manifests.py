@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from embedq import errors
-from embedq.producers.index.idset import IdSet, digest
+from embedq.producers.index.idset import IdMap, IdSet, digest
 from embedq.protocol import Fingerprint
 
 VectorDtype = Literal["float32", "float16"]
@@ -50,6 +50,9 @@ class Manifest(BaseModel):
     data_bytes: int = 0  # npy (header included) / jsonl
     ids_bytes: int = 0  # npy
     complete: bool = False
+    #: the content-hash scheme of its rows (``content.SCHEME``); None: an output made before content hashes (or by a
+    #: sink that keeps none), continued by id alone
+    content_hash: str | None = None
     created: str = Field(default_factory=utc_now)
     updated: str = Field(default_factory=utc_now)
     runs: list[dict[str, Any]] = Field(default_factory=list)
@@ -84,6 +87,23 @@ def resume_or_start(manifest: Manifest | None, *, format: str, vector_dtype: str
     return manifest
 
 
+def check_reusable(manifest: Manifest | None, *, vector_dtype: str, options: dict[str, Any], where: str,
+                   container: str = "output") -> Manifest:
+    """``--reuse``: an output's manifest checked as a source of rows for this run: it exists and holds rows of one
+    space, was made with this run's vector dtype and options (any format), and keeps content hashes of this scheme
+    (the run's own output's space is compared with it once known: :func:`check_space`)."""
+    from embedq.producers.index.content import SCHEME
+
+    if manifest is None or manifest.fingerprint is None:
+        raise errors.InvalidOption(f"--reuse: {where} holds no rows of embedq index")
+    check_manifest(manifest, format=manifest.format, vector_dtype=vector_dtype, options=options, where=where,
+                   container=container)
+    if manifest.content_hash != SCHEME:
+        raise errors.InvalidOption(f"--reuse: {where} keeps no content hashes of this embedq "
+                                   f"({manifest.content_hash or 'made before content hashes'}); it cannot be reused")
+    return manifest
+
+
 def check_space(have: Fingerprint | None, fingerprint: Fingerprint, *, where: str, container: str = "output") -> None:
     """Raise :class:`~embedq.errors.OutputMismatch` when ``where`` holds vectors of another embedding space than a
     result's (``have``: the record's fingerprint, None before the first result)."""
@@ -103,6 +123,9 @@ class Ledger:
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
         self.committed = IdSet()  # ids committed before this run
+        #: the content hash of each committed id (id digest -> hash), where the output keeps hashes
+        self.hashes = IdMap()
+        self._contents: IdSet | None = None
         self.pending_rows = 0  # written since the last commit
         self._stored: str | None = None  # the record as the target holds it (None: none read or stored yet)
 
@@ -121,15 +144,37 @@ class Ledger:
         self.manifest.rows += self.pending_rows
         self.pending_rows = 0
 
-    def take_committed(self, ids: Iterable[str], *, where: str, container: str) -> int:
-        """The ids a database target holds into ``committed``, and their count as the record's rows (the stored
-        record's own may lag by the last commit); refused when an id is there twice (written outside embedq index).
-        The record read with them is the one the target holds."""
+    @property
+    def keeps_hashes(self) -> bool:
+        """Whether the output's rows carry content hashes (``content.py``)."""
+        return self.manifest.content_hash is not None
+
+    def contents(self) -> IdSet:
+        """The content hashes of the committed rows (made once, when first asked)."""
+        if self._contents is None:
+            self._contents = self.hashes.values()
+        return self._contents
+
+    def take(self, doc_id: str, content_hash: bytes | None = None) -> bytes:
+        """One committed row's id (and its content hash, where the output keeps them); returns the id's digest."""
+        key = digest(doc_id)
+        self.committed.add(key)
+        if content_hash is not None:
+            self.hashes[key] = bytes(content_hash)
+        return key
+
+    def take_committed(self, ids: Iterable[str], *, where: str, container: str,
+                       hashes: Iterable[bytes | None] | None = None) -> int:
+        """The ids a database target holds into ``committed`` (with their content hashes, ``hashes``, in the same
+        order), and their count as the record's rows (the stored record's own may lag by the last commit); refused
+        when an id is there twice (written outside embedq index). The record read with them is the one the target
+        holds."""
         rows = dups = 0
-        for doc_id in ids:
+        pairs = zip(ids, hashes) if hashes is not None else ((doc_id, None) for doc_id in ids)
+        for doc_id, content_hash in pairs:
             key = digest(doc_id)
             dups += key in self.committed
-            self.committed.add(key)
+            self.take(doc_id, content_hash)
             rows += 1
         if dups:
             raise errors.OutputMismatch(f"{where} holds {dups} ids more than once: it was written outside "
