@@ -1,6 +1,6 @@
 """`embedq index` at scale: throughput against the core benchmark, and Redis memory kept bounded.
 
-    python bench/index.py                  # 100,000 texts (the corpus 25 times), CPU fp32
+    python bench/index.py                  # 100,000 distinct texts (the corpus 25 times, each copy marked), CPU fp32
     python bench/index.py --n 20000        # quicker
     python bench/index.py --device cuda:0 --dtype float16
     python bench/index.py --sink           # the same texts into Parquet and into pgvector (a private pgserver)
@@ -57,10 +57,13 @@ def corpus_rows() -> list[dict]:
 
 
 def write_input(path: Path, n: int) -> None:
+    """``n`` distinct texts: the corpus, then again with `` (copy k)`` appended (a repeated text would be embedded once
+    since issue 57; bench/reindex.py measures repeats)."""
     rows = corpus_rows()
     with path.open("w") as fh:
         for i in range(n):
-            fh.write(json.dumps({"id": f"doc-{i}", "text": rows[i % len(rows)]["text"]}) + "\n")
+            k, text = divmod(i, len(rows))[0], rows[i % len(rows)]["text"]
+            fh.write(json.dumps({"id": f"doc-{i}", "text": f"{text} (copy {k})" if k else text}) + "\n")
 
 
 class MemorySampler(threading.Thread):

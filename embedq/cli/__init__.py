@@ -125,6 +125,7 @@ def cmd_index(ns: argparse.Namespace, settings: Settings) -> int:
         shard_rows=ns.shard_rows, overwrite=ns.overwrite, progress=not ns.quiet, kind=ns.kind, outputs=ns.outputs,
         wait_for_worker=ns.wait_for_worker, connect_timeout=settings.broker_timeout,
         errors_file=Path(ns.errors) if ns.errors else None, ann_index=ns.build_index, store_text=ns.store_text,
+        prune=ns.prune, reuse=list(ns.reuse or []),
     )
     # the input and a database output are checked before anything starts (a private stack included): a refused run
     # leaves nothing
@@ -311,6 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--build-index", action="store_true", help="a database output: build its ANN index (pgvector: HNSW; "
                    "LanceDB: IVF_HNSW_SQ; cosine) after the load; its time is reported on its own line")
     i.add_argument("--store-text", action="store_true", help="a database output: store each text beside its vectors")
+    i.add_argument("--prune", action="store_true", help="after a complete run, remove the ids the output holds "
+                   "that the input no longer has (re-indexing a corpus into the same output: unchanged texts are kept, "
+                   "edited ones replaced, new ids added)")
+    i.add_argument("--reuse", action="append", metavar="OUTPUT", help="take the vectors of texts another output of the "
+                   "same model and options holds (by content hash) instead of embedding them again, e.g. last night's "
+                   "Parquet into tonight's pgvector table; may be given more than once")
     i.add_argument("--json", action="store_true", help="also print the summary as JSON on stdout")
     i.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_embedding_options(i)

@@ -23,7 +23,7 @@ def lazy_names(package: str, homes: dict[str, str]) -> Callable[[str], Any]:
 
 
 _HOMES = {
-    "IndexConfig": "runner", "Indexer": "runner", "run_index": "runner",
+    "IndexConfig": "config", "Indexer": "runner", "run_index": "runner",
     "Manifest": "sinks.manifests", "OUTPUT_FORMATS": "sinks.files", "open_sink": "sinks.files",
     "FORMATS": "sources", "Record": "sources", "Source": "sources",
     "Summary": "summary",

@@ -24,26 +24,28 @@ What the run reports, :class:`~embedq.producers.index.summary.Summary`, is in ``
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from embedq import errors
 from embedq.producers.client import Client, JobHandle
+from embedq.producers.index.config import IndexConfig, storage_options
+from embedq.producers.index.content import ContentHasher
 from embedq.producers.index.idset import IdSet, digest
-from embedq.producers.index.kinds import INDEX_KINDS, IndexKind, index_kind
+from embedq.producers.index.kinds import index_kind
+from embedq.producers.index.repeats import DEFER_MAX, Chunk, Repeats, start_hashes
+from embedq.producers.index.rows import RowWriter
 from embedq.producers.index.sinks.contract import Sink, Target, check_flags
-from embedq.producers.index.sinks.manifests import VectorDtype
+from embedq.producers.index.sinks.manifests import check_space
 from embedq.producers.index.sinks.registry import load_sinks, output_target
 from embedq.producers.index.sources import Record, Source, record_text
 from embedq.producers.index.stopping import Stop, Stopper, ride_out, say, wait_for_worker
-from embedq.producers.index.summary import Summary
-from embedq.protocol import Fingerprint, decode_result
+from embedq.producers.index.summary import Failures, Summary
+from embedq.protocol import Fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -52,48 +54,6 @@ FATAL_CODES = frozenset({"invalid_option", "unknown_model", "unknown_prompt_name
                          "too_many_texts", "empty_input", "unsupported_model", "invalid_request"})
 #: stop early when this many records in a row are unusable before any is usable (a wrong --text-field)
 FAIL_FAST_RECORDS = 1000
-
-
-@dataclass
-class IndexConfig:
-    chunk_size: int = 64
-    max_in_flight: int = 32
-    options: dict[str, Any] = field(default_factory=dict)
-    vector_dtype: VectorDtype = "float32"
-    job_timeout: float = 600.0
-    max_attempts: int = 5
-    checkpoint_seconds: float = 60.0
-    shard_rows: int = 100_000
-    kind: str = "embed"  # embed | sparse | multi | bge-m3 (producers/index/kinds.py)
-    outputs: list[str] | None = None  # a kind with several outputs (bge-m3): which to make (default: what fits)
-    broker_timeout: float = 300.0  # riding out a broker that went away mid-run (first contact: connect_timeout)
-    connect_timeout: float = 30.0  # reaching the broker at all (EMBEDQ_BROKER_TIMEOUT from the CLI)
-    wait_for_worker: float = 10.0  # seconds to wait for a live worker on the queue before refusing (inf: forever)
-    overwrite: bool = False
-    progress: bool = True
-    errors_file: Path | None = None  # default: beside a file output; a database's: <table>.errors.jsonl here
-    ann_index: bool = False  # a database output: build its ANN index after a complete run (timed on its own)
-    store_text: bool = False  # a database output: a ``text`` column beside the vectors
-
-
-@dataclass(eq=False)
-class _Chunk:
-    ids: list[str]
-    texts: list[str]
-    handle: JobHandle | None = None
-    head_since: float | None = None  # when it became the oldest job in flight (reset when resubmitted)
-    attempts: int = 0
-
-
-def storage_options(options: dict[str, Any], kind: IndexKind = INDEX_KINDS["embed"]) -> dict[str, Any]:
-    """The options an output is made with, as the manifest records and compares them (with its kind, unless
-    it is the default ``embed``, so outputs made before kinds existed continue as they were)."""
-    wire = kind.options.parse({**options, **kind.fixed}).wire()
-    wire.pop("encoding", None)  # the output's vector dtype decides it
-    wire.pop("model", None)  # the embedding-space fingerprint identifies the model
-    if kind.name != "embed":
-        wire["kind"] = kind.name
-    return wire
 
 
 class Indexer:
@@ -108,15 +68,16 @@ class Indexer:
         self.job_options = self.kind.job_options(config.options, config.vector_dtype)
         self.summary = Summary(input=source.describe(), output=self.target.describe())
         self.errors_path = config.errors_file or self.target.default_errors_path()
-        self.window: deque[_Chunk] = deque()
+        self.window: deque[Chunk] = deque()
         self.seen = IdSet()
-        self._errors: list[dict[str, Any]] = []
-        self._errors_started = False
-        self._records = 0
-        self._usable = 0
-        self._first_error: str | None = None
+        self.failures = Failures(self.summary, self.errors_path, source.describe(), FAIL_FAST_RECORDS)
+        self._fail = self.failures.fail
         self._no_worker_warned = False
         self.sink: Sink | None = None
+        self.readers: list[Sink] = []  # --reuse outputs
+        self.repeats: Repeats | None = None
+        self.rows: RowWriter | None = None
+        self.hasher = ContentHasher({}, config.vector_dtype)  # made again for the options the output is opened with
         self.bar: Any = None
         self.stop = Stopper()
         self._full_noted = False
@@ -134,6 +95,7 @@ class Indexer:
         t0 = time.perf_counter()
         restore = self.stop.catch()
         try:
+            self._open_readers()
             try:
                 records = self._prepare()
                 with self.target.lock():
@@ -143,9 +105,19 @@ class Indexer:
                 self.summary.seconds = time.perf_counter() - t0
         finally:
             restore()
+            for reader in self.readers:
+                reader.close()
             if self.bar is not None:
                 self.bar.close()
         return self.summary
+
+    def _open_readers(self) -> None:
+        """``--reuse``: each output opened to read rows back, checked against this run's options before anything is
+        embedded (its space once the run's is known: :meth:`_probe`)."""
+        options = storage_options(self.config.options, self.kind)
+        for spec in self.config.reuse:
+            target = output_target(spec, None, self.config)
+            self.readers.append(target.open_reader(vector_dtype=self.config.vector_dtype, options=options))
 
     def _fit_kind(self) -> None:
         """The kind as the target stores it (a database says which column shapes it cannot store): outputs it cannot
@@ -170,21 +142,24 @@ class Indexer:
 
     def _stream(self, records: Iterator[Record], t0: float) -> None:
         created = not self.target.exists()
+        options = storage_options(self.config.options, self.kind)
+        self.hasher = ContentHasher(options, self.config.vector_dtype)
         with self.stop.writing(then_stop=False):  # a stop asked meanwhile: at the check below
-            self.sink = self.target.open(vector_dtype=self.config.vector_dtype,
-                                         options=storage_options(self.config.options, self.kind),
+            self.sink = self.target.open(vector_dtype=self.config.vector_dtype, options=options,
                                          shard_rows=self.config.shard_rows, overwrite=self.config.overwrite)
         self.summary.errors_file = str(self.errors_path)
         self._last_commit = time.monotonic()
         try:
+            self._start_hashes()
             self._check_stop()
-            if self.sink.manifest.fingerprint is not None or self.sink.probe_first:
+            if self.sink.manifest.fingerprint is not None or self.sink.probe_first or self.readers:
                 self._probe()
             from tqdm import tqdm
 
             total = self.source.count() if self.config.progress else None
             self.bar = tqdm(total=total, unit="text", disable=not self.config.progress, smoothing=0.05,
                             dynamic_ncols=True, desc="embedq index")
+            self.rows.bar = self.failures.bar = self.bar
             self._loop(records)
         except errors.OutputMismatch:
             self.sink.close()  # nothing was written: the existing output stays as it was
@@ -211,6 +186,21 @@ class Indexer:
             if self.config.ann_index:  # after the load, timed on its own line of the summary
                 self.summary.ann_index, self.summary.ann_index_seconds = self.target.build_index()
 
+    def _start_hashes(self) -> None:
+        """Content hashes for the opened output (:func:`~embedq.producers.index.repeats.start_hashes`) and the writer
+        of its rows; ``--prune`` refused where rows cannot be removed. Before anything is embedded."""
+        assert self.sink is not None
+        note = start_hashes(self.sink)
+        if note:
+            say(note)
+            self.summary.notes.append(note)
+        if self.config.prune and type(self.sink).prune is Sink.prune:
+            raise errors.InvalidOption(f"--prune: {self.sink.where} cannot remove rows (a {self.target.format} "
+                                       "output)")
+        self.repeats = Repeats(self.sink, self.readers)
+        self.rows = RowWriter(self.sink, self.repeats, self.kind, vector_dtype=self.config.vector_dtype,
+                              store_text=self.config.store_text, summary=self.summary, stop=self.stop, fail=self._fail)
+
     def _connect(self) -> None:
         """Reach the broker before anything else, for at most ``connect_timeout`` seconds: a wrong URL or a
         broker that is down is named at once and refused after that (later outages are ridden out longer)."""
@@ -221,14 +211,13 @@ class Indexer:
         self.stop.check()
 
     def _loop(self, records: Iterator[Record]) -> None:
-        assert self.sink is not None
-        chunk = _Chunk([], [])
-        staged: list[_Chunk] = []  # full chunks not sent yet: sent together once the window has room for them
-        refill = self.config.max_in_flight // 2  # the window is refilled when it is down to this many jobs
+        assert self.sink is not None and self.repeats is not None
+        self._chunk = Chunk([], [])
+        self._staged: list[Chunk] = []  # full chunks not sent yet: sent together once the window has room for them
         limits = self.client.settings
         for rec in records:
             self._check_stop()
-            self._records += 1
+            self.failures.records += 1
             if rec.error is not None:
                 self._fail(rec.id, rec.error)
                 continue
@@ -237,31 +226,72 @@ class Indexer:
                 self._fail(rec.id, errors.DuplicateId(f"id {rec.id!r} appears more than once in the input"))
                 continue
             self.seen.add(key)
+            content_hash = self.hasher(rec.text) if isinstance(rec.text, str) else b""
             if key in self.sink.committed:
-                self.summary.skipped += 1
-                if self.bar.total:
-                    self.bar.total -= 1
-                continue
+                kept = self.sink.ledger.hashes.get(key)
+                if kept is None or kept == content_hash:  # the same text (or an output without hashes): kept
+                    self.summary.skipped += 1
+                    if self.bar.total:
+                        self.bar.total -= 1
+                    continue
+                # its text changed: written anew below (the sink replaces the row)
             try:
                 record_text(rec.text, limits.max_chars)
             except errors.EmbedqError as exc:
                 self._fail(rec.id, exc)
                 continue
-            self._usable += 1
-            chunk.ids.append(rec.id)
-            chunk.texts.append(rec.text)
-            if len(chunk.ids) >= self.config.chunk_size:
-                staged.append(chunk)
-                chunk = _Chunk([], [])
-                if len(self.window) + len(staged) >= self.config.max_in_flight:
-                    self._submit(staged)
-                    staged = []
-                    self._drain(refill)
-        if chunk.ids:
-            staged.append(chunk)
-        if staged:
-            self._submit(staged)
-        self._drain(0)
+            self.failures.usable += 1
+            self._route(rec.id, rec.text, content_hash)
+            if len(self.repeats.deferred) >= DEFER_MAX:
+                self._resolve()
+        self._resolve_all()
+        if self.config.prune:
+            with self.stop.writing():
+                self.summary.pruned = self.sink.prune(self.seen)
+
+    def _route(self, doc_id: str, text: str, content_hash: bytes, *, defer: bool = True) -> None:
+        """A usable record: with a job in flight that carries its text, deferred to a stored row, or into a job."""
+        assert self.repeats is not None
+        if self.repeats.attach(doc_id, text, content_hash, defer=defer):
+            return
+        chunk = self._chunk
+        chunk.add(doc_id, text, content_hash)
+        self.repeats.carry(chunk, len(chunk.ids) - 1)
+        if len(chunk.ids) >= self.config.chunk_size:
+            self._staged.append(chunk)
+            self._chunk = Chunk([], [])
+            if len(self.window) + len(self._staged) >= self.config.max_in_flight:
+                self._submit(self._staged)
+                self._staged = []
+                self._drain(self.config.max_in_flight // 2)  # refilled when down to half
+
+    def _resolve_all(self) -> None:
+        """The end of the input: every job sent and collected, every deferred record written (or embedded)."""
+        assert self.repeats is not None
+        while True:
+            if self._chunk.ids:
+                self._staged.append(self._chunk)
+                self._chunk = Chunk([], [])
+            if self._staged:
+                self._submit(self._staged)
+                self._staged = []
+            self._drain(0)
+            if not self.repeats.deferred:
+                return
+            self._resolve()
+
+    def _resolve(self) -> None:
+        """Write the deferred records from stored rows (after a commit, so this run's rows can be read back); a text no
+        store holds any more (its row replaced meanwhile) is embedded after all."""
+        assert self.sink is not None and self.repeats is not None
+        with self.stop.writing():
+            if self.sink.ledger.pending_rows and self.sink.manifest.fingerprint is not None:
+                self.sink.commit()
+                self.failures.flush()
+                self._last_commit = time.monotonic()
+        assert self.rows is not None
+        for doc_id, content_hash, text in self.rows.stored(self.repeats.take_deferred()):
+            self._route(doc_id, text, content_hash, defer=False)
 
     def _finish(self, t0: float, *, complete: bool) -> None:
         assert self.sink is not None
@@ -271,7 +301,7 @@ class Indexer:
         try:
             if self.sink.manifest.fingerprint is not None:
                 self.sink.commit()
-            self._flush_errors(final=complete)
+            self.failures.flush(final=complete)
             s.rows = self.sink.manifest.rows
             s.seconds = time.perf_counter() - t0
             s.bulk_waits = self.client.bulk_waits - self._waits_at_start[0]
@@ -310,8 +340,12 @@ class Indexer:
                                      f"{self.config.job_timeout:.0f}s") from None
         finally:
             handle.forget()
+        fingerprint = Fingerprint.model_validate(payload["fingerprint"])
         try:
-            self.sink.accept(Fingerprint.model_validate(payload["fingerprint"]))
+            self.sink.accept(fingerprint)
+            for reader in self.readers:  # --reuse: rows of this run's space only
+                check_space(reader.manifest.fingerprint, fingerprint, where=f"--reuse {reader.where}",
+                            container=reader.container)
         except errors.OutputMismatch:
             self.sink.close()
             raise
@@ -324,7 +358,7 @@ class Indexer:
         # bulk: behind online traffic on the same workers; waits (does not fail) while the bulk queue is full
         return self.client.submit_many(jobs, kind=self.kind.job_kind, traffic_class="bulk", **self.job_options)
 
-    def _send(self, *chunks: _Chunk) -> None:
+    def _send(self, *chunks: Chunk) -> None:
         """Send ``chunks`` as jobs, together (one round trip)."""
         handles = self._broker(lambda: self._submit_jobs([c.texts for c in chunks]))
         for chunk, handle in zip(chunks, handles):
@@ -332,7 +366,7 @@ class Indexer:
             chunk.head_since = None
             chunk.attempts += 1
 
-    def _submit(self, chunks: list[_Chunk]) -> None:
+    def _submit(self, chunks: list[Chunk]) -> None:
         self._send(*chunks)
         self.window.extend(chunks)
 
@@ -370,26 +404,12 @@ class Indexer:
             else:
                 self._write(chunk, outcome)
 
-    def _write(self, chunk: _Chunk, payload: dict[str, Any]) -> None:
-        """A chunk's result into the output."""
-        assert self.sink is not None
-        if self.kind.columns is None:
-            data, fingerprint = decode_result(payload)
-        elif self.sink.arrow_columns:
-            fingerprint, data = self.kind.table(payload, self.config.vector_dtype)
-        else:  # a sink that maps the kind's columns itself (pgvector.py)
-            fingerprint, data = self.kind.arrays(payload)
-        with self.stop.writing():
-            self.sink.accept(fingerprint)  # OutputMismatch before the first write
-            refused = self.sink.write(chunk.ids, data, chunk.texts if self.config.store_text else None)
-        for doc_id, exc in refused:  # rows the database refuses (Milvus: an empty sparse vector)
-            self._fail(doc_id, exc)
-        n = len(chunk.ids) - len(refused)
-        self.summary.texts += n
-        tokens = (payload.get("usage") or {}).get("tokens", 0)
-        self.summary.tokens += tokens
+    def _write(self, chunk: Chunk, payload: dict[str, Any]) -> None:
+        """A chunk's result into the output, under its ids and its riders'."""
+        assert self.rows is not None
+        n = self.rows.result(chunk, payload)
+        self.summary.tokens += (payload.get("usage") or {}).get("tokens", 0)
         self.summary.workers[str(payload.get("worker", "unknown"))] += n
-        self.bar.update(n)
         if self.bar.format_dict.get("elapsed"):
             self.bar.set_postfix_str(f"{self.summary.tokens / self.bar.format_dict['elapsed']:,.0f} tokens/s",
                                      refresh=False)
@@ -423,7 +443,7 @@ class Indexer:
         if overdue:
             log.warning("resubmitted %d jobs with no result after %.0fs", len(overdue), self.config.job_timeout)
 
-    def _on_job_error(self, chunk: _Chunk, exc: errors.EmbedqError) -> None:
+    def _on_job_error(self, chunk: Chunk, exc: errors.EmbedqError) -> None:
         """``chunk`` failed with the worker's typed error (and has left the window)."""
         if exc.code in FATAL_CODES:
             raise exc
@@ -434,29 +454,20 @@ class Indexer:
         else:
             self._give_up(chunk, exc)
 
-    def _give_up(self, chunk: _Chunk, exc: errors.EmbedqError) -> None:
+    def _give_up(self, chunk: Chunk, exc: errors.EmbedqError) -> None:
         """Split a failing job until the text that fails it is alone; a lone text is a failure."""
-        if len(chunk.ids) == 1:
-            self._fail(chunk.ids[0], exc)
+        assert self.repeats is not None
+        if len(chunk.ids) == 1:  # the same text under other ids fails the same way
+            for doc_id in (chunk.ids[0], *(rider for rider, _, _ in chunk.riders)):
+                self._fail(doc_id, exc)
+            self.repeats.landed(chunk)
             return
-        half = len(chunk.ids) // 2
-        parts = (_Chunk(chunk.ids[:half], chunk.texts[:half]), _Chunk(chunk.ids[half:], chunk.texts[half:]))
+        parts = chunk.split()
+        self.repeats.moved(chunk, parts)
         self._send(*parts)
         self.window.extendleft(reversed(parts))
 
-    # -- failures, commits ---------------------------------------------------------------------------
-    def _fail(self, doc_id: str, exc: errors.EmbedqError) -> None:
-        self.summary.failed += 1
-        self.summary.failures_by_code[exc.code] += 1
-        self._errors.append({"id": doc_id, "code": exc.code, "message": exc.message})
-        self.bar.update(1)
-        if self._first_error is None:
-            self._first_error = exc.message
-        if self._usable == 0 and self._records >= FAIL_FAST_RECORDS and self.summary.failed >= self._records:
-            raise errors.InvalidOption(
-                f"none of the first {self._records} records of {self.source.describe()} has a usable text "
-                f"(first error: {self._first_error}); check --text-field, --id-field and --input-format")
-
+    # -- commits -------------------------------------------------------------------------------------
     def _maybe_commit(self) -> None:
         assert self.sink is not None
         if time.monotonic() - self._last_commit < self.config.checkpoint_seconds:
@@ -464,21 +475,8 @@ class Indexer:
         with self.stop.writing():
             if self.sink.manifest.fingerprint is not None:
                 self.sink.commit()
-                self._flush_errors()
+                self.failures.flush()
         self._last_commit = time.monotonic()
-
-    def _flush_errors(self, final: bool = False) -> None:
-        """The errors file lists the failures of the latest run (earlier failures are retried)."""
-        assert self.sink is not None
-        path = self.errors_path
-        if not self._errors and not self._errors_started:
-            if final:
-                path.unlink(missing_ok=True)
-            return
-        with open(path, "a" if self._errors_started else "w", encoding="utf-8") as fh:
-            fh.writelines(json.dumps(e, ensure_ascii=False) + "\n" for e in self._errors)
-        self._errors_started = True
-        self._errors.clear()
 
     def _broker(self, call: Any) -> Any:
         """Run a broker call, riding out a broker that is restarting for up to ``broker_timeout``."""

@@ -1,4 +1,4 @@
-"""What an ``embedq index`` run reports: :class:`Summary`.
+"""What an ``embedq index`` run reports: :class:`Summary`, and :class:`Failures`, the records it could not write.
 
 The runner (``runner.py``) counts into it as the run goes (texts and tokens embedded, failures by code, records
 skipped because the output has them, resubmissions, waits for room in the bulk queue, texts per worker) and fills in
@@ -8,10 +8,13 @@ the output's rows and embedding-space fingerprint at the end. ``render`` is what
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from embedq import errors
 from embedq.protocol import Fingerprint
 
 
@@ -22,7 +25,10 @@ class Summary:
     texts: int = 0  # embedded by this run
     tokens: int = 0
     failed: int = 0
-    skipped: int = 0  # already in the output before this run
+    skipped: int = 0  # already in the output before this run, with the same text (content hash) where it keeps them
+    reused: int = 0  # written from a vector the run had without embedding its text again (a repeat, a stored row)
+    replaced: int = 0  # ids the output held whose text changed: written anew (embedded or reused)
+    pruned: int = 0  # ids the output held that the input no longer has, removed (``--prune``)
     rows: int = 0  # committed rows in the output at the end
     seconds: float = 0.0
     resubmitted: int = 0
@@ -63,6 +69,10 @@ class Summary:
             f"  embedded   {self.texts:,} texts, {self.tokens:,} tokens ({self.texts_per_second:,.1f} texts/s, "
             f"{self.tokens_per_second:,.0f} tokens/s)",
             f"  skipped    {self.skipped:,} already in the output",
+            *([f"  reused     {self.reused:,} texts written from vectors of the same text (repeats, stored rows)"]
+              if self.reused else []),
+            *([f"  replaced   {self.replaced:,} ids whose text changed"] if self.replaced else []),
+            *([f"  pruned     {self.pruned:,} ids the input no longer has"] if self.pruned else []),
             f"  failed     {self.failed:,}" + (f" -> {self.errors_file} ({codes})" if self.failed else ""),
             f"  output     {self.rows:,} rows" + (f"; {self.fingerprint.describe()}" if self.fingerprint else "")
             + ("; none written: no record had a usable text" if self.output_removed else ""),
@@ -82,3 +92,42 @@ class Summary:
         if self.interrupted:
             lines.append("  run the same command again to continue where this run stopped")
         return "\n".join(lines)
+
+
+class Failures:
+    """The records a run could not write: counted in its :class:`Summary` and listed in its errors file (the failures of
+    the latest run: earlier ones are retried). A run whose first ``fail_fast`` records are all unusable stops (a wrong
+    ``--text-field``)."""
+
+    def __init__(self, summary: Summary, path: Path, describe_input: str, fail_fast: int) -> None:
+        self.summary, self.path, self.describe_input, self.fail_fast = summary, path, describe_input, fail_fast
+        self.records = 0  # records read
+        self.usable = 0  # records with a usable text
+        self.bar: Any = None  # the run's progress bar, once it has one
+        self._errors: list[dict[str, Any]] = []
+        self._started = False
+        self._first: str | None = None
+
+    def fail(self, doc_id: str, exc: errors.EmbedqError) -> None:
+        self.summary.failed += 1
+        self.summary.failures_by_code[exc.code] += 1
+        self._errors.append({"id": doc_id, "code": exc.code, "message": exc.message})
+        if self.bar is not None:
+            self.bar.update(1)
+        if self._first is None:
+            self._first = exc.message
+        if self.usable == 0 and self.records >= self.fail_fast and self.summary.failed >= self.records:
+            raise errors.InvalidOption(
+                f"none of the first {self.records} records of {self.describe_input} has a usable text "
+                f"(first error: {self._first}); check --text-field, --id-field and --input-format")
+
+    def flush(self, final: bool = False) -> None:
+        """Append the failures since the last flush to the errors file (``final``: none at all, the file goes)."""
+        if not self._errors and not self._started:
+            if final:
+                self.path.unlink(missing_ok=True)
+            return
+        with open(self.path, "a" if self._started else "w", encoding="utf-8") as fh:
+            fh.writelines(json.dumps(e, ensure_ascii=False) + "\n" for e in self._errors)
+        self._started = True
+        self._errors.clear()

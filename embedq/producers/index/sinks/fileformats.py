@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from embedq.producers.index.idset import digest
+from embedq.producers.index.idset import IdSet, digest
 from embedq.producers.index.sinks.contract import Refused, Sink
 from embedq.producers.index.sinks.manifests import Ledger, Manifest, Part, utc_now
 
@@ -98,15 +98,26 @@ class FileSink(Sink):
 
 # -- Parquet dataset ---------------------------------------------------------------------------
 class ParquetSink(FileSink):
+    """A dataset of shards. Rows carry a ``content_hash`` column (``fixed_size_binary(16)``) where the manifest keeps
+    hashes. Rows an edited or pruned id held before the run are removed at the next commit by rewriting only the
+    shards that hold them (each under a new name, listed by the manifest that commits it; the old file is deleted
+    after that manifest is stored, and a run killed in between deletes it as unlisted)."""
+
     format = "parquet"
+    stores_hashes = True
     ROW_GROUP_ROWS = 8192
 
     def __init__(self, path: Path, manifest: Manifest, *, shard_rows: int) -> None:
         super().__init__(path, manifest, shard_rows=shard_rows)
-        self._buffer: list[tuple[list[str], np.ndarray]] = []
+        self._buffer: list[tuple[list[str], Any, list[bytes] | None]] = []
         self._buffered = 0
         self._writer: Any = None
         self._shard_rows = 0
+        self._next_part = 1 + max((int(p.file[5:10]) for p in manifest.parts), default=-1)
+        self._before: set[str] = set()  # the shards that hold rows committed before this run
+        self._remove = IdSet()  # ids (digests) whose rows of before this run go at the next commit
+        self._removing = 0
+        self._obsolete: list[Path] = []  # shards a commit replaced: deleted once its manifest is stored
 
     @classmethod
     def manifest_path(cls, path: Path) -> Path:
@@ -117,18 +128,26 @@ class ParquetSink(FileSink):
         return []  # the manifest lives inside the dataset directory
 
     def _shard_name(self) -> str:
-        return f"part-{len(self.manifest.parts):05d}.parquet"
+        return f"part-{self._next_part:05d}.parquet"
 
     def _tmp_path(self) -> Path:
         return self.path / f".{self._shard_name()}.tmp"
 
-    def write(self, ids: list[str], vectors: Any, texts: list[str] | None = None) -> Refused:
+    def write(self, ids: list[str], vectors: Any, texts: list[str] | None = None,
+              hashes: list[bytes] | None = None) -> Refused:
         """``vectors``: a dense matrix (the ``vector`` column), or a pyarrow table of a kind's columns
-        (``producers/index/kinds.py``)."""
-        self._buffer.append((ids, vectors if hasattr(vectors, "schema") else self._vectors(vectors)))
+        (``producers/index/kinds.py``); an id committed before the run replaces its row (removed at the commit)."""
+        self._buffer.append((ids, vectors if hasattr(vectors, "schema") else self._vectors(vectors),
+                             hashes if self.ledger.keeps_hashes else None))
         self._buffered += len(ids)
         self.ledger.pending_rows += len(ids)
-        if self._buffered >= self.ROW_GROUP_ROWS:
+        committed = self.ledger.committed
+        for doc_id in ids:
+            key = digest(doc_id)
+            if key in committed and key not in self._remove:
+                self._remove.add(key)
+                self._removing += 1
+        if self._buffered >= min(self.ROW_GROUP_ROWS, self.shard_rows):
             self._write_group()
         if self._shard_rows >= self.shard_rows:
             self.commit()
@@ -142,10 +161,15 @@ class ParquetSink(FileSink):
             return
         fp = self.manifest.fingerprint
         assert fp is not None and self.dimension is not None
-        ids = [i for chunk_ids, _ in self._buffer for i in chunk_ids]
+        ids = [i for chunk_ids, _, _ in self._buffer for i in chunk_ids]
+        hashes = None
+        if self.ledger.keeps_hashes:
+            hashes = pa.array([h for _, _, chunk_hashes in self._buffer for h in chunk_hashes or ()], pa.binary(16))
         if hasattr(self._buffer[0][1], "schema"):  # a kind's own columns
-            columns = pa.concat_tables([t for _, t in self._buffer])
+            columns = pa.concat_tables([t for _, t, _ in self._buffer])
             table = columns.add_column(0, "id", pa.array(ids, pa.string()))
+            if hashes is not None:
+                table = table.add_column(1, "content_hash", hashes)
             if self._writer is None:
                 schema = table.schema.with_metadata({b"embedq.fingerprint": fp.model_dump_json().encode()})
                 self._writer = pq.ParquetWriter(self._tmp_path(), schema)
@@ -156,46 +180,143 @@ class ParquetSink(FileSink):
         dim = self.dimension
         value_type = pa.float16() if self.manifest.vector_dtype == "float16" else pa.float32()
         if self._writer is None:
-            schema = pa.schema([("id", pa.string()), ("vector", pa.list_(value_type, dim))],
-                               metadata={b"embedq.fingerprint": fp.model_dump_json().encode()})
+            fields = [("id", pa.string()), *([("content_hash", pa.binary(16))] if hashes is not None else []),
+                      ("vector", pa.list_(value_type, dim))]
+            schema = pa.schema(fields, metadata={b"embedq.fingerprint": fp.model_dump_json().encode()})
             self._writer = pq.ParquetWriter(self._tmp_path(), schema)
-        flat = np.concatenate([v for _, v in self._buffer]).reshape(-1)
-        table = pa.table({"id": pa.array(ids, pa.string()),
-                          "vector": pa.FixedSizeListArray.from_arrays(pa.array(flat, value_type), dim)},
-                         schema=self._writer.schema)
+        flat = np.concatenate([v for _, v, _ in self._buffer]).reshape(-1)
+        columns = {"id": pa.array(ids, pa.string()), **({"content_hash": hashes} if hashes is not None else {}),
+                   "vector": pa.FixedSizeListArray.from_arrays(pa.array(flat, value_type), dim)}
+        table = pa.table(columns, schema=self._writer.schema)
         self._writer.write_table(table, row_group_size=len(ids))
         self._shard_rows += len(ids)
         self._buffer, self._buffered = [], 0
 
     def flush(self) -> None:
         self._write_group()
-        if self._writer is None:
-            return
-        self._writer.close()
-        self._writer = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+            self.manifest.parts.append(Part(file=self._seal(), rows=self._shard_rows))
+            self._shard_rows = 0
+        if self._removing:
+            self._rewrite()
+        _fsync_dir(self.path)
+
+    def _seal(self) -> str:
+        """The shard being written, durable under its final name (returned); the next one gets a new number."""
         tmp, final = self._tmp_path(), self.path / self._shard_name()
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, final)
-        _fsync_dir(self.path)
-        self.manifest.parts.append(Part(file=final.name, rows=self._shard_rows))
-        self._shard_rows = 0
+        self._next_part += 1
+        return final.name
+
+    def _rewrite(self) -> None:
+        """Remove the rows of the ids marked for removal from the shards of before this run that hold them."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        parts = []
+        for part in self.manifest.parts:
+            if part.file not in self._before:
+                parts.append(part)
+                continue
+            ids = pq.read_table(self.path / part.file, columns=["id"]).column("id").to_pylist()
+            keep = [digest(i) not in self._remove for i in ids]
+            if all(keep):
+                parts.append(part)
+                continue
+            self._obsolete.append(self.path / part.file)
+            self._before.discard(part.file)
+            self.ledger.pending_rows -= len(keep) - sum(keep)
+            if any(keep):
+                table = pq.read_table(self.path / part.file).filter(pa.array(keep))
+                pq.write_table(table, self._tmp_path(), row_group_size=self.ROW_GROUP_ROWS)
+                name = self._seal()
+                self._before.add(name)
+                parts.append(Part(file=name, rows=table.num_rows))
+        self.manifest.parts = parts
+        self._remove, self._removing = IdSet(), 0
+
+    def save_manifest(self) -> None:
+        super().save_manifest()
+        for path in self._obsolete:  # replaced by the manifest just stored
+            path.unlink(missing_ok=True)
+        self._obsolete.clear()
 
     def close(self) -> None:
         if self._writer is not None:  # an unfinished shard: not committed, removed by the next run
             self._writer.close()
             self._writer = None
 
-    def repair(self) -> None:
+    def prune(self, keep: IdSet) -> int:
         import pyarrow.parquet as pq
 
+        pruned = 0
+        for part in self.manifest.parts:
+            if part.file not in self._before:
+                continue
+            for doc_id in pq.read_table(self.path / part.file, columns=["id"]).column("id").to_pylist():
+                key = digest(doc_id)
+                if key not in keep and key not in self._remove:
+                    self._remove.add(key)
+                    self._removing += 1
+                    pruned += 1
+        return pruned
+
+    def rows_by_hash(self, hashes: list[bytes]) -> tuple[list[bytes], Any]:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        if not self.ledger.keeps_hashes or not hashes:
+            return [], None
+        wanted = pa.array(hashes, pa.binary(16))
+        found: dict[bytes, None] = {}
+        tables = []
+        for part in self.manifest.parts:
+            column = pq.read_table(self.path / part.file, columns=["content_hash"]).column("content_hash")
+            column = column.combine_chunks()
+            hits = pc.indices_nonzero(pc.is_in(column, value_set=wanted))
+            rows = []
+            for row, content_hash in zip(hits.to_pylist(), column.take(hits).to_pylist()):
+                if content_hash not in found:  # one row per hash
+                    found[content_hash] = None
+                    rows.append(row)
+            if rows:
+                tables.append(pq.read_table(self.path / part.file).take(rows))
+        if not tables:
+            return [], None
+        table = pa.concat_tables(tables)
+        out = [bytes(h) for h in table.column("content_hash").to_pylist()]
+        data = table.drop_columns(["id", "content_hash"])
+        if "kind" not in self.manifest.options:  # the plain embed kind: a float matrix, as written
+            vectors = data.column("vector").combine_chunks()
+            data = vectors.values.to_numpy(zero_copy_only=False).reshape(len(out), -1)
+        return out, data
+
+    def repair(self) -> None:
         listed = {p.file for p in self.manifest.parts}
         for f in self.path.iterdir():
             if (f.name.startswith(".part-") or f.name.startswith("part-")) and f.name not in listed:
                 f.unlink()
+        self.load()
+
+    def load(self) -> None:
+        """The committed ids (and their content hashes, where kept) into the ledger."""
+        import pyarrow.parquet as pq
+
+        columns = ["id", "content_hash"] if self.ledger.keeps_hashes else ["id"]
         for part in self.manifest.parts:
-            ids = pq.read_table(self.path / part.file, columns=["id"]).column("id").to_pylist()
-            self.ledger.committed.update(digest(i) for i in ids)
+            table = pq.read_table(self.path / part.file, columns=columns)
+            ids = table.column("id").to_pylist()
+            if self.ledger.keeps_hashes:
+                for doc_id, content_hash in zip(ids, table.column("content_hash").to_pylist()):
+                    self.ledger.take(doc_id, content_hash)
+            else:
+                self.ledger.committed.update(digest(i) for i in ids)
+            self._before.add(part.file)
 
 
 # -- NPY matrix + ids file ---------------------------------------------------------------------

@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 
 from embedq import errors
 from embedq.producers.index.sinks.contract import Target
-from embedq.producers.index.sinks.fileformats import FILE_SINKS, FileSink, sidecar
+from embedq.producers.index.sinks.fileformats import FILE_SINKS, FileSink, ParquetSink, sidecar
 from embedq.producers.index.sinks.locks import OutputLock
-from embedq.producers.index.sinks.manifests import Manifest, VectorDtype, check_manifest
+from embedq.producers.index.sinks.manifests import Manifest, VectorDtype, check_manifest, check_reusable
 
 OUTPUT_FORMATS = ("parquet", "npy", "jsonl")
 _OUT_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".npy": "npy", ".jsonl": "jsonl", ".ndjson": "jsonl"}
@@ -112,3 +112,20 @@ class FileTarget(Target):
 
     def default_errors_path(self) -> Path:
         return sidecar(self.path, ".errors.jsonl")
+
+    def open_reader(self, *, vector_dtype: str, options: dict[str, Any]) -> FileSink:
+        """``--reuse``: the committed shards of a Parquet dataset, read as they are (nothing is cut back or
+        locked; NPY and JSONL keep no content hashes and are refused)."""
+        cls = FILE_SINKS[self.format]
+        mpath = cls.manifest_path(self.path)
+        manifest = None
+        if mpath.exists():
+            try:
+                manifest = Manifest.model_validate_json(mpath.read_text(encoding="utf-8"))
+            except ValueError:
+                manifest = None
+        manifest = check_reusable(manifest, vector_dtype=vector_dtype, options=options, where=str(self.path))
+        sink = cls(self.path, manifest, shard_rows=1)
+        if isinstance(sink, ParquetSink):
+            sink.load()
+        return sink
