@@ -437,7 +437,11 @@ def _sink(cluster, table: str, *, new: bool = False, hashes: bool = True, kind: 
 
     target = Target(cluster.url(table=table), IndexConfig(kind=kind, vector_dtype=dtype, overwrite=new))
     target.__enter__()
-    sink = target.open(vector_dtype=dtype, options=options or {}, shard_rows=1, overwrite=new)
+    try:
+        sink = target.open(vector_dtype=dtype, options=options or {}, shard_rows=1, overwrite=new)
+    except BaseException:
+        target.close()
+        raise
     if new and hashes:
         sink.manifest.content_hash = SCHEME
     sink.accept(_fingerprint(kind=kind) if kind == "embed" else _fingerprint(16, kind))
@@ -617,6 +621,19 @@ def test_open_reader_refuses_other_options_a_legacy_table_and_a_missing_one(pg):
     assert _sessions(pg) == sessions  # a refused reader leaves no session either
     with pg.connect() as conn:
         assert conn.execute("SELECT to_regclass('reuse_nosuch')").fetchone()[0] is None
+
+
+def test_a_table_whose_content_hash_column_was_dropped_is_refused_when_opened(pg):
+    from embedq import errors
+
+    target, sink = _sink(pg, "dropped", new=True)
+    _write(sink, {"d-1": "one"})
+    sink.close()
+    target.close()
+    with pg.connect() as conn:
+        conn.execute("ALTER TABLE dropped DROP COLUMN content_hash")
+    with pytest.raises(errors.OutputMismatch, match="no column content_hash"):
+        _sink(pg, "dropped")
 
 
 def test_a_table_made_before_content_hashes_continues_by_id(pg):

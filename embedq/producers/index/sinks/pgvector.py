@@ -320,7 +320,10 @@ class PgvectorSink(contract.Sink):
         if not self.existing:
             return
         keeps = self.ledger.keeps_hashes
-        with self.conn.cursor(name="embedq_ids") as cur:
+        if keeps and rows.HASH_COLUMN[0] not in dict(self.existing):  # its record says it has one: altered since
+            raise errors.OutputMismatch(f"{self.where} has another schema: no column content_hash (bytea), which its "
+                                        "record says it has. Write to another table, or pass --overwrite")
+        with self.conn.cursor(name="embedq_ids", binary=True) as cur:
             cur.itersize = 50_000
             cur.execute(self.target._sql("SELECT id, content_hash FROM {t}" if keeps else "SELECT id, NULL FROM {t}"))
             ids, hashes = itertools.tee(cur)  # read in step: the tee holds one row
