@@ -26,6 +26,8 @@ from indexdb import (
 )
 
 from embedq.producers.embedded import free_port
+from embedq.producers.index.content import SCHEME, ContentHasher
+from embedq.producers.index.idset import IdSet, digest
 from embedq.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -411,3 +413,297 @@ def test_b_bge_m3_into_pgvector_0_8_is_dense_and_lexical_equal_to_the_client(m3_
         assert lexical.dimensions() == vocab
         mine = want.lexical[k]
         assert sparse_delta(lexical.indices(), lexical.values(), mine.indices, mine.values) <= 1e-5
+
+
+# -- issue 57: content hashes, replacing, pruning, reading back (the sink itself, no worker) --------------------------
+
+HASH = ContentHasher({}, "float32")
+
+
+def _fingerprint(dim: int = 8, kind: str = "embed"):
+    from embedq.protocol import Fingerprint
+
+    return Fingerprint(kind=kind, model="test", weights_sha256="0" * 64, pooling="mean", normalize=True,
+                       dimensions=dim, dtype="float32", embedq_version="test")
+
+
+def _sink(cluster, table: str, *, new: bool = False, hashes: bool = True, kind: str = "embed", dtype="float32",
+          options: dict | None = None):
+    """The sink of ``table`` as a run opens it (its target locked): a new table (``new``: any old one dropped) keeps
+    content hashes when ``hashes`` (as the runner sets a new output's scheme), the space accepted. Returns (target,
+    sink); close both."""
+    from embedq.producers.index.runner import IndexConfig
+    from embedq.producers.index.sinks.pgvector import Target
+
+    target = Target(cluster.url(table=table), IndexConfig(kind=kind, vector_dtype=dtype, overwrite=new))
+    target.__enter__()
+    try:
+        sink = target.open(vector_dtype=dtype, options=options or {}, shard_rows=1, overwrite=new)
+    except BaseException:
+        target.close()
+        raise
+    if new and hashes:
+        sink.manifest.content_hash = SCHEME
+    sink.accept(_fingerprint(kind=kind) if kind == "embed" else _fingerprint(16, kind))
+    return target, sink
+
+
+def _write(sink, texts: dict[str, str], seed: int = 0, dim: int = 8) -> np.ndarray:
+    """One row per id of ``texts`` (id -> text) with random float32 vectors and the texts' hashes, committed."""
+    vectors = np.random.default_rng(seed).standard_normal((len(texts), dim)).astype(np.float32)
+    hashes = [HASH(t) for t in texts.values()] if sink.ledger.keeps_hashes else None
+    assert sink.write(list(texts), vectors, None, hashes) == []
+    sink.commit()
+    return vectors
+
+
+def _table(cluster, table: str) -> dict[str, tuple[bytes | None, np.ndarray]]:
+    """id -> (content hash or None, vector), read with the test's own client."""
+    with cluster.connect() as conn:
+        pgvector_psycopg.register_vector(conn)
+        has = conn.execute("SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attname = 'content_hash'",
+                           (table,)).fetchone()
+        hash_col = "content_hash" if has else "NULL"
+        rows = conn.execute(f"SELECT id, {hash_col}, embedding FROM {table}").fetchall()
+    return {i: (h, e.to_numpy()) for i, h, e in rows}
+
+
+def _sessions(cluster) -> int:
+    """The sessions ``embedq index`` holds open on the cluster."""
+    with cluster.connect() as conn:
+        return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'embedq index'"
+                            ).fetchone()[0]
+
+
+def _manifest(cluster, table: str) -> dict:
+    with cluster.connect() as conn:
+        return conn.execute("SELECT manifest FROM embedq_index WHERE name = %s", (table,)).fetchone()[0]
+
+
+def test_content_hashes_are_stored_indexed_and_read_back_exactly(pg):
+    texts = {f"h-{i}": f"text number {i}" for i in range(50)} | {"h-dup": "text number 7"}
+    target, sink = _sink(pg, "hashed", new=True)
+    try:
+        vectors = _write(sink, texts)
+        asked = [HASH("text number 7"), HASH("not stored"), HASH("text number 3"), HASH("text number 3")]
+        found, data = sink.rows_by_hash(asked)
+    finally:
+        sink.close()
+        target.close()
+    # one row per hash found, in the order asked, as stored (float32: exactly)
+    assert found == [HASH("text number 7"), HASH("text number 3")]
+    assert data.dtype == np.float32 and np.array_equal(data, vectors[[7, 3]])
+    stored = _table(pg, "hashed")
+    assert {i: h for i, (h, _) in stored.items()} == {i: HASH(t) for i, t in texts.items()}
+    assert _manifest(pg, "hashed")["content_hash"] == SCHEME
+    with pg.connect() as conn:
+        indexes = [r[0] for r in conn.execute("SELECT indexdef FROM pg_indexes WHERE tablename = 'hashed'").fetchall()]
+        conn.execute("SET enable_seqscan = off")
+        plan = " ".join(r[0] for r in conn.execute("EXPLAIN SELECT id FROM hashed WHERE content_hash = ANY(%s)",
+                                                   ([HASH("x")],)).fetchall())
+    assert any("USING btree (content_hash)" in d for d in indexes), indexes
+    assert "hashed_content_hash_btree" in plan, plan
+
+
+def test_a_write_of_a_committed_id_replaces_its_row_in_the_same_transaction(pg):
+    first = {f"r-{i}": f"first {i}" for i in range(20)}
+    target, sink = _sink(pg, "replaced", new=True)
+    old = _write(sink, first)
+    sink.close()
+    target.close()
+    before = _table(pg, "replaced")
+
+    # a run killed after writing the replacement, before its commit: the old rows, untouched
+    target, sink = _sink(pg, "replaced")
+    assert len(sink.committed) == 20 and sink.ledger.hashes.get(digest("r-3")) == HASH("first 3")
+    sink.write(["r-3", "r-4"], np.ones((2, 8), np.float32), None, [HASH("edited 3"), HASH("edited 4")])
+    assert _table(pg, "replaced").keys() == before.keys()  # another session sees the last commit alone
+    sink.close()
+    target.close()
+    assert {i: (h, v.tolist()) for i, (h, v) in _table(pg, "replaced").items()} == \
+        {i: (h, v.tolist()) for i, (h, v) in before.items()}
+
+    target, sink = _sink(pg, "replaced")
+    try:
+        new = np.full((3, 8), 0.5, np.float32)
+        sink.write(["r-3", "r-4", "r-new"], new, None, [HASH("edited 3"), HASH("edited 4"), HASH("new")])
+        sink.commit()
+        assert sink.rows_by_hash([HASH("first 3")]) == ([], None)  # the old row is gone
+        found, data = sink.rows_by_hash([HASH("edited 4")])
+    finally:
+        sink.close()
+        target.close()
+    assert found == [HASH("edited 4")] and np.array_equal(data, new[[1]])
+    after = _table(pg, "replaced")
+    assert sorted(after) == sorted([*first, "r-new"])  # each id once: 21 rows
+    assert after["r-3"][0] == HASH("edited 3") and np.array_equal(after["r-3"][1], new[0])
+    assert np.array_equal(after["r-5"][1], old[5]) and after["r-5"][0] == HASH("first 5")
+    assert _manifest(pg, "replaced")["rows"] == 21
+
+
+def test_prune_removes_the_ids_not_kept_at_the_next_commit(pg):
+    texts = {f"p-{i}": f"prune {i}" for i in range(30)}
+    target, sink = _sink(pg, "pruned", new=True)
+    _write(sink, texts)
+    sink.close()
+    target.close()
+
+    keep = IdSet()
+    keep.update(digest(f"p-{i}") for i in range(0, 30, 3))  # 10 of 30 kept
+    target, sink = _sink(pg, "pruned")
+    try:
+        _write(sink, {"p-new": "a new one"}, seed=1)
+        keep.add(digest("p-new"))  # written in this run: in the input, so kept
+        assert sink.prune(keep) == 20
+        assert len(_table(pg, "pruned")) == 31  # not durable before the commit
+        sink.commit()
+    finally:
+        sink.close()
+        target.close()
+    assert sorted(_table(pg, "pruned")) == sorted([f"p-{i}" for i in range(0, 30, 3)] + ["p-new"])
+    assert _manifest(pg, "pruned")["rows"] == 11
+
+
+def test_open_reader_reads_ids_hashes_and_rows_and_writes_nothing(pg):
+    from embedq.producers.index.runner import IndexConfig
+    from embedq.producers.index.sinks.pgvector import Target
+
+    texts = {f"s-{i}": f"source {i}" for i in range(10)}
+    sessions = _sessions(pg)
+    target, sink = _sink(pg, "source", new=True)
+    vectors = _write(sink, texts)
+    sink.close()
+    # the writer still holds its lock: a reader takes none, so it is not refused
+    try:
+        reader = Target(pg.url(table="source"), IndexConfig()).open_reader(vector_dtype="float32", options={})
+        try:
+            assert len(reader.committed) == 10 and reader.ledger.hashes.get(digest("s-2")) == HASH("source 2")
+            assert HASH("source 9") in reader.ledger.contents()
+            found, data = reader.rows_by_hash([HASH("source 9"), HASH("source 1")])
+            assert found == [HASH("source 9"), HASH("source 1")] and np.array_equal(data, vectors[[9, 1]])
+            with pytest.raises(Exception, match="read rows back"):
+                reader.write(["s-x"], vectors[:1], None, [HASH("x")])
+        finally:
+            reader.close()
+    finally:
+        target.close()
+    assert _sessions(pg) == sessions  # the reader's session is closed
+    assert len(_table(pg, "source")) == 10
+
+
+def test_open_reader_refuses_other_options_a_legacy_table_and_a_missing_one(pg):
+    from embedq import errors
+    from embedq.producers.index.runner import IndexConfig
+    from embedq.producers.index.sinks.pgvector import Target
+
+    for table, hashes in (("reuse_hashed", True), ("reuse_legacy", False)):
+        target, sink = _sink(pg, table, new=True, hashes=hashes, options={"normalize": True})
+        _write(sink, {"a": "one", "b": "two"})
+        sink.close()
+        target.close()
+
+    sessions = _sessions(pg)
+
+    def reader(table: str, **options):
+        return Target(pg.url(table=table), IndexConfig()).open_reader(vector_dtype="float32",
+                                                                      options={"normalize": True, **options})
+
+    with pytest.raises(errors.OutputMismatch, match="options"):
+        reader("reuse_hashed", prompt="query: ")
+    with pytest.raises(errors.OutputMismatch, match="vector_dtype"):
+        Target(pg.url(table="reuse_hashed"), IndexConfig()).open_reader(vector_dtype="float16",
+                                                                        options={"normalize": True})
+    with pytest.raises(errors.InvalidOption, match="keeps no content hashes"):
+        reader("reuse_legacy")
+    with pytest.raises(errors.InvalidOption, match="holds no rows"):
+        reader("reuse_nosuch")
+    reader("reuse_hashed").close()  # the same options: opened
+    assert _sessions(pg) == sessions  # a refused reader leaves no session either
+    with pg.connect() as conn:
+        assert conn.execute("SELECT to_regclass('reuse_nosuch')").fetchone()[0] is None
+
+
+def test_a_table_whose_content_hash_column_was_dropped_is_refused_when_opened(pg):
+    from embedq import errors
+
+    target, sink = _sink(pg, "dropped", new=True)
+    _write(sink, {"d-1": "one"})
+    sink.close()
+    target.close()
+    with pg.connect() as conn:
+        conn.execute("ALTER TABLE dropped DROP COLUMN content_hash")
+    with pytest.raises(errors.OutputMismatch, match="no column content_hash"):
+        _sink(pg, "dropped")
+
+
+def test_a_table_made_before_content_hashes_continues_by_id(pg):
+    target, sink = _sink(pg, "legacy", new=True, hashes=False)
+    _write(sink, {"l-1": "one", "l-2": "two"})
+    sink.close()
+    target.close()
+    target, sink = _sink(pg, "legacy")
+    try:
+        assert not sink.ledger.keeps_hashes and len(sink.committed) == 2
+        assert sink.rows_by_hash([HASH("one")]) == ([], None)
+        _write(sink, {"l-3": "three"})
+    finally:
+        sink.close()
+        target.close()
+    stored = _table(pg, "legacy")
+    assert sorted(stored) == ["l-1", "l-2", "l-3"] and {h for h, _ in stored.values()} == {None}
+    assert _manifest(pg, "legacy")["content_hash"] is None and _manifest(pg, "legacy")["rows"] == 3
+
+
+def test_an_adopted_empty_table_gets_the_content_hash_column(pg):
+    with pg.connect() as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        conn.execute("DROP TABLE IF EXISTS adopted")
+        conn.execute("CREATE TABLE adopted (id text PRIMARY KEY, embedding vector(8))")
+    target, sink = _sink(pg, "adopted")
+    try:
+        sink.manifest.content_hash = SCHEME  # a new output: the runner sets the scheme before its first write
+        _write(sink, {"a-1": "adopted one"})
+        assert sink.rows_by_hash([HASH("adopted one")])[0] == [HASH("adopted one")]
+    finally:
+        sink.close()
+        target.close()
+    assert _table(pg, "adopted")["a-1"][0] == HASH("adopted one")
+
+
+def test_bge_m3_and_halfvec_rows_read_back_as_written(pg08):
+    """A kind's columns (a dense vector and a sparsevec) and a halfvec, read back by hash as ``write`` takes them."""
+    from embedq.producers.index.kinds import ColumnArrays, index_kind
+
+    columns = {c.name: c for c in index_kind("bge-m3", "postgresql").columns}
+    rng = np.random.default_rng(3)
+    dense = rng.standard_normal((3, 16)).astype(np.float32)
+    offsets = np.array([0, 2, 2, 5])
+    indices = np.array([4, 9, 0, 7, 99], np.int32)
+    weights = rng.random(5).astype(np.float32)
+    data = [ColumnArrays(columns["dense"], [dense], 16), ColumnArrays(columns["lexical_"], [offsets, indices, weights],
+                                                                      120)]
+    target, sink = _sink(pg08, "m3rows", new=True, kind="bge-m3")
+    try:
+        sink.write(["m-0", "m-1", "m-2"], data, None, [HASH("zero"), HASH("one"), HASH("two")])
+        sink.commit()
+        found, back = sink.rows_by_hash([HASH("two"), HASH("one"), HASH("zero")])
+    finally:
+        sink.close()
+        target.close()
+    assert found == [HASH("two"), HASH("one"), HASH("zero")]
+    assert [(c.column.name, c.dimensions) for c in back] == [("dense", 16), ("lexical_", 120)]
+    assert np.array_equal(back[0].arrays[0], dense[[2, 1, 0]])
+    b_offsets, b_indices, b_weights = back[1].arrays
+    assert b_offsets.tolist() == [0, 3, 3, 5]
+    assert b_indices.tolist() == [0, 7, 99, 4, 9] and np.array_equal(b_weights, weights[[2, 3, 4, 0, 1]])
+
+    target, sink = _sink(pg08, "halfrows", new=True, dtype="float16")
+    try:
+        half = rng.standard_normal((4, 8)).astype(np.float16)
+        sink.write([f"f-{i}" for i in range(4)], half, None, [HASH(f"half {i}") for i in range(4)])
+        sink.commit()
+        found, back = sink.rows_by_hash([HASH("half 2")])
+    finally:
+        sink.close()
+        target.close()
+    assert back.dtype == np.float16 and np.array_equal(back, half[[2]])

@@ -12,16 +12,19 @@ per output of the kind, by its shape (``embedq/kinds.py`` :class:`~embedq.kinds.
 for the plain ``embed`` kind and by the kind's column name otherwise (an unnamed one, a SPLADE kind's: ``embedding``);
 ``sparse`` -> ``sparsevec(dim)``, ``dim`` the vocabulary size the result gives (``IndexKind.arrays``: SPLADE's
 fingerprint dimensions, BGE-M3's ``lexical_dimensions``; pgvector >= 0.7: an older server refuses a sparse kind
-before anything is embedded); ``scalar`` -> ``double precision``; ``ragged`` (a
-list of vectors per text) is refused: pgvector has no multi-vector type that an index can use. ``--store-text`` adds
-``text``. An existing table without embedq's record is used only when it is empty and its columns are exactly
-these (types and dimensions); otherwise it is refused before anything is embedded.
+before anything is embedded); ``scalar`` -> ``double precision``; ``ragged`` (a list of vectors per text) is refused:
+pgvector has no multi-vector type that an index can use. ``--store-text`` adds ``text``; a table made since content
+hashes (the manifest's ``content_hash``) has ``content_hash bytea`` (``content.py``), with a btree index. An existing
+table without embedq's record is used only when it is empty and its columns are exactly these (types and dimensions;
+``content_hash`` is added to it); otherwise it is refused before anything is embedded.
 
-**Commits** are transactions: the rows since the last commit (binary ``COPY`` straight into the table: the indexer
-never sends an id the table holds, and the primary key would refuse one) and the manifest row in ``embedq_index``
-(keyed by the table's name: format, options, embedding-space fingerprint, row count, runs) commit together, so a run
-killed at any point leaves the last commit, and the next run reads the committed ids from the table and embeds the
-rest. One writer per table: a session advisory lock, which the server drops when the writer dies.
+**Commits** are transactions: the rows since the last commit (binary ``COPY``; an id the table held before the run, a
+re-indexed text, has its old row deleted first, in the same transaction; ``--prune``'s deletes too) and the manifest
+row in ``embedq_index`` (keyed by the table's name: format, options, embedding-space fingerprint, row count, runs)
+commit together, so a run killed at any point leaves the last commit, and the next run reads the committed ids (and
+content hashes) from the table and embeds the rest. One writer per table: a session advisory lock, which the server
+drops when the writer dies; a reader (``--reuse``: :meth:`Target.open_reader`) takes none and writes nothing. Rows are
+read back by content hash in binary (``pgvector_rows.py``): the values as stored.
 
 **The ANN index** (``--build-index``): HNSW (pgvector >= 0.5) on each vector column after the load, with
 ``vector_cosine_ops`` (``halfvec_cosine_ops``): embedq's models score by cosine (normalized vectors: cosine ranks as
@@ -31,8 +34,8 @@ inner product does), so ``ORDER BY embedding <=> $query LIMIT k`` uses it; on a 
 
 from __future__ import annotations
 
+import itertools
 import re
-import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -40,16 +43,16 @@ from typing import Any
 import numpy as np
 
 from embedq import errors
+from embedq.producers.index.idset import IdSet, digest
 from embedq.producers.index.kinds import index_kind
-from embedq.producers.index.sinks import contract
+from embedq.producers.index.sinks import contract, manifests
+from embedq.producers.index.sinks import pgvector_rows as rows
 from embedq.producers.index.sinks.manifests import Ledger, Manifest, check_space, resume_or_start, utc_now
-from embedq.producers.index.sinks.pgvector_names import check_schema, index_name, split_table
+from embedq.producers.index.sinks.pgvector_names import check_schema, index_name, missing_extension, split_table
 from embedq.producers.index.sinks.urls import database_errors_path, mask_url, split_param
 from embedq.protocol import Fingerprint
 
 MANIFEST_TABLE = "embedq_index"
-_COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack("!ii", 0, 0)
-_COPY_TRAILER = struct.pack("!h", -1)
 _AUTH_FAILED = re.compile(r"password authentication failed|no password supplied|authentication failed", re.I)
 
 
@@ -121,7 +124,8 @@ class Target(contract.Target):
             raise errors.InvalidOption(f"{self.describe()}: {_first_line(exc)}") from None
         self._checked = True
 
-    def _connect(self) -> None:
+    def _connect(self, *, reading: bool = False) -> None:
+        """Connect and find pgvector's version (creating the extension where it is missing, unless ``reading``)."""
         psycopg = _psycopg()
         extra = {} if "connect_timeout" in self.conninfo else {"connect_timeout": 10}
         try:
@@ -135,6 +139,9 @@ class Target(contract.Target):
         with self.conn.cursor() as cur:
             cur.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'")
             row = cur.fetchone()
+            if row is None and reading:
+                raise errors.InvalidOption(f"--reuse: {self.describe()} has no pgvector extension: no table of "
+                                           "embedq index to read")
             if row is None:
                 try:
                     cur.execute("CREATE EXTENSION IF NOT EXISTS vector")
@@ -231,6 +238,30 @@ class Target(contract.Target):
         sink.load_committed()
         return sink
 
+    def open_reader(self, *, vector_dtype: Any, options: dict[str, Any]) -> PgvectorSink:
+        """``--reuse``: the table opened read-only (its session too: ``read_only``), its manifest checked
+        (``check_reusable``), its ids and content hashes loaded; no lock. Its sink's ``close`` closes the session."""
+        psycopg = _psycopg()
+        where = f"table {self.table} at {self.describe()}"
+        try:
+            self._connect(reading=True)
+            self.conn.read_only = True  # a reader writes nothing, whatever a bug would try
+            self._load_manifest()
+            manifest = manifests.check_reusable(self.manifest, vector_dtype=vector_dtype, options=options,
+                                                where=where, container="table")
+            sink = PgvectorSink(self, manifest, reader=True)
+            sink.load_committed()
+        except psycopg.OperationalError as exc:
+            self.close()
+            raise errors.Unavailable(f"{self.describe()}: {_first_line(exc)}") from None
+        except psycopg.Error as exc:
+            self.close()
+            raise errors.InvalidOption(f"{self.describe()}: {_first_line(exc)}") from None
+        except BaseException:
+            self.close()
+            raise
+        return sink
+
     def build_index(self) -> tuple[str, float]:
         """HNSW on every vector column (after the load); returns what was built and the seconds it took."""
         ops_of = {"vector": "vector_cosine_ops", "halfvec": "halfvec_cosine_ops", "sparsevec": "sparsevec_ip_ops"}
@@ -259,55 +290,16 @@ class Target(contract.Target):
         self._required = {name for name, _, required in rows if required}
         return [(name, pgtype) for name, pgtype, _ in rows]
 
-    def columns_dict(self) -> dict[str, str]:
-        return dict(self.columns())
-
-
-class _Col:
-    """One column this run writes: its SQL type and how a batch of rows is encoded for binary COPY."""
-
-    def __init__(self, name: str, pgtype: str, encode: Any) -> None:
-        self.name, self.pgtype, self.encode = name, pgtype, encode
-
-
-def _dense(name: str, rows: np.ndarray, dtype: str) -> _Col:
-    half = dtype == "float16"
-    dim = int(rows.shape[1])
-    width = 2 if half else 4
-    prefix = struct.pack("!ihh", 4 + width * dim, dim, 0)
-
-    def encode(values: np.ndarray) -> list[bytes]:
-        big = np.ascontiguousarray(values, dtype=">f2" if half else ">f4")
-        return [prefix + row.tobytes() for row in big]
-
-    return _Col(name, f"{'halfvec' if half else 'vector'}({dim})", encode)
-
-
-def _sparse(name: str, dim: int) -> _Col:
-    def encode(arrays: list[np.ndarray]) -> list[bytes]:
-        offsets, indices, values = arrays
-        out = []
-        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-            body = (struct.pack("!iii", dim, b - a, 0) + np.asarray(indices[a:b], ">i4").tobytes()
-                    + np.asarray(values[a:b], ">f4").tobytes())
-            out.append(struct.pack("!i", len(body)) + body)
-        return out
-
-    return _Col(name, f"sparsevec({dim})", encode)
-
-
-def _scalar(name: str) -> _Col:
-    return _Col(name, "double precision",
-                lambda arrays: [struct.pack("!id", 8, float(v)) for v in np.asarray(arrays[0]).reshape(-1)])
-
 
 class PgvectorSink(contract.Sink):
-    """Rows into a PostgreSQL table, committed with the manifest in one transaction (see the module's docstring)."""
+    """Rows into a PostgreSQL table, committed with the manifest in one transaction (see the module's docstring); or,
+    opened by :meth:`Target.open_reader` (``reader``), an existing table read back for ``--reuse``."""
 
     arrow_columns = False  # the kind's columns as numpy arrays, mapped by shape in _plan
     container = "table"
+    stores_hashes = True
 
-    def __init__(self, target: Target, manifest: Manifest) -> None:
+    def __init__(self, target: Target, manifest: Manifest, *, reader: bool = False) -> None:
         existing = target.columns() if target.table_exists else []
         # an existing table (an adopted empty one too): one probe first checks its vector column's dimension before
         # any text is embedded
@@ -315,18 +307,28 @@ class PgvectorSink(contract.Sink):
                          probe_first=bool(existing))
         self.target = target
         self.conn = target.conn
-        self.cols: list[_Col] | None = None
+        self.cols: list[rows.Col] | None = None
         self.broken = False  # a write failed: its transaction was rolled back, so nothing is committed any more
         self.existing = existing
+        self.reader = reader
+        #: an empty table without embedq's record, taken as it is: it gets the content-hash column with its first rows
+        self.adopted = bool(existing) and target.manifest is None
 
     def load_committed(self) -> None:
-        """The ids the table holds, and their count as the manifest's rows (the manifest row commits with them)."""
+        """The ids the table holds (with their content hashes where it keeps them), and their count as the
+        manifest's rows (the manifest row commits with them)."""
         if not self.existing:
             return
-        with self.conn.cursor(name="embedq_ids") as cur:
+        keeps = self.ledger.keeps_hashes
+        if keeps and rows.HASH_COLUMN[0] not in dict(self.existing):  # its record says it has one: altered since
+            raise errors.OutputMismatch(f"{self.where} has another schema: no column content_hash (bytea), which its "
+                                        "record says it has. Write to another table, or pass --overwrite")
+        with self.conn.cursor(name="embedq_ids", binary=True) as cur:
             cur.itersize = 50_000
-            cur.execute(self.target._sql("SELECT id FROM {t}"))
-            self.ledger.take_committed((doc_id for (doc_id,) in cur), where=self.where, container="table")
+            cur.execute(self.target._sql("SELECT id, content_hash FROM {t}" if keeps else "SELECT id, NULL FROM {t}"))
+            ids, hashes = itertools.tee(cur)  # read in step: the tee holds one row
+            self.ledger.take_committed((r[0] for r in ids), where=self.where, container="table",
+                                       hashes=(r[1] for r in hashes) if keeps else None)
         self.conn.commit()
 
     # -- Sink's contract ---------------------------------------------------------------------------
@@ -335,11 +337,15 @@ class PgvectorSink(contract.Sink):
         plain = index_kind(self.target.config.kind, self.target.format).columns is None  # the dense ``vector`` path
         if self.existing and self.cols is None and plain:
             want = [("id", "text"), ("embedding", self._vector_type(fingerprint.dimensions))]
-            self._compare(want + ([("text", "text")] if self.target.config.store_text else []))
+            self._compare(want + ([("text", "text")] if self.target.config.store_text else []) + self._hash_col())
         self.manifest.fingerprint = fingerprint
 
     def _vector_type(self, dim: int) -> str:
         return f"{'halfvec' if self.manifest.vector_dtype == 'float16' else 'vector'}({dim})"
+
+    def _hash_col(self) -> list[tuple[str, str]]:
+        """The content-hash column where the table must have it already (an adopted table gets it: :meth:`_plan`)."""
+        return [rows.HASH_COLUMN] if self.ledger.keeps_hashes and not self.adopted else []
 
     def _compare(self, want: list[tuple[str, str]]) -> None:
         have = dict(self.existing)
@@ -352,82 +358,116 @@ class PgvectorSink(contract.Sink):
                                         "table, or pass --overwrite to replace it")
 
     def _plan(self, ids: list[str], data: Any, texts: list[str] | None) -> None:
-        dtype = self.manifest.vector_dtype
-        if isinstance(data, np.ndarray):
-            self.cols = [_dense("embedding", data, dtype)]
-        else:
-            self.cols = []
-            for column, arrays, dim in data:
-                # a sparse column's name is a prefix in Parquet (``lexical_`` -> lexical_indices, lexical_values; a
-                # SPLADE kind's is empty): here it names one column, the kind's only output being ``embedding``
-                name = column.name.rstrip("_") or "embedding"
-                if column.shape == "dense":
-                    self.cols.append(_dense(name, arrays[0], dtype))
-                elif column.shape == "sparse":
-                    if dim is None:  # sparsevec's dimension bounds the ids (and HNSW needs it)
-                        raise errors.InvalidOption(f"{self.where}: the result does not say the id range of its "
-                                                   f"sparse column {name} (a worker older than this indexer?)")
-                    self.cols.append(_sparse(name, dim))
-                else:
-                    self.cols.append(_scalar(name))
+        self.cols = rows.plan_columns(data, self.manifest.vector_dtype, self.where)
         want = [("id", "text")] + [(c.name, c.pgtype) for c in self.cols]
         if texts is not None:
             want.append(("text", "text"))
+        hashed = self.ledger.keeps_hashes
         if self.existing:
-            self._compare(want)
+            self._compare(want + self._hash_col())
+            if hashed and self.adopted and rows.HASH_COLUMN[0] not in dict(self.existing):
+                self._create(["ALTER TABLE {t} ADD COLUMN content_hash bytea", _HASH_INDEX])
+                self.existing = [*self.existing, rows.HASH_COLUMN]
             return
         from psycopg import sql
 
+        want += [rows.HASH_COLUMN] if hashed else []
         body = sql.SQL(", ").join(sql.SQL("{} " + t).format(sql.Identifier(n)) for n, t in want[1:])
+        self._create(["CREATE TABLE {t} (id text PRIMARY KEY, {body})"] + ([_HASH_INDEX] if hashed else []),
+                     body=body)
+        self.existing = want
+
+    def _create(self, statements: list[str], **parts: Any) -> None:
+        """DDL in the first commit's transaction (the table, its content-hash column and index)."""
+        hash_index = rows.ident(index_name(self.target.name, rows.HASH_COLUMN[0], "btree"))
         try:
-            with self.conn.cursor() as cur:  # in the first commit's transaction
-                cur.execute(self.target._sql("CREATE TABLE {t} (id text PRIMARY KEY, {body})", body=body))
+            with self.conn.cursor() as cur:
+                for statement in statements:
+                    cur.execute(self.target._sql(statement, i=hash_index, **parts))
         except _psycopg().Error as exc:  # checked before the run; a change since (a schema dropped) is named
             self.conn.rollback()
             self.broken = True
             raise errors.InvalidOption(f"creating {self.where} failed: {_first_line(exc)}") from None
-        self.existing = want
 
-    def write(self, ids: list[str], data: Any, texts: list[str] | None = None) -> contract.Refused:
+    def write(self, ids: list[str], data: Any, texts: list[str] | None = None,
+              hashes: list[bytes] | None = None) -> contract.Refused:
+        self._writable()
         if self.cols is None:
             self._plan(ids, data, texts)
         assert self.cols is not None
+        keeps = self.ledger.keeps_hashes
+        assert hashes is not None or not keeps, "an output that keeps content hashes is written with them"
         if isinstance(data, np.ndarray):
             fields = [self.cols[0].encode(data)]
         else:
             fields = [col.encode(arrays[0] if col.pgtype.startswith(("vector", "halfvec")) else arrays)
                       for col, (_, arrays, _) in zip(self.cols, data)]
-        names = [e.encode("utf-8") for e in ids]
-        count = struct.pack("!h", 1 + len(fields) + (texts is not None))
-        rows = []
-        for i, name in enumerate(names):
-            parts = [count, struct.pack("!i", len(name)), name, *(f[i] for f in fields)]
-            if texts is not None:
-                raw = texts[i].encode("utf-8")
-                parts += [struct.pack("!i", len(raw)), raw]
-            rows.append(b"".join(parts))
         from psycopg import sql
 
-        cols = sql.SQL(", ").join(sql.Identifier(n) for n in ["id", *(c.name for c in self.cols)]
-                                  + (["text"] if texts is not None else []))
+        cols = sql.SQL(", ").join(sql.Identifier(n) for n in rows.copy_columns(self.cols, texts is not None, keeps))
+        # an id committed before this run is replaced: its old row deleted in the transaction that adds the new one
+        replaced = [doc_id for doc_id in ids if digest(doc_id) in self.ledger.committed]
         try:
-            with self.conn.cursor() as cur, cur.copy(self.target._sql("COPY {t} ({cols}) FROM STDIN WITH (FORMAT "
-                                                                      "BINARY)", cols=cols)) as copy:
-                copy.write(_COPY_HEADER + b"".join(rows) + _COPY_TRAILER)
+            with self.conn.cursor() as cur:
+                gone = rows.delete_ids(cur, self.target._sql(_DELETE), replaced)
+                with cur.copy(self.target._sql("COPY {t} ({cols}) FROM STDIN WITH (FORMAT BINARY)", cols=cols)) as cp:
+                    cp.write(rows.copy_rows(ids, fields, texts, hashes if keeps else None))
         except _psycopg().Error as exc:
-            self.conn.rollback()  # the rows since the last commit are gone: nothing more is committed by this run
-            self.broken = True
-            raise errors.Unavailable(f"writing to {self.where} failed: {str(exc).strip()}; run again to continue "
-                                     "from the last commit") from None
-        self.ledger.pending_rows += len(ids)
+            self._failed("writing to", exc)
+        self.ledger.pending_rows += len(ids) - gone
         return []
+
+    def _writable(self) -> None:
+        if self.reader:
+            raise errors.InvalidOption(f"{self.where} is opened to read rows back (--reuse), not to write")
+
+    def _failed(self, doing: str, exc: Exception) -> None:
+        self.conn.rollback()  # the rows since the last commit are gone: nothing more is committed by this run
+        self.broken = True
+        raise errors.Unavailable(f"{doing} {self.where} failed: {str(exc).strip()}; run again to continue from the "
+                                 "last commit") from None
+
+    def prune(self, keep: IdSet) -> int:
+        """Delete the committed rows whose id is not in ``keep`` (in the open transaction: durable at the next
+        commit); returns how many."""
+        self._writable()
+        committed = self.ledger.committed
+        if not self.existing or not len(committed):
+            return 0
+        try:
+            with self.conn.cursor(name="embedq_prune") as cur:
+                cur.itersize = 50_000
+                cur.execute(self.target._sql("SELECT id FROM {t}"))
+                drop = [doc_id for (doc_id,) in cur if (key := digest(doc_id)) in committed and key not in keep]
+            with self.conn.cursor() as cur:
+                gone = rows.delete_ids(cur, self.target._sql(_DELETE), drop)
+        except _psycopg().Error as exc:
+            self._failed("pruning", exc)
+        self.ledger.pending_rows -= gone
+        return gone
+
+    def rows_by_hash(self, hashes: list[bytes]) -> tuple[list[bytes], Any]:
+        """Rows of these content hashes (one per hash found, by the btree index), read back in binary: as
+        :meth:`write` takes them (the plain kind's matrix; other kinds' columns), the stored values exactly."""
+        have = dict(self.existing)
+        if not self.ledger.keeps_hashes or rows.HASH_COLUMN[0] not in have or not hashes or self.broken:
+            return [], None
+        shape = rows.readback(index_kind(self.target.config.kind, self.target.format).columns, have)
+        if shape is None:
+            return [], None
+        query = self.target._sql("SELECT content_hash, {cols} FROM {t} WHERE content_hash = ANY(%s)",
+                                 cols=rows.idents([name for name, _, _ in shape]))
+        order, found = rows.by_hash(self.conn, query, hashes)
+        if self.reader:
+            self.conn.commit()  # a writer's transaction stays open: its rows commit at its next commit
+        return (order, rows.assemble(shape, found)) if order else ([], None)
 
     def flush(self) -> None:
         """Nothing: COPY sent the rows in the commit's transaction, which :meth:`save_manifest` commits with the
         manifest row."""
 
     def save_manifest(self) -> None:
-        if self.manifest.fingerprint is None or not self.existing or self.broken:
+        if self.reader or self.manifest.fingerprint is None or not self.existing or self.broken:
             return  # nothing written: no table, no record
         self.manifest.updated = utc_now()
         psycopg = _psycopg()
@@ -444,19 +484,13 @@ class PgvectorSink(contract.Sink):
                                      "from the last commit") from None
 
     def close(self) -> None:
-        """Uncommitted rows are rolled back (the target keeps the connection: its lock, the ANN index)."""
+        """Uncommitted rows are rolled back (the target keeps the connection: its lock, the ANN index); a reader's
+        connection is closed."""
         if self.conn is not None and not self.conn.closed:
             self.conn.rollback()
+        if self.reader:
+            self.target.close()
 
 
-def missing_extension(where: str, exc: Exception) -> str:
-    """What to do when ``CREATE EXTENSION vector`` failed: PostgreSQL's own words (its message, detail and hint),
-    then where pgvector comes from and who may create it."""
-    diag = getattr(exc, "diag", None)
-    said = [getattr(diag, name, None) for name in ("message_primary", "message_detail", "message_hint")]
-    said = [part.strip().rstrip(".") for part in said if part] or [str(exc).strip().splitlines()[0]]
-    return (f"{where}: the database has no pgvector extension, and embedq could not create it (PostgreSQL said: "
-            f"{'; '.join(said)}). pgvector is not part of PostgreSQL: install it on the database server (Debian and "
-            "Ubuntu: the postgresql-<major>-pgvector package from PostgreSQL's own apt repository, apt.postgresql.org, "
-            "or a build from source; docs/INDEXING.md), then have a superuser run CREATE EXTENSION vector in this "
-            "database (it is not a trusted extension: an ordinary user cannot create it).")
+_HASH_INDEX = "CREATE INDEX {i} ON {t} (content_hash)"
+_DELETE = "DELETE FROM {t} WHERE id = ANY(%s)"

@@ -4,7 +4,8 @@ PostgreSQL keeps ``NAMEDATALEN - 1`` = 63 bytes of a name and cuts a longer one 
 name, and drops a table in a session's temporary schema (``pg_temp``, ``pg_temp_N``) when that session ends: each
 would turn into a raw server error after a batch was embedded, or into rows that are not where the summary says. So
 ``table=`` is checked when the URL is read (:func:`split_table`), the schema once connected (:func:`check_schema`),
-and the names embedq derives (the HNSW index) are made to fit (:func:`index_name`).
+and the names embedq derives (the HNSW index, the content hashes' btree) are made to fit (:func:`index_name`). A
+database without pgvector is refused saying what to do (:func:`missing_extension`).
 """
 
 from __future__ import annotations
@@ -73,14 +74,27 @@ def check_schema(conn: Any, schema: str | None, *, where: str, creates: bool) ->
     conn.commit()
 
 
-def index_name(table: str, column: str) -> str:
-    """The HNSW index of ``column``: ``<table>_<column>_hnsw``, or, where that is over 63 bytes, the table's name cut
-    (at a character's boundary) to leave room for a hash of the whole name: PostgreSQL would cut it silently, and two
-    cut names could be one."""
-    natural = f"{table}_{column}_hnsw"
+def index_name(table: str, column: str, kind: str = "hnsw") -> str:
+    """The ``kind`` index of ``column`` (``hnsw``: the ANN index; ``btree``: the content hashes'):
+    ``<table>_<column>_<kind>``, or, where that is over 63 bytes, the table's name cut (at a character's boundary) to
+    leave room for a hash of the whole name: PostgreSQL would cut it silently, and two cut names could be one."""
+    natural = f"{table}_{column}_{kind}"
     if len(natural.encode("utf-8")) <= MAX_NAME_BYTES:
         return natural
-    tail = f"_{column}_{hashlib.sha256(natural.encode('utf-8')).hexdigest()[:8]}_hnsw"
+    tail = f"_{column}_{hashlib.sha256(natural.encode('utf-8')).hexdigest()[:8]}_{kind}"
     room = MAX_NAME_BYTES - len(tail.encode("utf-8"))
     assert room > 0, f"a column name too long for an index name: {column}"  # the kinds' names are short
     return table.encode("utf-8")[:room].decode("utf-8", "ignore") + tail
+
+
+def missing_extension(where: str, exc: Exception) -> str:
+    """What to do when ``CREATE EXTENSION vector`` failed: PostgreSQL's own words (its message, detail and hint),
+    then where pgvector comes from and who may create it."""
+    diag = getattr(exc, "diag", None)
+    said = [getattr(diag, name, None) for name in ("message_primary", "message_detail", "message_hint")]
+    said = [part.strip().rstrip(".") for part in said if part] or [str(exc).strip().splitlines()[0]]
+    return (f"{where}: the database has no pgvector extension, and embedq could not create it (PostgreSQL said: "
+            f"{'; '.join(said)}). pgvector is not part of PostgreSQL: install it on the database server (Debian and "
+            "Ubuntu: the postgresql-<major>-pgvector package from PostgreSQL's own apt repository, apt.postgresql.org, "
+            "or a build from source; docs/INDEXING.md), then have a superuser run CREATE EXTENSION vector in this "
+            "database (it is not a trusted extension: an ordinary user cannot create it).")
