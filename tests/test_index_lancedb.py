@@ -24,6 +24,12 @@ from indexdb import (
     write_jsonl,
 )
 
+from embedq import errors
+from embedq.producers.index.content import SCHEME, ContentHasher
+from embedq.producers.index.idset import IdSet, digest
+from embedq.producers.index.runner import IndexConfig
+from embedq.producers.index.sinks.lancedb import Target as LanceTarget
+from embedq.protocol import Fingerprint
 from embedq.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -56,8 +62,13 @@ def _state(db: Path, table: str = "docs") -> tuple[int, int, str]:
     data = tbl.to_arrow().sort_by("id")
     digest = hashlib.md5()
     for name in data.column_names:
-        digest.update(json.dumps(data.column(name).to_pylist()).encode())
+        digest.update(json.dumps(data.column(name).to_pylist(), default=bytes.hex).encode())
     return tbl.version, data.num_rows, digest.hexdigest()
+
+
+def _columns(data) -> list[str]:
+    """The columns but ``content_hash`` (issue 57: a table made by a run that records content hashes has it)."""
+    return [c for c in data.column_names if c != "content_hash"]
 
 
 def _manifest(tbl) -> dict:
@@ -108,7 +119,7 @@ def test_a_nearest_neighbours_through_the_ann_index_match_exact_search(worker, c
     queries = query_texts(corpus)
     qv = np.asarray(worker.client.embed(queries, timeout=300), dtype=np.float32)
     tbl = _table(db)
-    [index] = tbl.list_indices()
+    [index] = [i for i in tbl.list_indices() if i.columns != ["content_hash"]]  # issue 57's BTREE beside it
     assert index.index_type == "IvfHnswSq" and index.columns == ["vector"] and index.num_unindexed_rows == 0
     plan = tbl.search(qv[0]).distance_type("cosine").limit(10).explain_plan(True)
     assert "ANNSubIndex: name=vector_idx" in plan and "metric=Cosine" in plan, plan
@@ -164,7 +175,7 @@ def test_b_multi_vectors_into_lancedb_equal_the_client(worker, corpus, tmp_path)
     tbl = _table(db, "multi")
     data = tbl.to_arrow()
     assert data.schema.field("vectors").type == pa.list_(lancedb.vector(384))  # LanceDB's multivector
-    assert data.column_names == ["id", "vectors", "text"]
+    assert _columns(data) == ["id", "vectors", "text"]
     assert _manifest(tbl)["options"]["kind"] == "multi"
     rows = {i: (v, t) for i, v, t in zip(*(data.column(c).to_pylist() for c in data.column_names))}
     assert sorted(rows) == sorted(ids)
@@ -291,7 +302,7 @@ def test_b_bge_m3_into_lancedb_dense_sparse_and_colbert_equal_the_client(m3_work
     data = _table(db, "m3").to_arrow()
     want = m3.client.embed_hybrid(texts)
     dim = want.dense.shape[1]
-    assert data.column_names == ["id", "dense", "lexical_indices", "lexical_values", "colbert"]
+    assert _columns(data) == ["id", "dense", "lexical_indices", "lexical_values", "colbert"]
     assert data.schema.field("dense").type == lancedb.vector(dim)
     assert data.schema.field("colbert").type == pa.list_(lancedb.vector(want.colbert[0].shape[1]))
     assert data.schema.field("lexical_indices").type == pa.list_(pa.int32())
@@ -320,3 +331,146 @@ def test_float16_into_lancedb_is_a_half_vector_with_its_index(worker, corpus, tm
     got = np.asarray([rows[i] for i in ids], np.float32)
     want = np.asarray(worker.client.embed(texts, timeout=300, traffic_class="bulk"), dtype=np.float32)
     assert np.abs(got - want).max() <= 1e-3  # float16's rounding of values under 1
+
+
+# -- issue 57: content hashes, replacing, pruning, reading back (the sink itself: LanceDB's engine, no worker) ------
+FP = Fingerprint(model="m", weights_sha256="ab" * 32, pooling="mean", normalize=True, dimensions=4, dtype="float32",
+                 embedq_version="0")
+
+
+def _vectors(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 4)).astype(np.float32)
+
+
+def _hash(text: str) -> bytes:
+    return ContentHasher({}, "float32")(text)
+
+
+def _open(db: Path, *, table: str = "docs", dtype: str = "float32", options: dict | None = None, hashes: bool = True):
+    """The sink as the runner opens it: a new table records the content-hash scheme before its first write."""
+    target = LanceTarget(_url(db, table), IndexConfig(vector_dtype=dtype))
+    sink = target.open(vector_dtype=dtype, options=options or {}, shard_rows=1000, overwrite=False)
+    if hashes and not target.exists():
+        sink.manifest.content_hash = SCHEME
+    return sink
+
+
+def _write(sink, ids: list[str], data, *, texts: list[str] | None = None) -> None:
+    sink.accept(FP)
+    assert sink.write(ids, data, None, [_hash(t) for t in (texts or ids)]) == []
+    sink.commit()
+    sink.close()
+
+
+def _reader(db: Path, table: str = "docs", dtype: str = "float32", options: dict | None = None):
+    return LanceTarget(_url(db, table), IndexConfig(vector_dtype=dtype)).open_reader(vector_dtype=dtype,
+                                                                                   options=options or {})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_57_rows_carry_their_content_hash_and_read_back_exactly(tmp_path, dtype):
+    db = tmp_path / "db"
+    ids = [f"d{i}" for i in range(300)]
+    vectors = _vectors(300, 1)
+    _write(_open(db, dtype=dtype), ids, vectors)
+    tbl = _table(db)
+    assert tbl.schema.field("content_hash").type == pa.binary(16)
+    assert tbl.schema.names == ["id", "content_hash", "vector"]
+    assert [i.columns for i in tbl.list_indices()] == [["content_hash"]]
+    stored = dict(zip(*(tbl.to_arrow().column(c).to_pylist() for c in ("id", "content_hash"))))
+    assert stored == {i: _hash(i) for i in ids}
+    assert _manifest(tbl)["content_hash"] == SCHEME
+    again = _open(db, dtype=dtype)  # continuing: the ledger has each committed id's hash
+    assert all(again.ledger.hashes.get(digest(i)) == _hash(i) for i in ids)
+    want = [_hash("d7"), _hash("nowhere"), _hash("d250"), _hash("d7"), _hash("d3")]
+    for sink in (again, _reader(db, dtype=dtype)):
+        found, rows = sink.rows_by_hash(want)
+        assert found == [_hash("d7"), _hash("d250"), _hash("d3")]
+        assert rows.dtype == np.dtype(dtype) and rows.shape == (3, 4)
+        np.testing.assert_array_equal(rows, vectors[[7, 250, 3]].astype(dtype))  # as stored, exactly
+        assert sink.rows_by_hash([_hash("nowhere")]) == ([], None)
+        sink.close()
+
+
+def test_57_a_committed_id_written_again_replaces_its_row(tmp_path):
+    db = tmp_path / "db"
+    _write(_open(db), ["a", "b", "c"], _vectors(3, 2))
+    sink = _open(db)
+    new = _vectors(2, 3)
+    _write(sink, ["b", "d"], new, texts=["b edited", "d"])
+    data = _table(db).to_arrow().sort_by("id")
+    assert data.column("id").to_pylist() == ["a", "b", "c", "d"]  # b once, with its new vector and hash
+    got = dict(zip(data.column("id").to_pylist(), np.asarray(data.column("vector").to_pylist(), np.float32)))
+    np.testing.assert_array_equal(got["b"], new[0])
+    assert data.column("content_hash").to_pylist()[1] == _hash("b edited")
+    assert _manifest(_table(db))["rows"] == 4
+    reader = _reader(db)
+    assert reader.rows_by_hash([_hash("b")]) == ([], None)  # the old row is gone
+    assert reader.ledger.hashes.get(digest("b")) == _hash("b edited") and reader.manifest.rows == 4
+
+
+def test_57_prune_deletes_the_ids_not_kept(tmp_path):
+    db = tmp_path / "db"
+    ids = ["a", "b", "it's", "c", "d"]
+    _write(_open(db), ids, _vectors(5, 4))
+    keep = IdSet()
+    for doc_id in ("a", "c", "zz"):
+        keep.add(digest(doc_id))
+    sink = _open(db)
+    assert sink.prune(keep) == 3
+    sink.commit()
+    sink.close()
+    tbl = _table(db)
+    assert sorted(tbl.to_arrow().column("id").to_pylist()) == ["a", "c"]
+    assert _manifest(tbl)["rows"] == 2
+
+
+def test_57_a_kinds_rows_read_back_as_its_columns(tmp_path):
+    """A kind's columns (here a multivector, ``--kind multi``) come back as the pyarrow table ``write`` takes."""
+    db = tmp_path / "db"
+    rows = [np.random.default_rng(k).standard_normal((k + 1, 4)).astype(np.float32) for k in range(3)]
+    data = pa.table({"vectors": pa.array([r.tolist() for r in rows], pa.list_(pa.list_(pa.float32(), 4)))})
+    _write(_open(db, options={"kind": "multi"}), ["x", "y", "z"], data)
+    found, got = _reader(db, options={"kind": "multi"}).rows_by_hash([_hash("z"), _hash("x")])
+    assert found == [_hash("z"), _hash("x")]
+    assert got.equals(data.take([2, 0]))
+
+
+def test_57_reuse_refuses_other_options_a_table_without_hashes_and_a_missing_one(tmp_path):
+    db = tmp_path / "db"
+    _write(_open(db), ["a"], _vectors(1, 5))
+    _write(_open(db, table="legacy", hashes=False), ["a"], _vectors(1, 5))
+    with pytest.raises(errors.OutputMismatch, match="was written with options"):
+        _reader(db, options={"prompt": "query: "})
+    with pytest.raises(errors.OutputMismatch, match="was written with vector_dtype"):
+        _reader(db, dtype="float16")
+    with pytest.raises(errors.InvalidOption, match="keeps no content hashes"):
+        _reader(db, table="legacy")
+    with pytest.raises(errors.InvalidOption, match="does not exist"):
+        _reader(db, table="nothing")
+    with pytest.raises(errors.InvalidOption, match="does not exist"):
+        _reader(tmp_path / "no-db")
+    assert not (tmp_path / "no-db").exists() and not list(tmp_path.glob("*.lock"))
+
+
+def test_57_a_table_made_before_hashes_continues_by_id_alone(tmp_path):
+    db = tmp_path / "db"
+    _write(_open(db, hashes=False), ["a", "b"], _vectors(2, 6))
+    sink = _open(db)  # an existing table: the runner records no scheme in its manifest
+    assert not sink.ledger.keeps_hashes and len(sink.committed) == 2
+    _write(sink, ["c"], _vectors(1, 7))
+    tbl = _table(db)
+    assert tbl.schema.names == ["id", "vector"] and tbl.count_rows() == 3 and _manifest(tbl)["content_hash"] is None
+
+
+def test_57_an_adopted_empty_table_gets_the_hash_column_with_its_first_rows(tmp_path):
+    db = tmp_path / "db"
+    db.mkdir()
+    lancedb.connect(str(db)).create_table("docs", schema=pa.schema([("id", pa.string()), ("vector",
+                                                                                          lancedb.vector(4))]))
+    sink = _open(db)
+    sink.manifest.content_hash = SCHEME  # a new output to the runner: nothing of embedq's in it
+    _write(sink, ["a", "b"], _vectors(2, 8))
+    tbl = _table(db)
+    assert sorted(tbl.schema.names) == ["content_hash", "id", "vector"] and tbl.count_rows() == 2
+    assert _reader(db).rows_by_hash([_hash("b")])[0] == [_hash("b")]

@@ -28,7 +28,13 @@ from indexdb import (
     write_jsonl,
 )
 
+from embedq import errors
 from embedq.producers.embedded import free_port
+from embedq.producers.index.content import SCHEME, ContentHasher
+from embedq.producers.index.idset import IdSet, digest
+from embedq.producers.index.runner import IndexConfig
+from embedq.producers.index.sinks.milvus import Target as MilvusTarget
+from embedq.protocol import Fingerprint
 
 pytestmark = pytest.mark.integration
 pymilvus = pytest.importorskip("pymilvus")
@@ -105,6 +111,11 @@ def _fields(uri: str, collection: str) -> dict[str, dict]:
         return {f["name"]: f for f in client.describe_collection(collection)["fields"]}
 
 
+def _kind_fields(uri: str, collection: str) -> dict[str, dict]:
+    """The fields but ``content_hash`` (issue 57: a collection made by a run that records content hashes has it)."""
+    return {name: f for name, f in _fields(uri, collection).items() if name != "content_hash"}
+
+
 def _index(uri: str, collection: str, field: str) -> dict:
     with _client(uri) as client:
         return client.describe_index(collection, field)
@@ -148,7 +159,7 @@ def test_a_killed_run_resumes_into_exactly_the_texts_with_client_vectors(worker,
     assert 200 <= committed < len(ids)
     assert summary["skipped"] == committed and summary["texts"] == len(ids) - committed
     assert summary["rows"] == len(ids) and summary["failed"] == 0
-    fields = _fields(uri, "docs")
+    fields = _kind_fields(uri, "docs")
     assert list(fields) == ["id", "vector"] and fields["vector"]["type"] == pymilvus.DataType.FLOAT_VECTOR
     assert fields["vector"]["params"]["dim"] == 384 and fields["id"]["is_primary"]
     rows = _all(uri, "docs", ["id", "vector"])
@@ -225,7 +236,7 @@ def test_b_sparse_into_milvus_lite_is_a_sparse_float_vector_equal_to_the_client(
     code, summary, out = run(splade_worker.settings, src, _lite(db, "splade"), "--kind", "sparse", "--chunk-size", "8",
                              cwd=tmp_path)
     assert code == 0 and summary["rows"] == len(texts) and summary["failed"] == 0, out
-    fields = {name: f["type"] for name, f in _fields(str(db), "splade").items()}
+    fields = {name: f["type"] for name, f in _kind_fields(str(db), "splade").items()}
     assert fields == {"id": pymilvus.DataType.VARCHAR, "sparse": pymilvus.DataType.SPARSE_FLOAT_VECTOR}
     assert _index(str(db), "splade", "sparse")["index_type"] == "SPARSE_INVERTED_INDEX"
     assert _manifest(str(db), "splade")["options"]["kind"] == "sparse"
@@ -280,7 +291,7 @@ def test_b_bge_m3_into_milvus_is_dense_and_lexical_equal_to_the_client(m3_worker
     assert summary["notes"] == [f"colbert is not written to {_lite(db, 'm3')}: Milvus has no field for a list "
                                 "of vectors per text (ColBERT's, --kind multi's); write it to LanceDB or Parquet "
                                 "(the other outputs are; --outputs chooses)"], summary
-    fields = {name: f["type"] for name, f in _fields(str(db), "m3").items()}
+    fields = {name: f["type"] for name, f in _kind_fields(str(db), "m3").items()}
     assert fields == {"id": pymilvus.DataType.VARCHAR, "dense": pymilvus.DataType.FLOAT_VECTOR,
                       "lexical": pymilvus.DataType.SPARSE_FLOAT_VECTOR}
     assert _manifest(str(db), "m3")["options"]["outputs"] == ["dense", "lexical"]
@@ -396,3 +407,119 @@ def test_a_second_writer_is_refused(worker, corpus, tmp_path):
         assert code == 2 and "another embedq index is writing collection docs" in out, out
     code, summary, out = run(worker.settings, src, _lite(db, "docs"), cwd=tmp_path)
     assert code == 0 and summary["rows"] == len(ids), out
+
+
+# -- issue 57: content hashes, replacing, pruning, reading back (the sink itself, on the module's server) ------------
+FP = Fingerprint(model="m", weights_sha256="ab" * 32, pooling="mean", normalize=True, dimensions=4, dtype="float32",
+                 embedq_version="0")
+
+
+def _vectors(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 4)).astype(np.float32)
+
+
+def _hash(text: str) -> bytes:
+    return ContentHasher({}, "float32")(text)
+
+
+def _target(url: str, collection: str):
+    if url.startswith("milvus://127.0.0.1"):
+        # this process's channel to the module's server may have been sent a GOAWAY while idle (``_client``): made
+        # afresh first, so the sink's client is not the one to find it dropped
+        with _client(f"http://{url.removeprefix('milvus://')}"):
+            pass
+    return MilvusTarget(f"{url}?collection={collection}", IndexConfig())
+
+
+def _open(url: str, collection: str, *, hashes: bool = True, options: dict | None = None):
+    """The sink as the runner opens it: a new collection records the content-hash scheme before its first write."""
+    target = _target(url, collection)
+    sink = target.open(vector_dtype="float32", options=options or {}, shard_rows=1000, overwrite=False)
+    if hashes and not target.exists():
+        sink.manifest.content_hash = SCHEME
+    return sink
+
+
+def _write(sink, ids: list[str], data, *, texts: list[str] | None = None) -> None:
+    sink.accept(FP)
+    assert sink.write(ids, data, None, [_hash(t) for t in (texts or ids)]) == []
+    sink.commit()
+    sink.close()
+
+
+def _reader(url: str, collection: str, *, options: dict | None = None, dtype: str = "float32"):
+    return _target(url, collection).open_reader(vector_dtype=dtype, options=options or {})
+
+
+def test_57_rows_carry_their_content_hash_and_read_back_exactly(server):
+    url, uri = server
+    ids = [f"d{i}" for i in range(300)]
+    vectors = _vectors(300, 1)
+    _write(_open(url, "h57"), ids, vectors)
+    fields = _fields(uri, "h57")
+    assert list(fields) == ["id", "content_hash", "vector"]
+    assert fields["content_hash"]["type"] == pymilvus.DataType.VARCHAR
+    assert fields["content_hash"]["params"]["max_length"] == 32
+    assert _index(uri, "h57", "content_hash")["index_type"] == "INVERTED"
+    assert {r["id"]: r["content_hash"] for r in _all(uri, "h57", ["id", "content_hash"])} == \
+        {i: _hash(i).hex() for i in ids}
+    assert _manifest(uri, "h57")["content_hash"] == SCHEME
+    again = _open(url, "h57")  # continuing: the ledger has each committed id's hash
+    assert all(again.ledger.hashes.get(digest(i)) == _hash(i) for i in ids)
+    want = [_hash("d7"), _hash("nowhere"), _hash("d250"), _hash("d7"), _hash("d3")]
+    for sink in (again, _reader(url, "h57")):
+        found, rows = sink.rows_by_hash(want)
+        assert found == [_hash("d7"), _hash("d250"), _hash("d3")]
+        assert rows.dtype == np.float32 and rows.shape == (3, 4)
+        np.testing.assert_array_equal(rows, vectors[[7, 250, 3]])  # FLOAT_VECTOR: as written, exactly
+        assert sink.rows_by_hash([_hash("nowhere")]) == ([], None)
+        sink.close()
+
+
+def test_57_a_committed_id_written_again_replaces_its_row_and_prune_deletes_the_rest(server):
+    url, uri = server
+    _write(_open(url, "r57"), ["a", "b", "c", "it's", "né"], _vectors(5, 2))
+    new = _vectors(2, 3)
+    _write(_open(url, "r57"), ["b", "d"], new, texts=["b edited", "d"])
+    rows = {r["id"]: r for r in _all(uri, "r57", ["id", "content_hash", "vector"])}
+    assert sorted(rows) == sorted(["a", "b", "c", "d", "it's", "né"])  # b once, with its new vector and hash
+    np.testing.assert_array_equal(np.asarray(rows["b"]["vector"], np.float32), new[0])
+    assert rows["b"]["content_hash"] == _hash("b edited").hex() and _manifest(uri, "r57")["rows"] == 6
+    reader = _reader(url, "r57")
+    assert reader.rows_by_hash([_hash("b")]) == ([], None)  # the old row is gone
+    assert reader.ledger.hashes.get(digest("b")) == _hash("b edited")
+    reader.close()
+    keep = IdSet()
+    for doc_id in ("a", "d", "zz"):
+        keep.add(digest(doc_id))
+    sink = _open(url, "r57")
+    assert sink.prune(keep) == 4
+    sink.commit()
+    sink.close()
+    assert sorted(r["id"] for r in _all(uri, "r57", ["id"])) == ["a", "d"] and _rows(uri, "r57") == 2
+    assert _manifest(uri, "r57")["rows"] == 2
+
+
+def test_57_reuse_refuses_other_options_a_collection_without_hashes_and_a_missing_one(server, tmp_path):
+    url, _ = server
+    _write(_open(url, "o57"), ["a"], _vectors(1, 5))
+    _write(_open(url, "legacy57", hashes=False), ["a"], _vectors(1, 5))
+    with pytest.raises(errors.OutputMismatch, match="was written with options"):
+        _reader(url, "o57", options={"prompt": "query: "})
+    with pytest.raises(errors.InvalidOption, match="keeps no content hashes"):
+        _reader(url, "legacy57")
+    with pytest.raises(errors.InvalidOption, match="does not exist"):
+        _reader(url, "nothing57")
+    with pytest.raises(errors.InvalidOption, match="does not exist"):
+        _reader(f"milvus://{tmp_path}/none.db", "docs")
+    assert not list(tmp_path.iterdir())
+
+
+def test_57_a_collection_made_before_hashes_continues_by_id_alone(server):
+    url, uri = server
+    _write(_open(url, "l57", hashes=False), ["a", "b"], _vectors(2, 6))
+    sink = _open(url, "l57")  # an existing collection: the runner records no scheme in its manifest
+    assert not sink.ledger.keeps_hashes and len(sink.committed) == 2
+    _write(sink, ["c"], _vectors(1, 7))
+    assert list(_fields(uri, "l57")) == ["id", "vector"] and _rows(uri, "l57") == 3
+    assert _manifest(uri, "l57")["content_hash"] is None

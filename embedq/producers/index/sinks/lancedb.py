@@ -4,7 +4,9 @@ The URL names the database's folder (an absolute local path; it is created if mi
 with ``table``, the table in it. The ``lancedb`` package is imported only here, absolutely (this module's name is
 ``embedq.producers.index.sinks.lancedb``; ``from __future__ import annotations`` keeps every import absolute).
 
-**The table** is created by the first commit: ``id`` (string), then the kind's columns exactly as the kinds table
+**The table** is created by the first commit: ``id`` (string), ``content_hash`` (``fixed_size_binary(16)``, each
+row's content hash, ``content.py``; with a BTREE index made with the table; absent from a table made before content
+hashes, whose record names no scheme: it is continued by id alone), then the kind's columns exactly as the kinds table
 builds them for Parquet (``kinds.py``: the runner hands this sink one pyarrow table per result, so no kind is named
 here): dense -> a fixed-size list of float32 (float16 with ``--vector-dtype float16``), LanceDB's vector type, named
 ``vector`` for the plain ``embed`` kind (LanceDB's default vector column) and by the kind's column name otherwise;
@@ -28,7 +30,14 @@ the batch, where a merge joins every batch against the table's whole id column (
 night). The append is checked: the row count after it must be the count before plus the batch, and the ids read when
 a run starts must be distinct, or the run stops with an error (another writer went around the lock). The record's
 row count may lag the table by the last commit (killed between the append and the record's update): the table's own
-count is what a run starts from. One writer per table: an ``flock`` on ``<db>.<table>.embedq.lock`` beside the
+count is what a run starts from.
+
+**Re-indexing** (a table that keeps content hashes): a write of an id committed before the run replaces its row by
+one ``merge_insert`` on ``id`` at the commit (one LanceDB version: the old row and the new one are never both there;
+the new ids' rows are still one ``add``); ``--prune`` deletes the ids the input no longer has at once, in deletes
+of 1,024 ids (each its own version); ``rows_by_hash`` reads rows back by ``content_hash IN (...)`` (through its
+index), and ``--reuse`` opens the table for that alone (``open_reader``: no lock, nothing written). One writer per
+table: an ``flock`` on ``<db>.<table>.embedq.lock`` beside the
 database's folder, dropped by the kernel when the writer dies.
 
 **The ANN index** (``--build-index``): IVF_HNSW_SQ with cosine distance on each vector column (dense and
@@ -39,6 +48,7 @@ multivector) after the load (LanceDB's defaults: one IVF partition per ~1M vecto
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import tempfile
 import time
@@ -49,14 +59,24 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import numpy as np
 
 from embedq import errors
+from embedq.producers.index.idset import IdSet, digest
 from embedq.producers.index.kinds import index_kind
 from embedq.producers.index.sinks import contract
 from embedq.producers.index.sinks.locks import OutputLock
-from embedq.producers.index.sinks.manifests import Ledger, Manifest, check_space, resume_or_start, utc_now
+from embedq.producers.index.sinks.manifests import (
+    Ledger,
+    Manifest,
+    check_reusable,
+    check_space,
+    resume_or_start,
+    utc_now,
+)
 from embedq.producers.index.sinks.urls import database_errors_path, split_param
 from embedq.protocol import Fingerprint
 
 MANIFEST_KEY = b"embedq.manifest"
+HASH = "content_hash"  # each row's content hash (content.py), where the record names a scheme
+IDS_PER_FILTER = 1_024  # ids or hashes per SQL filter (a delete, a lookup by hash)
 ROWS_PER_ADD = 65_536  # rows buffered before an append even between checkpoints (bounds this process's memory)
 _TABLE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")  # what LanceDB accepts as a table name (and a file name fits)
 
@@ -85,6 +105,11 @@ def _writable(folder: Path) -> str | None:
     except OSError as exc:
         return f"is not writable ({exc.strerror or exc})"
     return None
+
+
+def _sql_string(text: str) -> str:
+    """``text`` as a SQL string literal (LanceDB's filters)."""
+    return "'" + text.replace("'", "''") + "'"
 
 
 def _type_name(t: Any) -> str:
@@ -208,6 +233,23 @@ class Target(contract.Target):
         sink.load_committed()
         return sink
 
+    def open_reader(self, *, vector_dtype: Any, options: dict[str, Any]) -> LanceSink:
+        """``--reuse``: the table opened to read its rows back by content hash; nothing is created, written or
+        locked."""
+        where = f"table {self.table} of {self.path}"
+        if not self.path.is_dir():
+            raise errors.InvalidOption(f"--reuse: {where} does not exist")
+        self.db = _lancedb().connect(str(self.path))
+        if self.table not in self._tables():
+            raise errors.InvalidOption(f"--reuse: {where} does not exist")
+        self.tbl = self.db.open_table(self.table)
+        self.manifest = self._read_manifest()
+        manifest = check_reusable(self.manifest, vector_dtype=vector_dtype, options=options, where=where,
+                                  container="table")
+        sink = LanceSink(self, manifest, reader=True)
+        sink.load_committed()
+        return sink
+
     def build_index(self) -> tuple[str, float]:
         """IVF_HNSW_SQ (cosine) on every vector column, after the load; what was built and the seconds it took."""
         from lancedb.index import HnswSq
@@ -234,25 +276,37 @@ class LanceSink(contract.Sink):
 
     arrow_columns = True  # a kind's columns as one pyarrow table: stored as they are
     container = "table"
+    stores_hashes = True
 
-    def __init__(self, target: Target, manifest: Manifest) -> None:
+    def __init__(self, target: Target, manifest: Manifest, *, reader: bool = False) -> None:
         adopted = target.tbl is not None and target.manifest is None  # an empty table of someone else's
         # an adopted empty table: one probe first checks its vector column against the space before any text
         super().__init__(Ledger(manifest), where=f"table {target.table} of {target.path}", probe_first=adopted)
         self.target = target
         self.schema: Any = target.tbl.schema if target.tbl is not None else None
         self.adopted = adopted
-        self._buffer: list[Any] = []
+        self.reader = reader  # opened by ``--reuse``: read back, never written
+        self._buffer: list[Any] = []  # new ids' rows
+        self._replacing: list[Any] = []  # rows of ids committed before this run, each replacing its old row
         self._buffered = 0
         self._table_rows = 0  # rows the table holds (committed)
+        self._add_hash = False  # an adopted empty table gets the content_hash column before its first rows
 
     def load_committed(self) -> None:
         tbl = self.target.tbl
         if tbl is None:
             return
-        batches = tbl.search().select(["id"]).to_batches()
-        ids = (doc_id for batch in batches for doc_id in batch.column("id").to_pylist())
-        self._table_rows = self.ledger.take_committed(ids, where=self.where, container="table")
+        hashes = self.ledger.keeps_hashes
+        if hashes and tbl.schema.get_field_index(HASH) < 0:
+            raise errors.OutputMismatch(f"{self.where} has no {HASH} column, though its record keeps content hashes "
+                                        "(changed outside embedq index); pass --overwrite to start afresh")
+        batches = tbl.search().select(["id", HASH] if hashes else ["id"]).to_batches()
+        rows = ((doc_id, h) for batch in batches for doc_id, h in
+                zip(batch.column("id").to_pylist(), batch.column(HASH).to_pylist() if hashes else
+                    itertools.repeat(None)))
+        ids, keys = itertools.tee(rows)  # read in step by take_committed
+        self._table_rows = self.ledger.take_committed((r[0] for r in ids), where=self.where, container="table",
+                                                      hashes=(r[1] for r in keys) if hashes else None)
 
     # -- Sink's contract ---------------------------------------------------------------------------
     def accept(self, fingerprint: Fingerprint) -> None:
@@ -262,12 +316,16 @@ class LanceSink(contract.Sink):
             # the plain dense path: its columns are known now (a kind's are compared at its first write)
             pa = _pa()
             value = pa.float16() if self.manifest.vector_dtype == "float16" else pa.float32()
-            want = [("id", pa.string()), ("vector", pa.list_(value, fingerprint.dimensions))]
+            want = [("id", pa.string()), *([(HASH, pa.binary(16))] if self.ledger.keeps_hashes else []),
+                    ("vector", pa.list_(value, fingerprint.dimensions))]
             self._compare(pa.schema(want + ([("text", pa.string())] if self.target.config.store_text else [])))
         self.manifest.fingerprint = fingerprint
 
     def _compare(self, want: Any) -> None:
         have = {f.name: f.type for f in self.schema}
+        if HASH not in have and HASH in want.names:  # an adopted empty table: the column is added with the record
+            self._add_hash = True
+            want = want.remove(want.get_field_index(HASH))
         problems = [f"{f.name} is {_type_name(have[f.name])}, this run writes {_type_name(f.type)}" if f.name in have
                     else f"no column {f.name} ({_type_name(f.type)})" for f in want if have.get(f.name) != f.type]
         problems += [f"column {name} is not written by this run" for name in have if name not in want.names]
@@ -275,7 +333,11 @@ class LanceSink(contract.Sink):
             raise errors.OutputMismatch(f"{self.where} has another schema: {'; '.join(problems)}. Write to another "
                                         "table, or pass --overwrite to replace it")
 
-    def write(self, ids: list[str], data: Any, texts: list[str] | None = None) -> contract.Refused:
+    def write(self, ids: list[str], data: Any, texts: list[str] | None = None,
+              hashes: list[bytes] | None = None) -> contract.Refused:
+        """Buffer the rows (appended by the next commit); an id committed before this run replaces its row."""
+        if self.reader:
+            raise errors.InvalidOption(f"--reuse: {self.where} is opened to read rows back, not to write")
         pa = _pa()
         if isinstance(data, np.ndarray):
             half = self.manifest.vector_dtype == "float16"
@@ -286,28 +348,41 @@ class LanceSink(contract.Sink):
         else:
             table = data
         table = table.add_column(0, "id", pa.array(ids, pa.string()))
+        if self.ledger.keeps_hashes:
+            if hashes is None:
+                raise ValueError(f"{self.where} keeps content hashes: write needs each row's")
+            table = table.add_column(1, HASH, pa.array(hashes, pa.binary(16)))
         if texts is not None:
             table = table.append_column("text", pa.array(texts, pa.string()))
         if self.schema is None:
             self.schema = table.schema
         elif not self._buffer and self._table_rows == 0 and self.adopted:
             self._compare(table.schema)
+        if len(self.committed):
+            replacing = np.fromiter((digest(doc_id) in self.committed for doc_id in ids), bool, len(ids))
+            if replacing.any():
+                self._replacing.append(table.filter(pa.array(replacing)))
+                table = table.filter(pa.array(~replacing))
         self._buffer.append(table)
         self._buffered += len(ids)
-        self.ledger.pending_rows += len(ids)
+        self.ledger.pending_rows += table.num_rows  # a replaced row is counted once, before this run
         if self._buffered >= ROWS_PER_ADD:
             self._append()
         return []
 
     def _append(self) -> None:
-        """The buffered rows as one LanceDB commit (creating the table with its record), then checked."""
-        if not self._buffer:
+        """The buffered new rows as one LanceDB commit (creating the table with its record), the replacing ones as
+        one more (``merge_insert`` on ``id``: an old row and its new one never both there), then the count checked."""
+        if not self._buffer and not self._replacing:
             return
         pa = _pa()
-        batch = pa.concat_tables(self._buffer)
-        n = batch.num_rows
+        batch = pa.concat_tables(self._buffer) if self._buffer else None
+        n = batch.num_rows if batch is not None else 0
+        inserted = 0
         try:
-            if self.target.tbl is None:
+            if batch is None:
+                pass
+            elif self.target.tbl is None:
                 self.manifest.rows = n
                 self.manifest.updated = utc_now()
                 record = self.ledger.record()
@@ -316,20 +391,31 @@ class LanceSink(contract.Sink):
                 self.target.tbl = self.target.db.create_table(self.target.table, batch.cast(schema))
                 self.ledger.stored(record)
                 self.manifest.rows = 0  # counted again by commit()
+                if self.ledger.keeps_hashes:  # rows_by_hash a lookup (rows appended later are scanned)
+                    from lancedb.index import BTree
+
+                    self.target.tbl.create_index(HASH, config=BTree())
             else:
                 if self.adopted and self.target.manifest is None:  # the record before the rows: never rows without
+                    if self._add_hash:
+                        self.target.tbl.add_columns(pa.field(HASH, pa.binary(16)))
                     self.ledger.save(self._store_record, force=True)
                     self.target.manifest = self.manifest
                 self.target.tbl.add(batch)
+            if self._replacing:
+                merge = self.target.tbl.merge_insert("id").when_matched_update_all().when_not_matched_insert_all()
+                inserted = merge.execute(pa.concat_tables(self._replacing)).num_inserted_rows  # 0 unless pruned
             count = self.target.tbl.count_rows()
         except (OSError, RuntimeError, ValueError) as exc:
             raise errors.Unavailable(f"writing to {self.where} failed: {exc}; run again to continue from the last "
                                      "commit") from None
-        self._buffer, self._buffered = [], 0
-        if count != self._table_rows + n:
-            raise errors.Unavailable(f"{self.where} holds {count} rows after appending {n} to {self._table_rows}: "
-                                     "another writer went around embedq's lock; stop it, then run again")
+        self._buffer, self._replacing, self._buffered = [], [], 0
+        if count != self._table_rows + n + inserted:
+            raise errors.Unavailable(f"{self.where} holds {count} rows after appending {n + inserted} to "
+                                     f"{self._table_rows}: another writer went around embedq's lock; stop it, then "
+                                     "run again")
         self._table_rows = count
+        self.ledger.pending_rows += inserted
 
     def flush(self) -> None:
         """At a commit: the rows since the last one as one append (then :meth:`save_manifest`)."""
@@ -338,7 +424,7 @@ class LanceSink(contract.Sink):
     def save_manifest(self) -> None:
         """The record into the id field's metadata, when it changed (a metadata update is a table version); none
         before the table exists."""
-        if self.target.tbl is not None:
+        if self.target.tbl is not None and not self.reader:
             self.ledger.save(self._store_record)
 
     def _store_record(self, record: str) -> None:
@@ -348,6 +434,53 @@ class LanceSink(contract.Sink):
             raise errors.Unavailable(f"committing to {self.where} failed: {exc}; run again to continue from the "
                                      "last commit") from None
 
+    def prune(self, keep: IdSet) -> int:
+        """Delete the rows whose id is not in ``keep`` at once (each delete of IDS_PER_FILTER ids is a LanceDB
+        commit: a kill between two leaves the rest to the next ``--prune`` run); returns how many."""
+        tbl = self.target.tbl
+        if tbl is None or self.reader:
+            return 0
+        gone = [doc_id for batch in tbl.search().select(["id"]).to_batches()
+                for doc_id in batch.column("id").to_pylist() if digest(doc_id) not in keep]
+        deleted = 0
+        try:
+            for i in range(0, len(gone), IDS_PER_FILTER):
+                names = ", ".join(_sql_string(doc_id) for doc_id in gone[i:i + IDS_PER_FILTER])
+                deleted += tbl.delete(f"id IN ({names})").num_deleted_rows
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise errors.Unavailable(f"pruning {self.where} failed: {exc}; run again to finish it") from None
+        self._table_rows -= deleted
+        self.manifest.rows -= deleted
+        return deleted
+
+    def rows_by_hash(self, hashes: list[bytes]) -> tuple[list[bytes], Any]:
+        """The rows of these content hashes the table holds (one per hash, in the order asked): the plain ``embed``
+        kind's as a float matrix of the table's vector dtype, a kind's as a pyarrow table of its columns."""
+        tbl = self.target.tbl
+        if tbl is None or not self.ledger.keeps_hashes or not hashes:
+            return [], None
+        pa = _pa()
+        columns = [f.name for f in tbl.schema if f.name not in ("id", HASH, "text")]
+        wanted = list(dict.fromkeys(bytes(h) for h in hashes))
+        parts = []
+        for i in range(0, len(wanted), IDS_PER_FILTER):
+            literals = ", ".join(f"X'{h.hex()}'" for h in wanted[i:i + IDS_PER_FILTER])
+            parts.append(tbl.search().where(f"{HASH} IN ({literals})").select([HASH, *columns]).to_arrow())
+        rows = pa.concat_tables(parts)
+        first: dict[bytes, int] = {}
+        for k, h in enumerate(rows.column(HASH).to_pylist()):
+            first.setdefault(h, k)
+        found = [h for h in wanted if h in first]
+        rows = rows.take(pa.array([first[h] for h in found], pa.int64())).select(columns)
+        if not found:
+            return [], None
+        if index_kind(self.manifest.options.get("kind", "embed"), self.target.format).columns is not None:
+            return found, rows
+        vectors = rows.column("vector").combine_chunks()
+        return found, vectors.flatten().to_numpy(zero_copy_only=False).reshape(len(found), vectors.type.list_size)
+
     def close(self) -> None:
-        """Rows not appended yet are dropped (the next run embeds them again)."""
-        self._buffer, self._buffered = [], 0
+        """Rows not appended yet are dropped (the next run embeds them again); a reader lets go of the table."""
+        self._buffer, self._replacing, self._buffered = [], [], 0
+        if self.reader:
+            self.target.tbl = self.target.db = None

@@ -8,7 +8,9 @@ Two URL forms (``collection`` is embedq's parameter, required):
 * ``milvus:///absolute/path/file.db?collection=NAME``: Milvus Lite's local database (the ``milvus``
   extra brings it; the file's folder must exist), no server.
 
-**The collection** is created by the first commit: ``id`` (``VARCHAR`` primary key), then one field per output of the
+**The collection** is created by the first commit: ``id`` (``VARCHAR`` primary key), ``content_hash`` (``VARCHAR(32)``:
+each row's content hash in hex, Milvus has no binary scalar; an ``INVERTED`` index on it; absent from a collection
+made before content hashes or adopted without it, continued by id alone), then one field per output of the
 kind, by its shape (``embedq/kinds.py`` :class:`~embedq.kinds.Column`; no kind is named here): ``dense`` ->
 ``FLOAT_VECTOR(dim)``, named ``vector`` for the plain ``embed`` kind (Milvus's default vector field) and by the
 column's name otherwise; ``sparse`` -> ``SPARSE_FLOAT_VECTOR`` (``lexical`` for BGE-M3, ``sparse`` for a SPLADE
@@ -28,9 +30,13 @@ is written.
 not enforce a primary key on ``insert``), then the row count is checked (``count(*)``, strong consistency: the count
 before plus the batch, or the run stops: another writer) and the record updated. A run killed mid-commit leaves
 whole rows of that commit (each row is all its fields or absent); the next run reads the ids the collection holds and
-embeds the rest. A row Milvus cannot take is that record's error (errors file), not the run's: an empty sparse vector
-(Milvus refuses one), an id or text over ``VARCHAR``'s 65,535 bytes. One writer per collection: an ``flock`` beside
-a Milvus Lite file, or in the temp folder for a server (writers on other machines are caught by the count check).
+embeds the rest. Re-indexing: the upsert replaces an id written again (never twice); ``--prune`` deletes at once;
+``rows_by_hash`` (and ``--reuse``: ``open_reader``, no lock, nothing written) reads the plain kind's vectors back
+by ``content_hash in [...]`` (a kind's fields are not read back: their texts are embedded again). ``milvus_rows.py``
+makes the rows and reads them. A row Milvus cannot take is that record's error (errors file), not the run's: an
+empty sparse vector (Milvus refuses one), an id or text over ``VARCHAR``'s 65,535 bytes. One writer per collection:
+an ``flock`` beside a Milvus Lite file, or in the temp folder for a server (writers on other machines are caught by
+the count check).
 
 **Indexes**: Milvus loads (and so queries, and lists the ids to resume from) only a collection whose vector fields
 are indexed, so the collection is created with exact ones: ``FLAT`` (cosine) on dense fields and
@@ -41,12 +47,12 @@ are indexed, so the collection is created with exact ones: ``FLAT`` (cosine) on 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import re
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -54,17 +60,24 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import numpy as np
 
 from embedq import errors
+from embedq.producers.index import idset
 from embedq.producers.index.kinds import index_kind
-from embedq.producers.index.sinks import contract
+from embedq.producers.index.sinks import contract, milvus_rows
 from embedq.producers.index.sinks.locks import OutputLock
-from embedq.producers.index.sinks.manifests import Ledger, Manifest, check_space, resume_or_start, utc_now
+from embedq.producers.index.sinks.manifests import (
+    Ledger,
+    Manifest,
+    check_reusable,
+    check_space,
+    resume_or_start,
+    utc_now,
+)
+from embedq.producers.index.sinks.milvus_rows import HASH, MAX_VARCHAR, WORK_TIMEOUT
 from embedq.producers.index.sinks.urls import database_errors_path, mask_url, split_param
 from embedq.protocol import Fingerprint
 
 MANIFEST_KEY = "embedq.manifest"
-MAX_VARCHAR = 65_535  # bytes: Milvus's largest VARCHAR (the id and the text)
 CONNECT_TIMEOUT = 10.0  # seconds to reach the server (and the default of quick calls: describe, has_collection)
-WORK_TIMEOUT = 3_600.0  # seconds for the calls that do work: upsert, count, load, index builds
 ROWS_PER_REQUEST = 2_000  # rows per upsert (a gRPC message stays far under Milvus's 64 MiB)
 ROWS_PER_FLUSH = 65_536  # rows buffered before they are sent even between checkpoints (bounds this process's memory)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,254}$")  # Milvus's collection names
@@ -159,19 +172,38 @@ class Target(contract.Target):
         self._connect()
         self.manifest, self.fields = None, None
         if self.client.has_collection(self.collection):
-            info = self.client.describe_collection(self.collection)
-            self.fields = {f["name"]: (f["type"], (f.get("params") or {}).get("dim")) for f in info["fields"]}
-            raw = (info.get("properties") or {}).get(MANIFEST_KEY)
-            if raw is not None:
-                try:
-                    self.manifest = Manifest.model_validate_json(raw)
-                except ValueError as exc:
-                    raise errors.InvalidOption(f"{self.where()}: its {MANIFEST_KEY} is not a readable embedq record "
-                                               f"({exc}); pass --overwrite to start afresh") from None
-            elif not self.config.overwrite and self.count():
+            self._describe()
+            if self.manifest is None and not self.config.overwrite and self.count():
                 raise errors.OutputMismatch(f"{self.where()} holds rows that embedq index did not write (no "
                                             f"{MANIFEST_KEY} property); choose another collection")
         self._checked = True
+
+    def _describe(self) -> None:
+        """An existing collection's fields and record."""
+        info = self.client.describe_collection(self.collection)
+        self.fields = {f["name"]: (f["type"], (f.get("params") or {}).get("dim")) for f in info["fields"]}
+        raw = (info.get("properties") or {}).get(MANIFEST_KEY)
+        if raw is not None:
+            try:
+                self.manifest = Manifest.model_validate_json(raw)
+            except ValueError as exc:
+                raise errors.InvalidOption(f"{self.where()}: its {MANIFEST_KEY} is not a readable embedq record "
+                                           f"({exc}); pass --overwrite to start afresh") from None
+
+    def open_reader(self, *, vector_dtype: Any, options: dict[str, Any]) -> MilvusSink:
+        """``--reuse``: the collection opened to read rows back by content hash; nothing is created, written or
+        locked (a Milvus Lite file's folder is not made)."""
+        if self.lite and not self.path.is_file():
+            raise errors.InvalidOption(f"--reuse: {self.where()} does not exist")
+        self._connect()
+        if not self.client.has_collection(self.collection):
+            raise errors.InvalidOption(f"--reuse: {self.where()} does not exist")
+        self._describe()
+        manifest = check_reusable(self.manifest, vector_dtype=vector_dtype, options=options, where=self.where(),
+                                  container="collection")
+        sink = MilvusSink(self, manifest, reader=True)
+        sink.load_committed()
+        return sink
 
     def _connect(self) -> None:
         if self.client is not None:
@@ -240,16 +272,19 @@ class MilvusSink(contract.Sink):
 
     arrow_columns = False  # the kind's columns as numpy arrays, mapped by shape
     container = "collection"
+    stores_hashes = True
 
-    def __init__(self, target: Target, manifest: Manifest) -> None:
+    def __init__(self, target: Target, manifest: Manifest, *, reader: bool = False) -> None:
         adopted = target.fields is not None and target.manifest is None  # an empty collection of someone else's
         # its vector field checked against the space before any text is embedded
         super().__init__(Ledger(manifest), where=target.where(), probe_first=adopted)
         self.target = target
         self.client = target.client
         self.adopted = adopted
-        self.schema: list[tuple[str, Any, int | None]] | None = None  # (field, DataType, dim) this run writes
+        self.reader = reader  # opened by ``--reuse``: read back, never written
+        self.schema: milvus_rows.Plan | None = None  # (field, DataType, dim) this run writes
         self._rows: list[dict[str, Any]] = []
+        self._new = 0  # of the buffered rows, those of ids the collection does not hold
         self._count = 0  # rows the collection holds (committed)
 
     def load_committed(self) -> None:
@@ -261,18 +296,14 @@ class MilvusSink(contract.Sink):
         except Exception as exc:
             raise errors.Unavailable(f"cannot load {self.where} ({_reason(exc)}): Milvus loads a collection whose "
                                      "vector fields are indexed") from None
-        it = self.client.query_iterator(self.target.collection, batch_size=16_384, output_fields=["id"],
-                                        consistency_level="Strong", timeout=WORK_TIMEOUT)
-
-        def ids() -> Iterator[str]:
-            while batch := it.next():
-                for row in batch:
-                    yield row["id"]
-
-        try:
-            self._count = self.ledger.take_committed(ids(), where=self.where, container="collection")
-        finally:
-            it.close()
+        hashes = self.ledger.keeps_hashes
+        if hashes and HASH not in self.target.fields:
+            raise errors.OutputMismatch(f"{self.where} has no {HASH} field, though its record keeps content hashes "
+                                        "(changed outside embedq index); pass --overwrite to start afresh")
+        rows = milvus_rows.committed(self.client, self.target.collection, hashes)
+        ids, keys = itertools.tee(rows)  # read in step by take_committed
+        self._count = self.ledger.take_committed((r[0] for r in ids), where=self.where, container="collection",
+                                                 hashes=(r[1] for r in keys) if hashes else None)
 
     # -- Sink's contract ---------------------------------------------------------------------------
     def accept(self, fingerprint: Fingerprint) -> None:
@@ -282,19 +313,24 @@ class MilvusSink(contract.Sink):
             self._compare(self._plan_dense(fingerprint.dimensions))  # a kind's fields: at its first write
         self.manifest.fingerprint = fingerprint
 
-    def _plan_dense(self, dim: int) -> list[tuple[str, Any, int | None]]:
+    def _plan_dense(self, dim: int) -> milvus_rows.Plan:
         dtype = _pymilvus().DataType
-        return self._with_text([("id", dtype.VARCHAR, None), ("vector", dtype.FLOAT_VECTOR, dim)])
+        return self._with_text([*self._keys(), ("vector", dtype.FLOAT_VECTOR, dim)])
 
-    def _with_text(self, fields: list[tuple[str, Any, int | None]]) -> list[tuple[str, Any, int | None]]:
+    def _keys(self) -> milvus_rows.Plan:
+        """``id``, and ``content_hash`` where the output keeps content hashes."""
+        dtype = _pymilvus().DataType
+        return [("id", dtype.VARCHAR, None)] + ([(HASH, dtype.VARCHAR, None)] if self.ledger.keeps_hashes else [])
+
+    def _with_text(self, fields: milvus_rows.Plan) -> milvus_rows.Plan:
         return fields + ([("text", _pymilvus().DataType.VARCHAR, None)] if self.target.config.store_text else [])
 
-    def _plan(self, data: Any) -> list[tuple[str, Any, int | None]]:
+    def _plan(self, data: Any) -> milvus_rows.Plan:
         """The fields this run writes, from its first result."""
         if isinstance(data, np.ndarray):
             return self._plan_dense(int(data.shape[1]))
         dtype = _pymilvus().DataType
-        fields: list[tuple[str, Any, int | None]] = [("id", dtype.VARCHAR, None)]
+        fields = self._keys()
         for column, arrays, _ in data:
             if column.shape == "dense":
                 fields.append((column.name, dtype.FLOAT_VECTOR, int(arrays[0].shape[1])))
@@ -304,8 +340,12 @@ class MilvusSink(contract.Sink):
                 fields.append((column.name, dtype.DOUBLE, None))
         return self._with_text(fields)
 
-    def _compare(self, want: list[tuple[str, Any, int | None]]) -> None:
+    def _compare(self, want: milvus_rows.Plan) -> None:
         have = self.target.fields or {}
+        if HASH not in have and any(w[0] == HASH for w in want):
+            # an adopted empty collection made without it (Milvus Lite cannot add a field): continued by id alone
+            self.manifest.content_hash = None
+            want = [w for w in want if w[0] != HASH]
         problems = []
         for name, ftype, dim in want:
             if name not in have:
@@ -318,51 +358,35 @@ class MilvusSink(contract.Sink):
             raise errors.OutputMismatch(f"{self.where} has another schema: {'; '.join(problems)}. Write to another "
                                         "collection, or pass --overwrite to replace it")
 
-    def write(self, ids: list[str], data: Any, texts: list[str] | None = None) -> contract.Refused:
-        """Buffer the rows; returns those Milvus cannot take, each with its error (they are not written)."""
+    def write(self, ids: list[str], data: Any, texts: list[str] | None = None,
+              hashes: list[bytes] | None = None) -> contract.Refused:
+        """Buffer the rows; returns those Milvus cannot take, each with its error (they are not written). An id
+        committed before this run replaces its row (``upsert`` on the primary key)."""
+        if self.reader:
+            raise errors.InvalidOption(f"--reuse: {self.where} is opened to read rows back, not to write")
         if self.schema is None:
             self.schema = self._plan(data)
             if self.adopted:
                 self._compare(self.schema)
-        rows: list[dict[str, Any]] = [{"id": doc_id} for doc_id in ids]
-        columns = [("vector", [data])] if isinstance(data, np.ndarray) else \
-            [(name, arrays) for (name, _, _), (_, arrays, _) in zip(self.schema[1:], data)]
-        for (name, arrays), (_, ftype, _) in zip(columns, self.schema[1:]):
-            if ftype.name == "SPARSE_FLOAT_VECTOR":
-                offsets, indices, values = arrays
-                for row, a, b in zip(rows, offsets[:-1].tolist(), offsets[1:].tolist()):
-                    row[name] = dict(zip(indices[a:b].tolist(), values[a:b].tolist()))
-            elif ftype.name == "FLOAT_VECTOR":
-                for row, vector in zip(rows, np.asarray(arrays[0], np.float32)):
-                    row[name] = vector
-            else:
-                for row, value in zip(rows, np.asarray(arrays[0]).reshape(-1).tolist()):
-                    row[name] = value
-        if texts is not None:
-            for row, text in zip(rows, texts):
-                row["text"] = text
+            if not self.ledger.keeps_hashes:  # an adopted collection without the field (_compare)
+                self.schema = [f for f in self.schema if f[0] != HASH]
+        if self.ledger.keeps_hashes and hashes is None:
+            raise ValueError(f"{self.where} keeps content hashes: write needs each row's")
+        rows = milvus_rows.to_rows(self.schema, ids, data, texts, hashes if self.ledger.keeps_hashes else None)
         refused, kept = [], []
         for row in rows:
-            why = self._refuse(row)
+            why = milvus_rows.refuse(row)
             if why is None:
                 kept.append(row)
             else:
                 refused.append((row["id"], errors.InvalidRecord(f"{self.where} cannot store this record: {why}")))
         self._rows += kept
-        self.ledger.pending_rows += len(kept)
+        new = sum(idset.digest(row["id"]) not in self.committed for row in kept) if len(self.committed) else len(kept)
+        self._new += new
+        self.ledger.pending_rows += new  # a replaced row is counted once, before this run
         if len(self._rows) >= ROWS_PER_FLUSH:
             self._send()
         return refused
-
-    def _refuse(self, row: dict[str, Any]) -> str | None:
-        if len(row["id"].encode("utf-8")) > MAX_VARCHAR:
-            return f"its id is over {MAX_VARCHAR:,} bytes (Milvus's largest VARCHAR)"
-        if "text" in row and len(row["text"].encode("utf-8")) > MAX_VARCHAR:
-            return f"its text is over {MAX_VARCHAR:,} bytes (Milvus's largest VARCHAR; --store-text)"
-        for name, value in row.items():
-            if isinstance(value, dict) and not any(value.values()):
-                return f"its sparse vector {name} has no nonzero weight, and Milvus refuses an empty sparse vector"
-        return None
 
     def _create(self) -> None:
         """The collection with this run's fields, its exact indexes and the record, before any row."""
@@ -373,7 +397,7 @@ class MilvusSink(contract.Sink):
         for name, ftype, dim in self.schema:
             kwargs: dict[str, Any] = {"is_primary": True} if name == "id" else {}
             if ftype == pymilvus.DataType.VARCHAR:
-                kwargs["max_length"] = MAX_VARCHAR
+                kwargs["max_length"] = milvus_rows.HASH_LENGTH if name == HASH else MAX_VARCHAR
             if dim is not None:
                 kwargs["dim"] = dim
             schema.add_field(name, ftype, **kwargs)
@@ -382,6 +406,8 @@ class MilvusSink(contract.Sink):
             elif ftype == pymilvus.DataType.SPARSE_FLOAT_VECTOR:
                 params.add_index(field_name=name, index_name=name, index_type="SPARSE_INVERTED_INDEX",
                                  metric_type="IP")
+            elif name == HASH:  # rows_by_hash a lookup
+                params.add_index(field_name=name, index_name=name, index_type="INVERTED")
         self.manifest.updated = utc_now()
         record = self.ledger.record()
         self.client.create_collection(self.target.collection, schema=schema, index_params=params,
@@ -395,7 +421,7 @@ class MilvusSink(contract.Sink):
         """The buffered rows, upserted in requests of ROWS_PER_REQUEST, then the count checked."""
         if not self._rows:
             return
-        n = len(self._rows)
+        n, new = len(self._rows), self._new
         try:
             if self.target.fields is None:
                 self._create()
@@ -410,10 +436,11 @@ class MilvusSink(contract.Sink):
         except Exception as exc:  # pymilvus's MilvusException, grpc's RpcError
             raise errors.Unavailable(f"writing to {self.where} failed: {_reason(exc)}; run again to continue from "
                                      "the last commit") from None
-        self._rows = []
-        if count != self._count + n:
-            raise errors.Unavailable(f"{self.where} holds {count} rows after adding {n} to {self._count}: another "
-                                     "writer went around embedq's lock; stop it, then run again")
+        self._rows, self._new = [], 0
+        if count != self._count + new:
+            raise errors.Unavailable(f"{self.where} holds {count} rows after adding {new} new of {n} to "
+                                     f"{self._count}: another writer went around embedq's lock; stop it, then run "
+                                     "again")
         self._count = count
 
     def flush(self) -> None:
@@ -423,7 +450,7 @@ class MilvusSink(contract.Sink):
     def save_manifest(self) -> None:
         """The record into the collection's properties, when it changed (an RPC); none before the collection
         exists."""
-        if self.target.fields is not None:
+        if self.target.fields is not None and not self.reader:
             self.ledger.save(self._store_record)
 
     def _store_record(self, record: str) -> None:
@@ -434,7 +461,37 @@ class MilvusSink(contract.Sink):
             raise errors.Unavailable(f"committing to {self.where} failed: {_reason(exc)}; run again to continue "
                                      "from the last commit") from None
 
+    def prune(self, keep: idset.IdSet) -> int:
+        """Delete the rows whose id is not in ``keep``, at once (Milvus has no transaction: a kill leaves the rest to
+        the next ``--prune`` run); returns how many."""
+        if self.target.fields is None or self.reader:
+            return 0
+        collection = self.target.collection
+        try:
+            gone = [doc_id for doc_id, _ in milvus_rows.committed(self.client, collection, False)
+                    if idset.digest(doc_id) not in keep]
+            deleted = milvus_rows.delete(self.client, collection, gone)
+        except Exception as exc:  # pymilvus's MilvusException, grpc's RpcError
+            raise errors.Unavailable(f"pruning {self.where} failed: {_reason(exc)}; run again to finish it") from None
+        self._count -= deleted
+        self.manifest.rows -= deleted
+        return deleted
+
+    def rows_by_hash(self, hashes: list[bytes]) -> tuple[list[bytes], Any]:
+        """The rows of these content hashes the collection holds (one per hash, in the order asked), for the plain
+        ``embed`` kind (a float32 matrix); a kind's fields are not read back (none found: the runner embeds them)."""
+        plain = index_kind(self.manifest.options.get("kind", "embed"), self.target.format).columns is None
+        if self.target.fields is None or not self.ledger.keeps_hashes or not plain or not hashes:
+            return [], None
+        try:
+            return milvus_rows.by_hash(self.client, self.target.collection, hashes)
+        except Exception as exc:
+            raise errors.Unavailable(f"reading {self.where} failed: {_reason(exc)}") from None
+
     def close(self) -> None:
         """Rows not sent yet are dropped (the next run embeds them again); the client stays the target's (the ANN
-        index is built after the run)."""
-        self._rows = []
+        index is built after the run), but a reader's is closed."""
+        self._rows, self._new = [], 0
+        if self.reader and self.target.client is not None:
+            self.target.client.close()
+            self.target.client = self.client = None
