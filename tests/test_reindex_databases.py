@@ -5,8 +5,11 @@ its tests/test_index_<db>.py.) A gated worker of the fake model (its ``items`` c
 
 from __future__ import annotations
 
+import random
 import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +17,7 @@ import pytest
 from conftest import FAKE, gated_handle
 from reindex import env, index, index_cmd, reindex_case, versions, write_jsonl
 
+from embedq.producers.embedded import free_port
 from embedq.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -45,6 +49,10 @@ class Pgvector:
     def url(self, name: str) -> str:
         return self.cluster.url(self.db, table=name)
 
+    def count(self, name: str) -> int:
+        with self.cluster.connect(self.db) as conn:
+            return conn.execute(f"SELECT count(*) FROM {name}").fetchone()[0]
+
     def read(self, name: str) -> dict[str, np.ndarray]:
         import pgvector.psycopg as pgvector_psycopg
 
@@ -61,6 +69,11 @@ class Lance:
     def url(self, name: str) -> str:
         return f"lancedb://{self.path}?table={name}"
 
+    def count(self, name: str) -> int:
+        import lancedb
+
+        return lancedb.connect(str(self.path)).open_table(name).count_rows()
+
     def read(self, name: str) -> dict[str, np.ndarray]:
         import lancedb
 
@@ -72,23 +85,34 @@ class Lance:
 
 
 class Milvus:
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
+    """Collections of a ``milvus-lite server`` (read while the indexer writes: a Milvus Lite file is one process's)."""
+
+    def __init__(self, server: tuple[str, str], tmp: Path) -> None:
+        self.base, self.uri = server
+        self.prefix = "c" + "".join(ch for ch in tmp.name if ch.isalnum())[-12:]
 
     def url(self, name: str) -> str:
-        return f"milvus://{self.tmp}/{name}.db?collection=docs"
+        return f"{self.base}?collection={self.prefix}_{name}"
+
+    def _client(self):
+        import pymilvus
+
+        return pymilvus.MilvusClient(uri=self.uri)
+
+    def count(self, name: str) -> int:
+        client = self._client()
+        try:
+            rows = client.query(f"{self.prefix}_{name}", filter="", output_fields=["count(*)"],
+                                consistency_level="Strong")
+        finally:
+            client.close()
+        return int(rows[0]["count(*)"])
 
     def read(self, name: str) -> dict[str, np.ndarray]:
-        import os
-
-        import pymilvus
-        from milvus_lite.server_manager import server_manager_instance
-
-        path = str(self.tmp / f"{name}.db")
-        client = pymilvus.MilvusClient(uri=path)
+        client = self._client()
         try:
-            client.load_collection("docs")
-            it = client.query_iterator("docs", batch_size=1000, output_fields=["id", "vector"],
+            client.load_collection(f"{self.prefix}_{name}")
+            it = client.query_iterator(f"{self.prefix}_{name}", batch_size=1000, output_fields=["id", "vector"],
                                        consistency_level="Strong")
             rows = []
             while batch := it.next():
@@ -96,7 +120,6 @@ class Milvus:
             it.close()
         finally:
             client.close()
-            server_manager_instance.release_server(os.path.abspath(path))
         return _unique({r["id"]: np.asarray(r["vector"], dtype=np.float32) for r in rows}, len(rows))
 
 
@@ -105,14 +128,29 @@ def _unique(rows: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
     return rows
 
 
-def _store(name: str, pg_cluster, tmp: Path):
-    if name == "pgvector":
-        return Pgvector(pg_cluster, tmp)
-    if name == "lancedb":
-        pytest.importorskip("lancedb")
-        return Lance(tmp)
-    pytest.importorskip("pymilvus")
-    return Milvus(tmp)
+@pytest.fixture(scope="module")
+def milvus_server(tmp_path_factory):
+    """``milvus-lite server`` on a free port, ready when a client's call is answered."""
+    pymilvus = pytest.importorskip("pymilvus")
+    root = tmp_path_factory.mktemp("milvus-server")
+    port = free_port()
+    with open(root / "server.log", "w") as log:
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("milvus-lite")), "server", "--data-dir",
+                                 str(root / "data"), "--host", "127.0.0.1", "--port", str(port)], stdout=log,
+                                stderr=subprocess.STDOUT)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, (root / "server.log").read_text()
+        try:
+            pymilvus.MilvusClient(uri=uri, timeout=2).list_collections()
+            break
+        except Exception:
+            assert time.monotonic() < deadline, (root / "server.log").read_text()
+            time.sleep(0.2)
+    yield f"milvus://127.0.0.1:{port}", uri
+    proc.terminate()
+    proc.wait(timeout=30)
 
 
 def _assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
@@ -123,8 +161,12 @@ def _assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> Non
 
 @pytest.fixture
 def store(request, tmp_path):
-    name = request.param
-    return _store(name, request.getfixturevalue("pg") if name == "pgvector" else None, tmp_path)
+    if request.param == "pgvector":
+        return Pgvector(request.getfixturevalue("pg"), tmp_path)
+    if request.param == "lancedb":
+        pytest.importorskip("lancedb")
+        return Lance(tmp_path)
+    return Milvus(request.getfixturevalue("milvus_server"), tmp_path)
 
 
 @pytest.mark.parametrize("store", ["pgvector", "lancedb", "milvus"], indirect=True)
@@ -137,7 +179,10 @@ def test_b_a_changed_corpus_reindexed_into_a_database_equals_a_fresh_run(fake_wo
 
 @pytest.mark.parametrize("store", ["pgvector", "lancedb", "milvus"], indirect=True)
 def test_b_a_reindex_killed_midway_then_run_again_equals_a_fresh_run(fake_worker, store, tmp_path):
+    """SIGKILL once the re-index has committed rows of its own (the input's order mixes the new ids in, so the table
+    grows at its first commit), then the same command again: the output equals a fresh run on the second version."""
     first, second = versions(1200)
+    second = random.Random(57).sample(second, len(second))
     index(fake_worker.settings, write_jsonl(tmp_path / "v1.jsonl", first), store.url("docs"))
     v2 = write_jsonl(tmp_path / "v2.jsonl", second)
     args = ("--prune", "--checkpoint-seconds", "0.2", "--chunk-size", "8", "--max-in-flight", "2")
@@ -145,7 +190,8 @@ def test_b_a_reindex_killed_midway_then_run_again_equals_a_fresh_run(fake_worker
         proc = subprocess.Popen(index_cmd(v2, store.url("docs"), *args), env=env(fake_worker.settings),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            for _ in range(12):  # a dozen of its micro-batches (its commits come between them), then the kill
+            # one micro-batch at a time: the next one comes once the indexer has written the last and sent more
+            while store.count("docs") <= len(first):
                 assert proc.poll() is None, proc.stderr.read()
                 fake_worker.step()
         finally:
