@@ -299,3 +299,44 @@ def test_the_content_of_an_item_is_the_same_from_a_list_or_an_arena_view():
     assert content_of(Encoded(ids, None, 0, "dense")) != content_of(Encoded(ids, [0, 0, 1, 1], 0, "dense"))
     assert content_of(Encoded(ids, None, 0, "dense")) != content_of(Encoded(ids, None, 0, "sparse"))
     assert content_of(Encoded(ids, None, 0, "dense")) != content_of(Encoded([*ids[:-1], 3, 102], None, 0, "dense"))
+
+
+# -- acceptance (issue 57, a): a real worker held behind its gate ------------------------------------------------------
+ONE_TEXT_JOBS, REPEATS, WIDE_JOBS, WIDE = 1000, 300, 4, 32
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_held_worker_runs_each_distinct_text_once_and_every_job_equals_its_text_alone(redis_server,
+                                                                                        tmp_path_factory, corpus):
+    import random
+
+    from conftest import gated_handle
+
+    distinct = list(dict.fromkeys(text[:300] for text in corpus))[:ONE_TEXT_JOBS - REPEATS]
+    rng = random.Random(57)
+    ones = distinct + [rng.choice(distinct) for _ in range(REPEATS)]  # 300 one-text jobs repeat earlier texts
+    rng.shuffle(ones)
+    # 32-text jobs over the same texts, each sharing half of its texts with the next one
+    wides = [[distinct[(m * WIDE // 2 + j) % len(distinct)] for j in range(WIDE)] for m in range(WIDE_JOBS)]
+    queue = f"embedq.test.dedupe.{tmp_path_factory.mktemp('q').name}"
+    settings = Settings(broker_url=redis_server.url, queue=queue, prefetch_window=ONE_TEXT_JOBS + 2 * WIDE_JOBS,
+                        online_max_wait=0)
+    worker = gated_handle(settings, tmp_path_factory.mktemp("logs") / "worker.log")
+    try:
+        before = worker.stats()
+        with worker.gate_closed():
+            handles = [worker.client.submit([text]) for text in ones] + [worker.client.submit(w) for w in wides]
+            worker.wait_until(lambda st: st["held_messages"] == len(handles), f"{len(handles)} jobs held")
+        got = [handle.result(timeout=300) for handle in handles]
+        after = worker.stats()
+        ran = after["items"] - before["items"]
+        assert ran <= len(distinct), f"the model saw {ran} items for {len(distinct)} distinct texts"
+        assert after["items_deduplicated"] - before["items_deduplicated"] == len(ones) + WIDE * WIDE_JOBS - ran
+        # Each distinct text embedded alone by the same worker: one job at a time, nothing else waiting.
+        alone = {text: worker.client.submit([text]).result(timeout=120)[0] for text in distinct}
+        assert worker.stats()["items"] - after["items"] == len(distinct)
+        for text, vector in zip(ones + [t for w in wides for t in w], [v for job in got for v in job]):
+            assert np.abs(vector - alone[text]).max() <= 1e-6
+    finally:
+        worker.stop()

@@ -87,6 +87,8 @@ class Dedupe:
         self._entries: dict[Key, tuple[Lane, Hashable]] = {}  # entry -> its lane and content
         self._members: dict[Key, list[Key]] = {}  # entry -> the later items of its lane with the same content
         self._riders: dict[Key, list[Key]] = {}  # launched item -> its riders, until its row lands or it fails
+        #: items waiting in an entry's group, not in the scheduler themselves (the worker's ``buffered`` adds them)
+        self.waiting = 0
 
     # -- under the service's lock --------------------------------------------------------------------------------------
     def add(self, job: Job) -> list[int]:
@@ -105,6 +107,7 @@ class Dedupe:
                 buffered[content] = {lane: (job, i)}
             elif lane in lanes:
                 self._members.setdefault(lanes[lane], []).append((job, i))
+                self.waiting += 1
                 continue
             else:
                 lanes[lane] = (job, i)
@@ -125,7 +128,7 @@ class Dedupe:
                 if members and any(not job.done for job, _ in members):
                     continue
                 self._forget(key, where)
-                self._members.pop(key, None)
+                self.waiting -= len(self._members.pop(key, ()))
             out.append(key)  # (a member is not in the scheduler: its entry launches without it)
         return out
 
@@ -158,7 +161,9 @@ class Dedupe:
             lane, content = where
             group = groups.setdefault(content, [])
             group.append(key)
-            group.extend(self._members.pop(key, ()))
+            members = self._members.pop(key, ())
+            group.extend(members)
+            self.waiting -= len(members)
             lanes = self._buffered.pop(content, None)
             if lanes is None:  # an earlier item of this batch had this content: they were grouped there
                 lanes = others.pop(content, {})
@@ -172,7 +177,9 @@ class Dedupe:
                 if lane[0] == BULK or exclude is None or lane[1] in exclude:
                     del self._entries[other]
                     groups[content].append(other)
-                    groups[content].extend(self._members.pop(other, ()))
+                    members = self._members.pop(other, ())
+                    groups[content].extend(members)
+                    self.waiting -= len(members)
                     pulled.append(other)
                 else:
                     stay[lane] = other
