@@ -14,7 +14,8 @@ This module holds the service itself: intake (``submit_many``, ``cancel``), the 
 micro-batch next, suspects alone, deadlines, preemption) and liveness (``health``). Its parts live beside it:
 the job record and its callbacks in ``workers/jobs.py``; launching a micro-batch, landing it and storing its rows
 (two in flight on an async device) in ``workers/inflight.py`` (:class:`~embedq.workers.inflight.MicroBatches`,
-which the service owns as ``batches``); the results thread in ``workers/outbox.py``.
+which the service owns as ``batches``); identical items run once in ``workers/dedupe.py`` (``dedupe``, between the
+intake and the scheduler); the results thread in ``workers/outbox.py``.
 
 **Preemption (issue 18).** A bulk micro-batch runs with a hook before each of the model's layers
 (``backend.between_layers``). When online items wait there, the inference thread runs micro-batches of them to
