@@ -94,6 +94,12 @@ class Settings(BaseSettings):
         "model cannot be stopped between layers (ONNX Runtime, no layer stack found) the worker says so once "
         "and caps bulk micro-batches at online_batch_tokens while online jobs are about instead.",
     )
+    dedupe: bool = Field(
+        default=True,
+        description="Identical items waiting in a worker at the same time (the same token ids after prompt and "
+        "truncation, the same head) run through the model once, and each job gets a copy of the row; counted as "
+        "items_deduplicated. Exact: an item's row does not depend on the others in its micro-batch.",
+    )
     bulk_min_share: float = Field(
         default=0.1, ge=0.0, le=1.0,
         description="While online and bulk jobs both wait, the least share of the model's tokens bulk gets.",

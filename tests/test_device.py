@@ -113,7 +113,8 @@ def test_two_hosts_jobs_share_micro_batches_online_first_and_rows_equal_the_back
     hosts[1].send(1, _texts("online", 2), traffic=0)  # 2 online texts on host 1, sent after them
     hosts[1].send(2, _texts("bulk b", 3), traffic=1)
     # every item in the scheduler before the first micro-batch is chosen
-    wait_for(lambda: service.intake() or len(service.scheduler) == 65, "65 items buffered")
+    # (texts 25 and 50 of the bulk job tokenize alike in the fake model: one waits beside the other, issue 57)
+    wait_for(lambda: service.intake() or len(service.scheduler) + service.dedupe.waiting == 65, "65 items buffered")
     service.start()
     for host, jobs in zip(hosts, (1, 2)):
         host.receive(jobs)

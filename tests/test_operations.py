@@ -236,6 +236,7 @@ def test_b_metrics_move_by_exactly_what_the_jobs_did(stack):
     assert d("embedq_class_jobs_received_total", **online) == 12
     assert d("embedq_class_items_embedded_total", **online) == 30
     assert d("embedq_jobs_cancelled_total") == 0
+    assert d("embedq_items_deduplicated_total") == 0  # 30 distinct texts (issue 57: repeats would count here)
     assert d("embedq_online_started_total") == 10  # the failing two never reached a micro-batch
     assert d("embedq_online_wait_seconds_total") > 0 and d("embedq_preemptions_total") == 0  # nothing bulk ran
     bucket = ("embedq_batch_items_bucket", (("le", "+Inf"),))
@@ -383,6 +384,7 @@ def test_c_status_lists_queue_depths_and_the_live_worker(stack):
     headers, (row,) = _workers_table(wide)
     assert headers[:5] == ["worker", "model", "device", "dtype", "queues"] and "tokens/s" in headers, wide
     assert row["dtype"] == "float32" and row["queues"] == ",".join(stack["settings"].queues), row
+    assert row["deduplicated"] == f"{mine['counters']['items_deduplicated']:,}", row  # (issue 57)
     assert "Online and bulk" in wide
     traffic_row = [line for line in wide.splitlines() if f"-{worker.proc.pid}@" in line][1]
     assert _cells(traffic_row)[2] == "0", traffic_row  # preemptions: no bulk job ran on this worker

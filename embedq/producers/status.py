@@ -55,6 +55,8 @@ _COLUMNS: dict[str, tuple[bool, Callable[[dict[str, Any], float], str]]] = {
     "texts/s": (True, lambda w, now: _rate(w.get("rates", {}).get("items_per_s", 0.0))),
     "tokens/s": (True, lambda w, now: _rate(w.get("rates", {}).get("tokens_per_s", 0.0))),
     "padding": (True, lambda w, now: f"{w.get('rates', {}).get('padding_ratio', 0.0):.1%}"),
+    # items that did not run through the model: an identical one waiting at the same time did (issue 57)
+    "deduplicated": (True, lambda w, now: f"{w.get('counters', {}).get('items_deduplicated', 0):,}"),
     "done": (True, lambda w, now: f"{w.get('counters', {}).get('jobs_succeeded', 0):,}"),
     "failed": (True, lambda w, now: f"{w.get('counters', {}).get('jobs_failed', 0):,}"),
     "up": (True, lambda w, now: _ago(now - w.get("started_at", now))),

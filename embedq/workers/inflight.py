@@ -27,6 +27,7 @@ from typing import Any
 from embedq import errors
 from embedq.backends.base import Backend, row_is_finite
 from embedq.batching import batch_cost
+from embedq.workers.dedupe import Dedupe
 from embedq.workers.jobs import Job
 from embedq.workers.stats import Stats
 
@@ -50,10 +51,12 @@ class Flight:
 class MicroBatches:
     """Launch, land and store micro-batches (inference thread)."""
 
-    def __init__(self, backend: Backend, stats: Stats, metrics: Any, *, at_point: Callable[[int], None],
+    def __init__(self, backend: Backend, stats: Stats, metrics: Any, dedupe: Dedupe, *,
+                 at_point: Callable[[int], None],
                  before_launch: Callable[[list[tuple[Job, int]]], None], finish: Callable[[Job], None],
                  fail: Callable[[Job, errors.EmbedqError], None], progress: Callable[[], None]) -> None:
         self.backend, self.stats, self.metrics = backend, stats, metrics
+        self.dedupe = dedupe  # riders of launched items (workers/dedupe.py): they get their rows, or fail, with them
         self._at_point = at_point  # the service's preemption point: called with the point's number (1, 2, ...)
         self._before_launch = before_launch  # a steering program's seam (workers/hooks.py)
         self._finish = finish  # every item of the job has its row: to the results thread
@@ -82,7 +85,7 @@ class MicroBatches:
 
     def launch(self, keys: list[tuple[Job, int]], preemptible: bool = False) -> Flight | None:
         """Start a micro-batch in the model (``backend.launch``); :meth:`land` waits for it and stores its rows."""
-        keys = [(job, i) for job, i in keys if not job.done]
+        keys = self.dedupe.live(keys)
         if not keys:
             return None
         batch = [job.prepared.items[i] for job, i in keys]
@@ -90,7 +93,7 @@ class MicroBatches:
         if preemptible:  # (not in a preempting batch: that one runs inside the bulk batch's pause)
             self.paused, self.paused_cpu, self.layer = 0.0, 0.0, 0
         self._before_launch(keys)
-        jobs = tuple(dict.fromkeys(job for job, _ in keys))
+        jobs = tuple(dict.fromkeys(itertools.chain((job for job, _ in keys), self.dedupe.riding_jobs(keys))))
         self._in_model.append(jobs)  # a preempting batch runs inside a bulk one: both are in the model
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
@@ -142,9 +145,9 @@ class MicroBatches:
             return
         good = [(key, row) for key, row, b in zip(keys, rows, bad) if not b]
         self._store_rows([k for k, _ in good], [r for _, r in good])
-        for (job, i), b in zip(keys, bad):
+        for key, b in zip(keys, bad):
             if b:
-                self._fail(job, errors.BackendError(f"inputs[{i}] produced a non-finite output"))
+                self._fail_item(key, lambda i: errors.BackendError(f"inputs[{i}] produced a non-finite output"))
 
     def _isolate(self, keys: list[tuple[Job, int]], exc: Exception, preemptible: bool = False) -> None:
         """A failing micro-batch: split it and retry the halves so only the culprit fails (a bulk batch's halves
@@ -152,20 +155,34 @@ class MicroBatches:
         if len(keys) == 1:
             job, i = keys[0]
             log.warning("inputs[%d] of job %s failed in the model: %s", i, job.id, type(exc).__name__)
-            self._fail(job, errors.BackendError(f"inputs[{i}] failed in the model: {type(exc).__name__}"))
+            self._fail_item(keys[0], lambda i: errors.BackendError(f"inputs[{i}] failed in the model: "
+                                                                   f"{type(exc).__name__}"))
             return
         mid = len(keys) // 2
         self.run(keys[:mid], preemptible)
         self.run(keys[mid:], preemptible)
 
+    def _fail_item(self, key: tuple[Job, int], error: Callable[[int], errors.EmbedqError]) -> None:
+        """An item failed: its job fails, and the job of each rider of it (the same content fails the same way), each
+        with the error of its own item's index."""
+        for job, i in (key, *self.dedupe.riders(key)):
+            self._fail(job, error(i))
+
     def _store_rows(self, keys: list[tuple[Job, int]], rows: list[Any]) -> None:
-        for (job, i), row in zip(keys, rows):
-            if job.done or job.rows is None:
-                continue
-            job.rows[i] = row
-            job.remaining -= 1
-            if job.remaining == 0:
-                self._finish(job)
+        riders = self.dedupe.riders
+        for key, row in zip(keys, rows):
+            self._store(key, row)
+            for rider in riders(key):  # (each its own copy)
+                self._store(rider, self.dedupe.copy(row))
+
+    def _store(self, key: tuple[Job, int], row: Any) -> None:
+        job, i = key
+        if job.done or job.rows is None:
+            return
+        job.rows[i] = row
+        job.remaining -= 1
+        if job.remaining == 0:
+            self._finish(job)
 
 
 def _raising(exc: Exception) -> Callable[[], list[Any]]:

@@ -52,7 +52,8 @@ CATALOG: dict[str, tuple[str, str]] = {
     "broker_up": ("gauge", "1 if this worker's last read of the queue depths reached Redis, else 0."),
     "jobs_in_flight": ("gauge", "Jobs this worker holds: received and not yet acknowledged."),
     "items_in_flight": ("gauge", "Texts in the jobs this worker holds."),
-    "items_buffered": ("gauge", "Texts waiting in this worker's scheduler for a micro-batch."),
+    "items_buffered": ("gauge", "Texts waiting in this worker for a micro-batch (in its scheduler, or beside an "
+                       "identical one there)."),
     "prefetch_limit": ("gauge", "Messages the worker lets the broker deliver now (the prefetch window)."),
     "padding_ratio": ("gauge", "Share of computed tokens that were padding, over the last minute."),
     "tokens_per_second": ("gauge", "Real tokens through the model per second, over the last minute."),
@@ -252,7 +253,7 @@ class _Collector:
                 yield family
             for name in ("bulk_paused_seconds", "online_wait_seconds", "model_cpu_seconds"):
                 yield _counter(name, st[name])
-            yield _gauge("items_buffered", len(service.scheduler))
+            yield _gauge("items_buffered", len(service.scheduler) + service.dedupe.waiting)
             rates = m.rates.current()
             yield _gauge("padding_ratio", rates["padding_ratio"])
             yield _gauge("tokens_per_second", rates["tokens_per_s"])

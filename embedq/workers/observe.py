@@ -165,7 +165,8 @@ def embedq_stats(state: Any) -> dict[str, Any]:
     service = worker.service if worker is not None else None
     if service is None:
         return {"ready": False}
-    out = {**identity(worker), "buffered": len(service.scheduler), **window_stats(worker), **service.stats.snapshot()}
+    out = {**identity(worker), "buffered": len(service.scheduler) + service.dedupe.waiting, **window_stats(worker),
+           **service.stats.snapshot()}
     if getattr(service, "device", None):  # a host of the split layout: its device process's counters
         out["device_process"] = service.device
     return out

@@ -14,7 +14,8 @@ This module holds the service itself: intake (``submit_many``, ``cancel``), the 
 micro-batch next, suspects alone, deadlines, preemption) and liveness (``health``). Its parts live beside it:
 the job record and its callbacks in ``workers/jobs.py``; launching a micro-batch, landing it and storing its rows
 (two in flight on an async device) in ``workers/inflight.py`` (:class:`~embedq.workers.inflight.MicroBatches`,
-which the service owns as ``batches``); the results thread in ``workers/outbox.py``.
+which the service owns as ``batches``); identical items run once in ``workers/dedupe.py`` (``dedupe``, between the
+intake and the scheduler); the results thread in ``workers/outbox.py``.
 
 **Preemption (issue 18).** A bulk micro-batch runs with a hook before each of the model's layers
 (``backend.between_layers``). When online items wait there, the inference thread runs micro-batches of them to
@@ -40,6 +41,7 @@ from embedq.batching import Scheduler
 from embedq.batching.traffic import ONLINE, Deadlines, TrafficScheduler
 from embedq.settings import Settings
 from embedq.workers import hooks, memory
+from embedq.workers.dedupe import Dedupe
 from embedq.workers.inflight import Flight, MicroBatches
 from embedq.workers.jobs import DoneCallback, DoneManyCallback, Job, expired
 from embedq.workers.outbox import Outbox
@@ -84,6 +86,8 @@ class EmbeddingService:
             log.warning("%s: online jobs cannot preempt bulk micro-batches: %s. While online jobs are about, "
                         "micro-batches with bulk texts are capped at %d padded tokens instead (online_batch_tokens)",
                         self.info.model_id, self.preemption_blocker, self.scheduler.online_tokens)
+        # Identical items waiting at the same time run once (workers/dedupe.py, issue 57).
+        self.dedupe = Dedupe(self.scheduler, self.stats, settings.dedupe)
         self._preempt_exclude: frozenset[str] = frozenset()  # clients of the running preemptible online batch
         # Liveness (read by the worker's watchdog, see health()): when the inference thread last showed progress.
         self.beat = time.monotonic()
@@ -96,7 +100,7 @@ class EmbeddingService:
         self._thread = threading.Thread(target=self._loop, name="embedq-inference", daemon=True)
         self.hooks = hooks.installed()  # seams for a program that steers the worker (workers/hooks.py)
         # The micro-batches in the model (workers/inflight.py), the jobs of which are in the model now included.
-        self.batches = MicroBatches(backend, self.stats, metrics, at_point=self._at_point, fail=self.fail,
+        self.batches = MicroBatches(backend, self.stats, metrics, self.dedupe, at_point=self._at_point, fail=self.fail,
                                     before_launch=lambda keys: self.hooks.before_launch(self, keys),
                                     finish=self._finish, progress=self._progress)
         self.memory_policy = memory_policy or settings.memory_policy  # in force (auto settles on one)
@@ -201,7 +205,7 @@ class EmbeddingService:
                     # Longest first within the job: the scheduler anchors each batch on its oldest item, so a job's
                     # items then feed it like a length-sorted sweep (bench/peers.py: 4.0 % padding instead of 5.5 %
                     # on 32-text jobs). Order within a job changes nothing else: its result waits for all of them.
-                    order = sorted(range(job.n_items), key=job.cost, reverse=True)
+                    order = sorted(self.dedupe.add(job), key=job.cost, reverse=True)
                     self.scheduler.add_many([((job, i), job.cost(i)) for i in order], job.traffic_class,
                                             job.client)
                 if job.deadline is not None:
@@ -233,7 +237,7 @@ class EmbeddingService:
             if job.done or job.started is not None:
                 return False
             job.done, job.rows = True, None
-            self.scheduler.discard((job, i) for i in range(job.n_items))
+            self.scheduler.discard(self.dedupe.discard([(job, i) for i in range(job.n_items)]))
             if job in self._suspects:
                 self._suspects.remove(job)
         self.stats.add(jobs_cancelled=1, items_cancelled=job.size)
@@ -284,20 +288,19 @@ class EmbeddingService:
                             suspect = self._suspects.popleft()
                             starting = self._start([suspect])
                     elif len(self.scheduler):
-                        batch = self.scheduler.next_batch()
-                        starting = self._start(item.key[0] for item in batch)
+                        # Whether online batches may pause this one, and whose may not (the running online batch's
+                        # clients: they wait for it); identical items run once (workers/dedupe.py).
+                        batch, jobs, exclude = self.dedupe.take([item.key for item in self.scheduler.next_batch()],
+                                                                self._preemption)
+                        starting = self._start(jobs)
             if suspect is not None or batch is not None:
                 self._started(starting)
             try:
                 if suspect is not None:
                     self._run_alone(suspect)
                 elif batch is not None:
-                    keys = [item.key for item in batch]
-                    # Whether online batches may pause this one, and whose may not (the running online batch's
-                    # clients: they wait for it).
-                    exclude = self.scheduler.preemption((job.traffic_class, job.client) for job, _ in keys)
                     self._preempt_exclude = exclude or frozenset()
-                    flight = self.batches.launch(keys, exclude is not None)
+                    flight = self.batches.launch(batch, exclude is not None)
                     if self.backend.launches_async:  # the last one lands now, this one after the next launch
                         flight, pending = pending, flight
                     if flight is not None:
@@ -322,6 +325,9 @@ class EmbeddingService:
         """Under the lock (a hook's ``before_pick``): wait up to ``seconds``, letting jobs arrive meanwhile; returns
         sooner on new work or a stop."""
         self._cond.wait(seconds)
+
+    def _preemption(self, keys: list[tuple[Job, int]]) -> frozenset[str] | None:
+        return self.scheduler.preemption((job.traffic_class, job.client) for job, _ in keys)
 
     def _start(self, jobs: Any) -> list[Job]:
         """Under the lock: mark the jobs among ``jobs`` whose first micro-batch starts now; returns them."""
@@ -381,10 +387,11 @@ class EmbeddingService:
                     batch = self.scheduler.next_online_batch(exclude)
                     if not batch:
                         break
-                    starting = self._start(item.key[0] for item in batch)
+                    keys, jobs, _ = self.dedupe.take([item.key for item in batch], _unhooked)
+                    starting = self._start(jobs)
                 self._started(starting)
                 ran += 1
-                self.batches.run([item.key for item in batch])
+                self.batches.run(keys)
         except Exception:  # the bulk batch must go on whatever happened to the online one
             log.exception("a preempting micro-batch failed")
         if ran:
@@ -474,9 +481,14 @@ class EmbeddingService:
             return
         job.done, job.rows = True, None
         with self._cond:
-            self.scheduler.discard((job, i) for i in range(job.n_items))
+            self.scheduler.discard(self.dedupe.discard([(job, i) for i in range(job.n_items)]))
         self.count_failure(exc.code, job.size)
         self._outbox.put(job, exc)
+
+def _unhooked(keys: list[tuple[Job, int]]) -> None:
+    """An online micro-batch at a preemption point runs whole: nothing pauses it."""
+    return None
+
 
 def _model_aliases(*names: str) -> set[str]:
     out: set[str] = set()

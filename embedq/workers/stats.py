@@ -33,6 +33,8 @@ COUNTERS: dict[str, str] = {
     "preemptions": "Times a bulk micro-batch was paused between two layers to run online micro-batches.",
     "preempting_batches": "Online micro-batches run while a bulk micro-batch was paused.",
     "online_started": "Online jobs whose first micro-batch started.",
+    "items_deduplicated": "Items not run through the model because an identical item (same token ids, prompt and "
+    "head) waiting at the same time was: each got a copy of its row (EMBEDQ_DEDUPE).",
     "canvas_failures": "Jobs whose Celery canvas work (callbacks, a chain's next step, a chord part) failed for good: "
     "over EMBEDQ_CANVAS_MAX_BYTES, refused by the broker, or refused by admission; their errbacks ran.",
 }
@@ -48,7 +50,7 @@ LABELLED: dict[str, tuple[str, str, str]] = {
 #: What only the process that runs the micro-batches counts: a split worker's device process exports these (and
 #: LABELLED's by-class and by-kind items, and TIMERS' waits), its hosts the rest (embedq/workers/metrics.py).
 MODEL_COUNTERS = ("batches", "items", "real_tokens", "padded_tokens", "isolated_runs", "preemptions",
-                  "preempting_batches", "online_started")
+                  "preempting_batches", "online_started", "items_deduplicated")
 MODEL_LABELLED = ("items_by_class", "items_by_kind")
 #: Largest values seen (gauges of the run so far).
 PEAKS = ("max_batch_cost", "max_batch_items")
