@@ -5,6 +5,7 @@ its tests/test_index_<db>.py.) A gated worker of the fake model (its ``items`` c
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import subprocess
@@ -202,3 +203,25 @@ def test_b_a_reindex_killed_midway_then_run_again_equals_a_fresh_run(fake_worker
     assert summary["pruned"] == 60
     index(fake_worker.settings, v2, store.url("fresh"))
     _assert_same(store.read("docs"), store.read("fresh"))
+
+
+def test_reuse_last_nights_parquet_into_tonights_pgvector_table(fake_worker, pg, tmp_path):
+    """--reuse across formats: the first version in Parquet, the second into a new pgvector table, taking the stored
+    rows of every unchanged text: only the edited and new texts (and the probe) reach the model."""
+    first, second = versions(1000)
+    parquet = tmp_path / "last.parquet"
+    index(fake_worker.settings, write_jsonl(tmp_path / "v1.jsonl", first), str(parquet))
+    table = Pgvector(pg, tmp_path)
+    v2 = write_jsonl(tmp_path / "v2.jsonl", second)
+    fake_worker.settle()
+    before = fake_worker.stats()["items"]
+    summary = index(fake_worker.settings, v2, table.url("docs"), "--reuse", str(parquet))
+    fake_worker.settle()
+    assert fake_worker.stats()["items"] - before <= 0.16 * len(second) + 1
+    assert summary["reused"] >= 0.8 * len(second)
+    index(fake_worker.settings, v2, table.url("fresh"))
+    _assert_same(table.read("docs"), table.read("fresh"))
+    with pg.connect(table.db) as conn:  # the manifest records the run
+        record = conn.execute("SELECT manifest FROM embedq_index WHERE name = 'docs'").fetchone()[0]
+    record = json.loads(record) if isinstance(record, str) else record
+    assert record["runs"][-1]["reused"] == summary["reused"]

@@ -485,6 +485,7 @@ class EmbeddingService:
         self.count_failure(exc.code, job.size)
         self._outbox.put(job, exc)
 
+
 def _unhooked(keys: list[tuple[Job, int]]) -> None:
     """An online micro-batch at a preemption point runs whole: nothing pauses it."""
     return None

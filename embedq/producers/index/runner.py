@@ -311,6 +311,7 @@ class Indexer:
             m.complete = complete and not s.failed
             m.runs = [*m.runs[-19:], {"finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "input": s.input,
                                       "texts": s.texts, "skipped": s.skipped, "failed": s.failed,
+                                      "reused": s.reused, "replaced": s.replaced, "pruned": s.pruned,
                                       "seconds": round(s.seconds, 1), "interrupted": not complete,
                                       "workers": dict(s.workers)}]
             self.sink.save_manifest()
