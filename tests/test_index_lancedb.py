@@ -177,7 +177,7 @@ def test_b_multi_vectors_into_lancedb_equal_the_client(worker, corpus, tmp_path)
     assert data.schema.field("vectors").type == pa.list_(lancedb.vector(384))  # LanceDB's multivector
     assert _columns(data) == ["id", "vectors", "text"]
     assert _manifest(tbl)["options"]["kind"] == "multi"
-    rows = {i: (v, t) for i, v, t in zip(*(data.column(c).to_pylist() for c in data.column_names))}
+    rows = {i: (v, t) for i, v, t in zip(*(data.column(c).to_pylist() for c in ("id", "vectors", "text")))}
     assert sorted(rows) == sorted(ids)
     want = worker.client.embed_all(texts, timeout=300)
     for doc, text, mine in zip(ids, texts, want):

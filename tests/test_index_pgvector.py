@@ -403,7 +403,8 @@ def test_b_bge_m3_into_pgvector_0_8_is_dense_and_lexical_equal_to_the_client(m3_
                                "'m3'::regclass AND attnum > 0 AND NOT attisdropped ORDER BY attnum").fetchall()
         rows = {i: (d, s) for i, d, s in conn.execute("SELECT id, dense, lexical FROM m3").fetchall()}
         indexes = [r[0] for r in conn.execute("SELECT indexdef FROM pg_indexes WHERE tablename = 'm3'").fetchall()]
-    assert columns == [("id", "text"), ("dense", f"vector({want.dense.shape[1]})"), ("lexical", f"sparsevec({vocab})")]
+    assert columns == [("id", "text"), ("dense", f"vector({want.dense.shape[1]})"), ("lexical", f"sparsevec({vocab})"),
+                       ("content_hash", "bytea")]
     assert sum("USING hnsw (lexical sparsevec_ip_ops)" in d for d in indexes) == 1, indexes
     assert sorted(rows) == sorted(ids)
     assert any(len(want.lexical[k]) == 0 for k in range(len(texts)))  # an empty sparsevec is stored too

@@ -79,6 +79,11 @@ def _children(proc) -> dict[str, int]:
     return out
 
 
+def _run_or_shared(stats: dict) -> int:
+    """Items the model ran, and items that took an identical item's row (workers/dedupe.py)."""
+    return stats.get("items", 0) + stats.get("items_deduplicated", 0)
+
+
 def _texts(n: int, tag: str) -> list[str]:
     return [f"{tag} text {i} about coalescing workers and one device" for i in range(n)]
 
@@ -150,7 +155,8 @@ def test_jobs_through_the_device_process_equal_the_model_alone(split):
 
     def parts():  # each host's counters, with its device process's (STATS, once a second)
         stats = [s for node, s in client.workers(2).items() if f"-{proc.pid}-r" in node]
-        return len(stats) == HOSTS and all(s.get("device_process", {}).get("items", 0) >= len(texts) for s in stats)
+        # (the fake model tokenizes some of these texts alike: those run once, issue 57)
+        return len(stats) == HOSTS and all(_run_or_shared(s.get("device_process", {})) >= len(texts) for s in stats)
 
     _wait(parts, "every host shows the device process's counters")
     stats = list(client.workers(2).values())
@@ -163,7 +169,8 @@ def test_jobs_through_the_device_process_equal_the_model_alone(split):
     device = _scrape(settings.metrics_port + METRICS_PORT_STEP * HOSTS)
     assert device["embedq_device_process_info"] == 1 and "embedq_worker_info" not in device
     assert "embedq_broker_up" not in device and all(h["embedq_broker_up"] == 1 for h in hosts)
-    assert device["embedq_items_total"] == len(texts) and device["embedq_batches_total"] >= 1
+    assert device["embedq_items_total"] + device["embedq_items_deduplicated_total"] == len(texts)
+    assert device["embedq_batches_total"] >= 1
     assert device["embedq_batch_items_count"] == device["embedq_batches_total"]
     assert all(h["embedq_items_total"] == 0 and h["embedq_worker_info"] == 1 for h in hosts)
     assert sum(h["embedq_jobs_succeeded_total"] for h in hosts) == len(handles)
