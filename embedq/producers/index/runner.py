@@ -5,7 +5,9 @@ Records are read one at a time, checked (id, duplicates, text) and grouped into 
 sent many at a time (``Client.submit_many``: the window is refilled once half of it is collected) and
 collected oldest first, many per round trip (``Client.collect``), written, and deleted from Redis at
 once, so memory here and in Redis is bounded by the window however large the input. Ids already in the
-output are skipped, which is how a run continues after an interruption.
+output with the same text (content hash) are skipped, which is how a run continues after an interruption and
+how a changed corpus is re-indexed (edited ids replaced, ``--prune``); a text the run has a vector of, coming or
+stored, is not embedded again (``repeats.py``, written by ``rows.py``).
 
 Failure handling, per job:
 - a text the job's worker refuses (``empty_text``, ``too_many_tokens``, ...) fails the whole job, so
