@@ -197,3 +197,20 @@ def test_reindexed_vectors_of_a_real_model_equal_a_fresh_run(worker, tmp_path):
     assert summary["texts"] <= 0.16 * len(second)
     index(worker.settings, v2, str(tmp_path / "fresh.parquet"))
     assert_same_output(read_parquet(out), read_parquet(tmp_path / "fresh.parquet"))
+
+
+def test_prune_and_reuse_are_refused_for_outputs_that_keep_no_hashes(fake_worker, tmp_path):
+    """NPY and JSONL keep no content hashes: --prune is refused before anything is embedded (the new output is removed),
+    and such an output is no --reuse source."""
+    src = write_jsonl(tmp_path / "in.jsonl", [(f"doc-{i}", text) for i, text in enumerate(load_corpus(20))])
+    fake_worker.settle()
+    before = fake_worker.stats()["items"]
+    proc = subprocess.run(index_cmd(src, str(tmp_path / "out.npy"), "--prune"), env=env(fake_worker.settings),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--prune" in proc.stderr and "cannot remove rows" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out.npy").exists() and not (tmp_path / "out.npy.embedq.json").exists()
+    index(fake_worker.settings, src, str(tmp_path / "made.jsonl"))
+    proc = subprocess.run(index_cmd(src, str(tmp_path / "other.parquet"), "--reuse", str(tmp_path / "made.jsonl")),
+                          env=env(fake_worker.settings), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "keeps no content hashes" in proc.stderr, proc.stderr
+    assert fake_worker.stats()["items"] - before == 20  # the one run that embedded (no probe: a new output)
