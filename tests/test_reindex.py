@@ -214,3 +214,28 @@ def test_prune_and_reuse_are_refused_for_outputs_that_keep_no_hashes(fake_worker
                           env=env(fake_worker.settings), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "keeps no content hashes" in proc.stderr, proc.stderr
     assert fake_worker.stats()["items"] - before == 20  # the one run that embedded (no probe: a new output)
+
+
+def test_repeats_of_written_rows_are_read_back_while_the_run_goes_on(fake_worker, tmp_path, monkeypatch):
+    """A run whose deferred repeats reach the bound (``DEFER_MAX``, lowered here) commits and writes them from the
+    rows it stored, mid-run, instead of holding them to its end: each text once, every id with its text's vector."""
+    from embedq.producers.client import Client
+    from embedq.producers.index import runner
+
+    monkeypatch.setattr(runner, "DEFER_MAX", 16)
+    texts = load_corpus(200)
+    pairs = [(f"a-{i}", t) for i, t in enumerate(texts)] + [(f"b-{i}", t) for i, t in enumerate(texts)]
+    out = tmp_path / "out.parquet"
+    fake_worker.settle()
+    before = fake_worker.stats()["items"]
+    with Client(fake_worker.settings) as client:
+        summary = runner.run_index(client, str(write_jsonl(tmp_path / "in.jsonl", pairs)), out,
+                                   config=IndexConfig(chunk_size=16, max_in_flight=2, progress=False))
+    fake_worker.settle()
+    assert fake_worker.stats()["items"] - before == len(set(texts))
+    assert summary.texts == len(set(texts)) and summary.texts + summary.reused == len(pairs)
+    parts = json.loads((out / "_embedq.json").read_text())["parts"]
+    assert len(parts) > 2  # committed along the way (each resolve commits first), not only at the end
+    got = read_parquet(out)
+    for i, text in enumerate(texts):
+        np.testing.assert_allclose(got[f"b-{i}"], got[f"a-{texts.index(text)}"], atol=1e-6)
