@@ -174,7 +174,11 @@ def _v(samples, name: str, **labels) -> float:
 
 
 def _idle(samples):
-    return samples if _v(samples, "embedq_jobs_in_flight") == 0 else None
+    """The worker holds no job, and every job it received has been observed (``job_seconds``: on the consumer thread,
+    after the result is stored; the window's gauge alone can say 0 before the last ones are)."""
+    observed = sum(v for (name, _), v in samples.items() if name == "embedq_job_seconds_count")
+    done = _v(samples, "embedq_jobs_in_flight") == 0 and observed >= _v(samples, "embedq_jobs_received_total")
+    return samples if done else None
 
 
 def _delta(after, before, name: str, **labels) -> float:
