@@ -63,6 +63,7 @@ def test_b_reindexing_a_changed_corpus_embeds_only_what_changed(fake_worker, tmp
     assert s["pruned"] == len(case.first) - (len(second) - sum(i.startswith("new-") for i, _ in second))
     assert s["replaced"] == edited
     assert s["skipped"] + s["texts"] + s["reused"] == len(second)
+    assert s["rows"] == len(second)  # the manifest counts what the output holds (replaced and pruned rows gone)
     assert_same_output(read_parquet(tmp_path / "out.parquet"), read_parquet(tmp_path / "fresh.parquet"))
     assert not [p.name for p in (tmp_path / "out.parquet").iterdir() if p.name.startswith(".")]
 

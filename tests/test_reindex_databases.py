@@ -175,6 +175,7 @@ def test_b_a_changed_corpus_reindexed_into_a_database_equals_a_fresh_run(fake_wo
     case = reindex_case(fake_worker, tmp_path, store.url("docs"), store.url("fresh"))
     assert case.model_items <= 0.16 * len(case.second), case.model_items
     assert case.summary["pruned"] == 200 and case.summary["replaced"] == 400
+    assert case.summary["rows"] == len(case.second)
     _assert_same(store.read("docs"), store.read("fresh"))
 
 
