@@ -79,7 +79,8 @@ class Indexer:
         self.readers: list[Sink] = []  # --reuse outputs
         self.repeats: Repeats | None = None
         self.rows: RowWriter | None = None
-        self.hasher = ContentHasher({}, config.vector_dtype)  # made again for the options the output is opened with
+        self.options: dict[str, Any] = {}  # the output's storage options, once the kind is fitted to the target
+        self.hasher: ContentHasher | None = None  # content hashes under those options
         self.bar: Any = None
         self.stop = Stopper()
         self._full_noted = False
@@ -94,6 +95,8 @@ class Indexer:
         self.target.check_input(self.source.path)
         self.target.check()  # a database reached and its table checked before the broker (a file: when opened)
         self._fit_kind()
+        self.options = storage_options(self.config.options, self.kind)
+        self.hasher = ContentHasher(self.options, self.config.vector_dtype)
         t0 = time.perf_counter()
         restore = self.stop.catch()
         try:
@@ -116,10 +119,9 @@ class Indexer:
     def _open_readers(self) -> None:
         """``--reuse``: each output opened to read rows back, checked against this run's options before anything is
         embedded (its space once the run's is known: :meth:`_probe`)."""
-        options = storage_options(self.config.options, self.kind)
         for spec in self.config.reuse:
             target = output_target(spec, None, self.config)
-            self.readers.append(target.open_reader(vector_dtype=self.config.vector_dtype, options=options))
+            self.readers.append(target.open_reader(vector_dtype=self.config.vector_dtype, options=self.options))
 
     def _fit_kind(self) -> None:
         """The kind as the target stores it (a database says which column shapes it cannot store): outputs it cannot
@@ -144,10 +146,8 @@ class Indexer:
 
     def _stream(self, records: Iterator[Record], t0: float) -> None:
         created = not self.target.exists()
-        options = storage_options(self.config.options, self.kind)
-        self.hasher = ContentHasher(options, self.config.vector_dtype)
         with self.stop.writing(then_stop=False):  # a stop asked meanwhile: at the check below
-            self.sink = self.target.open(vector_dtype=self.config.vector_dtype, options=options,
+            self.sink = self.target.open(vector_dtype=self.config.vector_dtype, options=self.options,
                                          shard_rows=self.config.shard_rows, overwrite=self.config.overwrite)
         self.summary.errors_file = str(self.errors_path)
         self._last_commit = time.monotonic()
@@ -213,7 +213,7 @@ class Indexer:
         self.stop.check()
 
     def _loop(self, records: Iterator[Record]) -> None:
-        assert self.sink is not None and self.repeats is not None
+        assert self.sink is not None and self.repeats is not None and self.hasher is not None
         self._chunk = Chunk([], [])
         self._staged: list[Chunk] = []  # full chunks not sent yet: sent together once the window has room for them
         limits = self.client.settings
