@@ -159,6 +159,19 @@ def redis_server():
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def pg(tmp_path_factory):
+    """One PostgreSQL cluster with pgvector (the ``pgserver`` wheel, tests/pgcluster.py) for the session: the modules
+    that write into PostgreSQL each make databases of their own in it."""
+    pytest.importorskip("psycopg")
+    pytest.importorskip("pgserver")
+    from pgcluster import PgCluster
+
+    cluster = PgCluster(tmp_path_factory.mktemp("pg") / "cluster").start()
+    yield cluster
+    cluster.stop()
+
+
 #: The workers and gateways this test process started (``STARTED``, in order) and those not stopped yet
 #: (``LIVE_PROCESSES``, by pid): a failing test's report shows the state and the end of the log of each one alive, and
 #: of each one the test itself started (stopped in its ``finally`` or not), so that a red CI log says whether a worker

@@ -12,12 +12,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 from conftest import ROOT_DIR, WorkerHandle
 
+from embedq.producers.index.content import ContentHasher
+from embedq.protocol import Fingerprint
 from embedq.settings import Settings
 
 #: acceptance a's 2,000 corpus texts: the short ones (under 400 characters, in corpus order) keep CI's time low
@@ -136,3 +138,46 @@ def kill_after_rows(command: list[str], environ: dict[str, str], cwd: Path, rows
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     return rows()
+
+
+def milvus_server_at(root: Path) -> Iterator[tuple[str, str]]:
+    """A module fixture's body: ``milvus-lite server`` on a free port of 127.0.0.1 with its data under ``root``, ready
+    when a client's call is answered; yields its ``milvus://`` URL and its client URI, and stops it after."""
+    import pymilvus
+
+    from embedq.producers.embedded import free_port
+
+    port = free_port()
+    with open(root / "server.log", "w") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("milvus-lite")), "server", "--data-dir",
+                                 str(root / "data"), "--host", "127.0.0.1", "--port", str(port)], stdout=log,
+                                stderr=subprocess.STDOUT)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, (root / "server.log").read_text()
+        try:
+            pymilvus.MilvusClient(uri=uri, timeout=2).list_collections()
+            break
+        except Exception:
+            assert time.monotonic() < deadline, (root / "server.log").read_text()
+            time.sleep(0.2)
+    yield f"milvus://127.0.0.1:{port}", uri
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+# -- the sinks' own tests of issue 57 (content hashes, replacing, pruning, reading back; no worker) ------------------
+#: A made-up embedding space of 4 dimensions, for rows written straight into a sink.
+SPACE4 = Fingerprint(model="m", weights_sha256="ab" * 32, pooling="mean", normalize=True, dimensions=4,
+                     dtype="float32", embedq_version="0")
+
+
+def random_rows(n: int, seed: int) -> np.ndarray:
+    """``n`` random float32 rows of :data:`SPACE4`'s dimension."""
+    return np.random.default_rng(seed).standard_normal((n, 4)).astype(np.float32)
+
+
+def text_hash(text: str) -> bytes:
+    """A text's content hash under the default options and float32 (``content.ContentHasher``)."""
+    return ContentHasher({}, "float32")(text)

@@ -2,24 +2,24 @@
 
 :func:`versions` makes two versions of the corpus: the first (4,000 texts, ids ``doc-N``) and the second, with 10 % of
 the texts edited, 5 % of the ids removed and 5 % new ids. :func:`index` runs ``embedq index`` as a user does (the CLI,
-in a process of its own), and :func:`reindex_case` the whole scenario against one output: the first version indexed,
-the second indexed into the same output with ``--prune`` (the worker's ``items`` counter says how many texts reached
-the model), and a fresh full run on the second version into another output; a test then compares the two outputs
-with its database's reader (same ids, vectors within 1e-6).
+in a process of its own: ``indexdb.run``), :func:`fake_worker` is a module fixture's gated fake-model worker, and
+:func:`reindex_case` runs the whole scenario against one output: the first version indexed, the second indexed into
+the same output with ``--prune`` (the worker's ``items`` counter says how many texts reached the model), and a fresh
+full run on the second version into another output; a test then compares the two outputs with its database's reader
+(same ids, vectors within 1e-6).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conftest import load_corpus
+from conftest import FAKE, WorkerHandle, gated_handle, load_corpus
+from indexdb import run
 
 from embedq.settings import Settings
 
@@ -47,22 +47,19 @@ def write_jsonl(path: Path, pairs: list[tuple[str, str]]) -> Path:
     return path
 
 
-def env(settings: Settings) -> dict[str, str]:
-    """The environment of an ``embedq index`` process on ``settings``' broker and queue (the suite's caches kept)."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_") or k.endswith(("_CACHE", "_MAX_WAIT"))}
-    return {**base, "EMBEDQ_BROKER_URL": settings.broker_url, "EMBEDQ_QUEUE": settings.queue_name}
+def index(settings: Settings, src: Path, out: str, *extra: str) -> dict[str, Any]:
+    """Run ``embedq index SRC -o OUT`` to its end (``indexdb.run``); its JSON summary (a failed run fails the test)."""
+    code, summary, out_text = run(settings, src, out, *extra)
+    assert code == 0, out_text
+    return summary
 
 
-def index_cmd(src: Path, out: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "embedq", "index", str(src), "-o", out, "-q", "--json", *extra]
-
-
-def index(settings: Settings, src: Path, out: str, *extra: str, timeout: float = 900) -> dict[str, Any]:
-    """Run ``embedq index SRC -o OUT`` to its end; its JSON summary (a failed run fails the test)."""
-    proc = subprocess.run(index_cmd(src, out, *extra), env=env(settings), capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+def fake_worker(redis_server: Any, root: Path, queue: str) -> Iterator[WorkerHandle]:
+    """A module's fixture body: a gated worker of the fake model on a queue of its own (its gate open unless a test
+    closes it), stopped after the module."""
+    handle = gated_handle(Settings(broker_url=redis_server.url, queue=queue, **FAKE), root / "worker.log")
+    yield handle
+    handle.stop()
 
 
 @dataclass

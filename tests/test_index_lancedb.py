@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from indexdb import (
+    SPACE4,
     bulk_vectors,
     cmd,
     corpus_texts,
@@ -19,17 +20,18 @@ from indexdb import (
     items_received,
     kill_after_rows,
     query_texts,
+    random_rows,
     run,
     run_without,
+    text_hash,
     write_jsonl,
 )
 
 from embedq import errors
-from embedq.producers.index.content import SCHEME, ContentHasher
+from embedq.producers.index.content import SCHEME
 from embedq.producers.index.idset import IdSet, digest
 from embedq.producers.index.runner import IndexConfig
 from embedq.producers.index.sinks.lancedb import Target as LanceTarget
-from embedq.protocol import Fingerprint
 from embedq.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -334,18 +336,6 @@ def test_float16_into_lancedb_is_a_half_vector_with_its_index(worker, corpus, tm
 
 
 # -- issue 57: content hashes, replacing, pruning, reading back (the sink itself: LanceDB's engine, no worker) ------
-FP = Fingerprint(model="m", weights_sha256="ab" * 32, pooling="mean", normalize=True, dimensions=4, dtype="float32",
-                 embedq_version="0")
-
-
-def _vectors(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((n, 4)).astype(np.float32)
-
-
-def _hash(text: str) -> bytes:
-    return ContentHasher({}, "float32")(text)
-
-
 def _open(db: Path, *, table: str = "docs", dtype: str = "float32", options: dict | None = None, hashes: bool = True):
     """The sink as the runner opens it: a new table records the content-hash scheme before its first write."""
     target = LanceTarget(_url(db, table), IndexConfig(vector_dtype=dtype))
@@ -356,8 +346,8 @@ def _open(db: Path, *, table: str = "docs", dtype: str = "float32", options: dic
 
 
 def _write(sink, ids: list[str], data, *, texts: list[str] | None = None) -> None:
-    sink.accept(FP)
-    assert sink.write(ids, data, None, [_hash(t) for t in (texts or ids)]) == []
+    sink.accept(SPACE4)
+    assert sink.write(ids, data, None, [text_hash(t) for t in (texts or ids)]) == []
     sink.commit()
     sink.close()
 
@@ -371,48 +361,48 @@ def _reader(db: Path, table: str = "docs", dtype: str = "float32", options: dict
 def test_57_rows_carry_their_content_hash_and_read_back_exactly(tmp_path, dtype):
     db = tmp_path / "db"
     ids = [f"d{i}" for i in range(300)]
-    vectors = _vectors(300, 1)
+    vectors = random_rows(300, 1)
     _write(_open(db, dtype=dtype), ids, vectors)
     tbl = _table(db)
     assert tbl.schema.field("content_hash").type == pa.binary(16)
     assert tbl.schema.names == ["id", "content_hash", "vector"]
     assert [i.columns for i in tbl.list_indices()] == [["content_hash"]]
     stored = dict(zip(*(tbl.to_arrow().column(c).to_pylist() for c in ("id", "content_hash"))))
-    assert stored == {i: _hash(i) for i in ids}
+    assert stored == {i: text_hash(i) for i in ids}
     assert _manifest(tbl)["content_hash"] == SCHEME
     again = _open(db, dtype=dtype)  # continuing: the ledger has each committed id's hash
-    assert all(again.ledger.hashes.get(digest(i)) == _hash(i) for i in ids)
-    want = [_hash("d7"), _hash("nowhere"), _hash("d250"), _hash("d7"), _hash("d3")]
+    assert all(again.ledger.hashes.get(digest(i)) == text_hash(i) for i in ids)
+    want = [text_hash("d7"), text_hash("nowhere"), text_hash("d250"), text_hash("d7"), text_hash("d3")]
     for sink in (again, _reader(db, dtype=dtype)):
         found, rows = sink.rows_by_hash(want)
-        assert found == [_hash("d7"), _hash("d250"), _hash("d3")]
+        assert found == [text_hash("d7"), text_hash("d250"), text_hash("d3")]
         assert rows.dtype == np.dtype(dtype) and rows.shape == (3, 4)
         np.testing.assert_array_equal(rows, vectors[[7, 250, 3]].astype(dtype))  # as stored, exactly
-        assert sink.rows_by_hash([_hash("nowhere")]) == ([], None)
+        assert sink.rows_by_hash([text_hash("nowhere")]) == ([], None)
         sink.close()
 
 
 def test_57_a_committed_id_written_again_replaces_its_row(tmp_path):
     db = tmp_path / "db"
-    _write(_open(db), ["a", "b", "c"], _vectors(3, 2))
+    _write(_open(db), ["a", "b", "c"], random_rows(3, 2))
     sink = _open(db)
-    new = _vectors(2, 3)
+    new = random_rows(2, 3)
     _write(sink, ["b", "d"], new, texts=["b edited", "d"])
     data = _table(db).to_arrow().sort_by("id")
     assert data.column("id").to_pylist() == ["a", "b", "c", "d"]  # b once, with its new vector and hash
     got = dict(zip(data.column("id").to_pylist(), np.asarray(data.column("vector").to_pylist(), np.float32)))
     np.testing.assert_array_equal(got["b"], new[0])
-    assert data.column("content_hash").to_pylist()[1] == _hash("b edited")
+    assert data.column("content_hash").to_pylist()[1] == text_hash("b edited")
     assert _manifest(_table(db))["rows"] == 4
     reader = _reader(db)
-    assert reader.rows_by_hash([_hash("b")]) == ([], None)  # the old row is gone
-    assert reader.ledger.hashes.get(digest("b")) == _hash("b edited") and reader.manifest.rows == 4
+    assert reader.rows_by_hash([text_hash("b")]) == ([], None)  # the old row is gone
+    assert reader.ledger.hashes.get(digest("b")) == text_hash("b edited") and reader.manifest.rows == 4
 
 
 def test_57_prune_deletes_the_ids_not_kept(tmp_path):
     db = tmp_path / "db"
     ids = ["a", "b", "it's", "c", "d"]
-    _write(_open(db), ids, _vectors(5, 4))
+    _write(_open(db), ids, random_rows(5, 4))
     keep = IdSet()
     for doc_id in ("a", "c", "zz"):
         keep.add(digest(doc_id))
@@ -431,15 +421,15 @@ def test_57_a_kinds_rows_read_back_as_its_columns(tmp_path):
     rows = [np.random.default_rng(k).standard_normal((k + 1, 4)).astype(np.float32) for k in range(3)]
     data = pa.table({"vectors": pa.array([r.tolist() for r in rows], pa.list_(pa.list_(pa.float32(), 4)))})
     _write(_open(db, options={"kind": "multi"}), ["x", "y", "z"], data)
-    found, got = _reader(db, options={"kind": "multi"}).rows_by_hash([_hash("z"), _hash("x")])
-    assert found == [_hash("z"), _hash("x")]
+    found, got = _reader(db, options={"kind": "multi"}).rows_by_hash([text_hash("z"), text_hash("x")])
+    assert found == [text_hash("z"), text_hash("x")]
     assert got.equals(data.take([2, 0]))
 
 
 def test_57_reuse_refuses_other_options_a_table_without_hashes_and_a_missing_one(tmp_path):
     db = tmp_path / "db"
-    _write(_open(db), ["a"], _vectors(1, 5))
-    _write(_open(db, table="legacy", hashes=False), ["a"], _vectors(1, 5))
+    _write(_open(db), ["a"], random_rows(1, 5))
+    _write(_open(db, table="legacy", hashes=False), ["a"], random_rows(1, 5))
     with pytest.raises(errors.OutputMismatch, match="was written with options"):
         _reader(db, options={"prompt": "query: "})
     with pytest.raises(errors.OutputMismatch, match="was written with vector_dtype"):
@@ -455,10 +445,10 @@ def test_57_reuse_refuses_other_options_a_table_without_hashes_and_a_missing_one
 
 def test_57_a_table_made_before_hashes_continues_by_id_alone(tmp_path):
     db = tmp_path / "db"
-    _write(_open(db, hashes=False), ["a", "b"], _vectors(2, 6))
+    _write(_open(db, hashes=False), ["a", "b"], random_rows(2, 6))
     sink = _open(db)  # an existing table: the runner records no scheme in its manifest
     assert not sink.ledger.keeps_hashes and len(sink.committed) == 2
-    _write(sink, ["c"], _vectors(1, 7))
+    _write(sink, ["c"], random_rows(1, 7))
     tbl = _table(db)
     assert tbl.schema.names == ["id", "vector"] and tbl.count_rows() == 3 and _manifest(tbl)["content_hash"] is None
 
@@ -470,7 +460,7 @@ def test_57_an_adopted_empty_table_gets_the_hash_column_with_its_first_rows(tmp_
                                                                                           lancedb.vector(4))]))
     sink = _open(db)
     sink.manifest.content_hash = SCHEME  # a new output to the runner: nothing of embedq's in it
-    _write(sink, ["a", "b"], _vectors(2, 8))
+    _write(sink, ["a", "b"], random_rows(2, 8))
     tbl = _table(db)
     assert sorted(tbl.schema.names) == ["content_hash", "id", "vector"] and tbl.count_rows() == 2
-    assert _reader(db).rows_by_hash([_hash("b")])[0] == [_hash("b")]
+    assert _reader(db).rows_by_hash([text_hash("b")])[0] == [text_hash("b")]

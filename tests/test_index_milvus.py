@@ -8,33 +8,34 @@ import contextlib
 import hashlib
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from indexdb import (
+    SPACE4,
     bulk_vectors,
     cmd,
     corpus_texts,
     env,
     items_received,
     kill_after_rows,
+    milvus_server_at,
     query_texts,
+    random_rows,
     run,
     run_without,
+    text_hash,
     write_jsonl,
 )
 
 from embedq import errors
 from embedq.producers.embedded import free_port
-from embedq.producers.index.content import SCHEME, ContentHasher
+from embedq.producers.index.content import SCHEME
 from embedq.producers.index.idset import IdSet, digest
 from embedq.producers.index.runner import IndexConfig
 from embedq.producers.index.sinks.milvus import Target as MilvusTarget
-from embedq.protocol import Fingerprint
 
 pytestmark = pytest.mark.integration
 pymilvus = pytest.importorskip("pymilvus")
@@ -43,26 +44,8 @@ pytest.importorskip("milvus_lite")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """``milvus-lite server`` on a free port of 127.0.0.1, ready when a client's call is answered."""
-    root = tmp_path_factory.mktemp("milvus-server")
-    port = free_port()
-    with open(root / "server.log", "w") as log:  # the child keeps its own descriptor
-        proc = subprocess.Popen([str(Path(sys.executable).with_name("milvus-lite")), "server", "--data-dir",
-                                 str(root / "data"), "--host", "127.0.0.1", "--port", str(port)], stdout=log,
-                                stderr=subprocess.STDOUT)
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, (root / "server.log").read_text()
-        try:
-            pymilvus.MilvusClient(uri=uri, timeout=2).list_collections()
-            break
-        except Exception:
-            assert time.monotonic() < deadline, (root / "server.log").read_text()
-            time.sleep(0.2)
-    yield f"milvus://127.0.0.1:{port}", uri
-    proc.terminate()
-    proc.wait(timeout=30)
+    """``milvus-lite server`` on a free port of 127.0.0.1 (``indexdb.milvus_server_at``)."""
+    yield from milvus_server_at(tmp_path_factory.mktemp("milvus-server"))
 
 
 @contextlib.contextmanager
@@ -410,18 +393,6 @@ def test_a_second_writer_is_refused(worker, corpus, tmp_path):
 
 
 # -- issue 57: content hashes, replacing, pruning, reading back (the sink itself, on the module's server) ------------
-FP = Fingerprint(model="m", weights_sha256="ab" * 32, pooling="mean", normalize=True, dimensions=4, dtype="float32",
-                 embedq_version="0")
-
-
-def _vectors(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((n, 4)).astype(np.float32)
-
-
-def _hash(text: str) -> bytes:
-    return ContentHasher({}, "float32")(text)
-
-
 def _target(url: str, collection: str):
     if url.startswith("milvus://127.0.0.1"):
         # this process's channel to the module's server may have been sent a GOAWAY while idle (``_client``): made
@@ -441,8 +412,8 @@ def _open(url: str, collection: str, *, hashes: bool = True, options: dict | Non
 
 
 def _write(sink, ids: list[str], data, *, texts: list[str] | None = None) -> None:
-    sink.accept(FP)
-    assert sink.write(ids, data, None, [_hash(t) for t in (texts or ids)]) == []
+    sink.accept(SPACE4)
+    assert sink.write(ids, data, None, [text_hash(t) for t in (texts or ids)]) == []
     sink.commit()
     sink.close()
 
@@ -454,7 +425,7 @@ def _reader(url: str, collection: str, *, options: dict | None = None, dtype: st
 def test_57_rows_carry_their_content_hash_and_read_back_exactly(server):
     url, uri = server
     ids = [f"d{i}" for i in range(300)]
-    vectors = _vectors(300, 1)
+    vectors = random_rows(300, 1)
     _write(_open(url, "h57"), ids, vectors)
     fields = _fields(uri, "h57")
     assert list(fields) == ["id", "content_hash", "vector"]
@@ -462,32 +433,32 @@ def test_57_rows_carry_their_content_hash_and_read_back_exactly(server):
     assert fields["content_hash"]["params"]["max_length"] == 32
     assert _index(uri, "h57", "content_hash")["index_type"] == "INVERTED"
     assert {r["id"]: r["content_hash"] for r in _all(uri, "h57", ["id", "content_hash"])} == \
-        {i: _hash(i).hex() for i in ids}
+        {i: text_hash(i).hex() for i in ids}
     assert _manifest(uri, "h57")["content_hash"] == SCHEME
     again = _open(url, "h57")  # continuing: the ledger has each committed id's hash
-    assert all(again.ledger.hashes.get(digest(i)) == _hash(i) for i in ids)
-    want = [_hash("d7"), _hash("nowhere"), _hash("d250"), _hash("d7"), _hash("d3")]
+    assert all(again.ledger.hashes.get(digest(i)) == text_hash(i) for i in ids)
+    want = [text_hash("d7"), text_hash("nowhere"), text_hash("d250"), text_hash("d7"), text_hash("d3")]
     for sink in (again, _reader(url, "h57")):
         found, rows = sink.rows_by_hash(want)
-        assert found == [_hash("d7"), _hash("d250"), _hash("d3")]
+        assert found == [text_hash("d7"), text_hash("d250"), text_hash("d3")]
         assert rows.dtype == np.float32 and rows.shape == (3, 4)
         np.testing.assert_array_equal(rows, vectors[[7, 250, 3]])  # FLOAT_VECTOR: as written, exactly
-        assert sink.rows_by_hash([_hash("nowhere")]) == ([], None)
+        assert sink.rows_by_hash([text_hash("nowhere")]) == ([], None)
         sink.close()
 
 
 def test_57_a_committed_id_written_again_replaces_its_row_and_prune_deletes_the_rest(server):
     url, uri = server
-    _write(_open(url, "r57"), ["a", "b", "c", "it's", "né"], _vectors(5, 2))
-    new = _vectors(2, 3)
+    _write(_open(url, "r57"), ["a", "b", "c", "it's", "né"], random_rows(5, 2))
+    new = random_rows(2, 3)
     _write(_open(url, "r57"), ["b", "d"], new, texts=["b edited", "d"])
     rows = {r["id"]: r for r in _all(uri, "r57", ["id", "content_hash", "vector"])}
     assert sorted(rows) == sorted(["a", "b", "c", "d", "it's", "né"])  # b once, with its new vector and hash
     np.testing.assert_array_equal(np.asarray(rows["b"]["vector"], np.float32), new[0])
-    assert rows["b"]["content_hash"] == _hash("b edited").hex() and _manifest(uri, "r57")["rows"] == 6
+    assert rows["b"]["content_hash"] == text_hash("b edited").hex() and _manifest(uri, "r57")["rows"] == 6
     reader = _reader(url, "r57")
-    assert reader.rows_by_hash([_hash("b")]) == ([], None)  # the old row is gone
-    assert reader.ledger.hashes.get(digest("b")) == _hash("b edited")
+    assert reader.rows_by_hash([text_hash("b")]) == ([], None)  # the old row is gone
+    assert reader.ledger.hashes.get(digest("b")) == text_hash("b edited")
     reader.close()
     keep = IdSet()
     for doc_id in ("a", "d", "zz"):
@@ -502,8 +473,8 @@ def test_57_a_committed_id_written_again_replaces_its_row_and_prune_deletes_the_
 
 def test_57_reuse_refuses_other_options_a_collection_without_hashes_and_a_missing_one(server, tmp_path):
     url, _ = server
-    _write(_open(url, "o57"), ["a"], _vectors(1, 5))
-    _write(_open(url, "legacy57", hashes=False), ["a"], _vectors(1, 5))
+    _write(_open(url, "o57"), ["a"], random_rows(1, 5))
+    _write(_open(url, "legacy57", hashes=False), ["a"], random_rows(1, 5))
     with pytest.raises(errors.OutputMismatch, match="was written with options"):
         _reader(url, "o57", options={"prompt": "query: "})
     with pytest.raises(errors.InvalidOption, match="keeps no content hashes"):
@@ -517,9 +488,9 @@ def test_57_reuse_refuses_other_options_a_collection_without_hashes_and_a_missin
 
 def test_57_a_collection_made_before_hashes_continues_by_id_alone(server):
     url, uri = server
-    _write(_open(url, "l57", hashes=False), ["a", "b"], _vectors(2, 6))
+    _write(_open(url, "l57", hashes=False), ["a", "b"], random_rows(2, 6))
     sink = _open(url, "l57")  # an existing collection: the runner records no scheme in its manifest
     assert not sink.ledger.keeps_hashes and len(sink.committed) == 2
-    _write(sink, ["c"], _vectors(1, 7))
+    _write(sink, ["c"], random_rows(1, 7))
     assert list(_fields(uri, "l57")) == ["id", "vector"] and _rows(uri, "l57") == 3
     assert _manifest(uri, "l57")["content_hash"] is None

@@ -35,15 +35,6 @@ psycopg = pytest.importorskip("psycopg")
 pytest.importorskip("pgserver")
 pgvector_psycopg = pytest.importorskip("pgvector.psycopg")
 
-@pytest.fixture(scope="session")
-def pg(tmp_path_factory):
-    from pgcluster import PgCluster
-
-    cluster = PgCluster(tmp_path_factory.mktemp("pg") / "cluster").start()
-    yield cluster
-    cluster.stop()
-
-
 def _rows(conn, table: str) -> int:
     if conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is None:
         return 0

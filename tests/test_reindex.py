@@ -15,13 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FAKE, gated_handle, load_corpus
-from reindex import env, index, index_cmd, reindex_case, versions, write_jsonl
+import reindex
+from conftest import load_corpus
+from indexdb import cmd, env, run
+from reindex import index, reindex_case, versions, write_jsonl
 
 from embedq.producers.index.config import IndexConfig
 from embedq.producers.index.precheck import nothing_to_embed
 from embedq.producers.index.sources import Source
-from embedq.settings import Settings
 
 pytestmark = pytest.mark.integration
 pa = pytest.importorskip("pyarrow")
@@ -30,11 +31,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 @pytest.fixture(scope="module")
 def fake_worker(redis_server, tmp_path_factory):
-    """A gated worker of the fake model on a queue of its own (its gate open unless a test closes it)."""
-    settings = Settings(broker_url=redis_server.url, queue="embedq.test.reindex.fake", **FAKE)
-    handle = gated_handle(settings, tmp_path_factory.mktemp("reindex") / "worker.log")
-    yield handle
-    handle.stop()
+    yield from reindex.fake_worker(redis_server, tmp_path_factory.mktemp("reindex"), "embedq.test.reindex.fake")
 
 
 def read_parquet(out: Path) -> dict[str, np.ndarray]:
@@ -107,7 +104,7 @@ def test_b_a_reindex_killed_midway_ends_as_a_complete_one(fake_worker, tmp_path)
     at_start = parts()
     args = ("--prune", "--checkpoint-seconds", "0.2", "--chunk-size", "8", "--max-in-flight", "2")
     with fake_worker.gate_closed():
-        proc = subprocess.Popen(index_cmd(v2, str(out), *args), env=env(fake_worker.settings),
+        proc = subprocess.Popen(cmd(v2, str(out), *args), env=env(fake_worker.settings),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             # one micro-batch at a time: the next one comes once the indexer has written the last and sent more
@@ -175,18 +172,17 @@ def test_d_another_space_or_options_are_refused_before_anything_is_embedded(fake
         for args in ((src, str(out), *extra), (src, str(tmp_path / "other.parquet"), "--reuse", str(out), *extra)):
             fake_worker.settle()
             before = fake_worker.stats()["items"]
-            proc = subprocess.run(index_cmd(*args), env=env(fake_worker.settings), capture_output=True, text=True,
-                                  timeout=300)
-            assert proc.returncode == 2, (extra, proc.stderr)
-            assert "OutputMismatch" in proc.stderr or "output_mismatch" in proc.stderr or "was written with" in \
-                proc.stderr, proc.stderr
+            code, _, out_text = run(fake_worker.settings, *args)
+            assert code == 2, (extra, out_text)
+            assert "OutputMismatch" in out_text or "output_mismatch" in out_text or "was written with" in out_text, \
+                out_text
             assert fake_worker.stats()["items"] == before
     assert (out / "_embedq.json").read_text() == manifest
     # another model: MiniLM's worker against the fake model's output, as a target and as a --reuse source
     for args in ((src, str(out)), (src, str(tmp_path / "minilm.parquet"), "--reuse", str(out))):
-        proc = subprocess.run(index_cmd(*args), env=env(worker.settings), capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 2, proc.stderr
-        assert "another embedding space" in proc.stderr, proc.stderr
+        code, _, out_text = run(worker.settings, *args)
+        assert code == 2, out_text
+        assert "another embedding space" in out_text, out_text
 
 
 def test_reindexed_vectors_of_a_real_model_equal_a_fresh_run(worker, tmp_path):
@@ -206,14 +202,13 @@ def test_prune_and_reuse_are_refused_for_outputs_that_keep_no_hashes(fake_worker
     src = write_jsonl(tmp_path / "in.jsonl", [(f"doc-{i}", text) for i, text in enumerate(load_corpus(20))])
     fake_worker.settle()
     before = fake_worker.stats()["items"]
-    proc = subprocess.run(index_cmd(src, str(tmp_path / "out.npy"), "--prune"), env=env(fake_worker.settings),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "--prune" in proc.stderr and "cannot remove rows" in proc.stderr, proc.stderr
+    code, _, out_text = run(fake_worker.settings, src, str(tmp_path / "out.npy"), "--prune")
+    assert code == 2 and "--prune" in out_text and "cannot remove rows" in out_text, out_text
     assert not (tmp_path / "out.npy").exists() and not (tmp_path / "out.npy.embedq.json").exists()
     index(fake_worker.settings, src, str(tmp_path / "made.jsonl"))
-    proc = subprocess.run(index_cmd(src, str(tmp_path / "other.parquet"), "--reuse", str(tmp_path / "made.jsonl")),
-                          env=env(fake_worker.settings), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "keeps no content hashes" in proc.stderr, proc.stderr
+    code, _, out_text = run(fake_worker.settings, src, str(tmp_path / "other.parquet"), "--reuse",
+                            str(tmp_path / "made.jsonl"))
+    assert code == 2 and "keeps no content hashes" in out_text, out_text
     assert fake_worker.stats()["items"] - before == 20  # the one run that embedded (no probe: a new output)
 
 

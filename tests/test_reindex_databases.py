@@ -9,37 +9,20 @@ import json
 import random
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FAKE, gated_handle
-from reindex import env, index, index_cmd, reindex_case, versions, write_jsonl
-
-from embedq.producers.embedded import free_port
-from embedq.settings import Settings
+import reindex
+from indexdb import cmd, env, milvus_server_at
+from reindex import index, reindex_case, versions, write_jsonl
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def fake_worker(redis_server, tmp_path_factory):
-    settings = Settings(broker_url=redis_server.url, queue="embedq.test.reindex.db", **FAKE)
-    handle = gated_handle(settings, tmp_path_factory.mktemp("reindex-db") / "worker.log")
-    yield handle
-    handle.stop()
-
-
-@pytest.fixture(scope="module")
-def pg(tmp_path_factory):
-    pytest.importorskip("psycopg")
-    from pgcluster import PgCluster
-
-    cluster = PgCluster(tmp_path_factory.mktemp("pg") / "cluster").start()
-    yield cluster
-    cluster.stop()
+    yield from reindex.fake_worker(redis_server, tmp_path_factory.mktemp("reindex-db"), "embedq.test.reindex.db")
 
 
 class Pgvector:
@@ -131,27 +114,8 @@ def _unique(rows: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def milvus_server(tmp_path_factory):
-    """``milvus-lite server`` on a free port, ready when a client's call is answered."""
-    pymilvus = pytest.importorskip("pymilvus")
-    root = tmp_path_factory.mktemp("milvus-server")
-    port = free_port()
-    with open(root / "server.log", "w") as log:
-        proc = subprocess.Popen([str(Path(sys.executable).with_name("milvus-lite")), "server", "--data-dir",
-                                 str(root / "data"), "--host", "127.0.0.1", "--port", str(port)], stdout=log,
-                                stderr=subprocess.STDOUT)
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, (root / "server.log").read_text()
-        try:
-            pymilvus.MilvusClient(uri=uri, timeout=2).list_collections()
-            break
-        except Exception:
-            assert time.monotonic() < deadline, (root / "server.log").read_text()
-            time.sleep(0.2)
-    yield f"milvus://127.0.0.1:{port}", uri
-    proc.terminate()
-    proc.wait(timeout=30)
+    pytest.importorskip("pymilvus")
+    yield from milvus_server_at(tmp_path_factory.mktemp("milvus-server"))
 
 
 def _assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
@@ -189,7 +153,7 @@ def test_b_a_reindex_killed_midway_then_run_again_equals_a_fresh_run(fake_worker
     v2 = write_jsonl(tmp_path / "v2.jsonl", second)
     args = ("--prune", "--checkpoint-seconds", "0.2", "--chunk-size", "8", "--max-in-flight", "2")
     with fake_worker.gate_closed():
-        proc = subprocess.Popen(index_cmd(v2, store.url("docs"), *args), env=env(fake_worker.settings),
+        proc = subprocess.Popen(cmd(v2, store.url("docs"), *args), env=env(fake_worker.settings),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             # one micro-batch at a time: the next one comes once the indexer has written the last and sent more
