@@ -143,25 +143,38 @@ def kill_after_rows(command: list[str], environ: dict[str, str], cwd: Path, rows
 def milvus_server_at(root: Path) -> Iterator[tuple[str, str]]:
     """A module fixture's body: ``milvus-lite server`` on a free port of 127.0.0.1 with its data under ``root``, ready
     when a client's call is answered; yields its ``milvus://`` URL and its client URI, and stops it after."""
+    import psutil
     import pymilvus
 
     from embedq.producers.embedded import free_port
 
-    port = free_port()
-    with open(root / "server.log", "w") as log:  # the child keeps its own descriptor
-        proc = subprocess.Popen([str(Path(sys.executable).with_name("milvus-lite")), "server", "--data-dir",
-                                 str(root / "data"), "--host", "127.0.0.1", "--port", str(port)], stdout=log,
-                                stderr=subprocess.STDOUT)
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, (root / "server.log").read_text()
-        try:
-            pymilvus.MilvusClient(uri=uri, timeout=2).list_collections()
-            break
-        except Exception:
+    for _ in range(5):  # another process may take the free port first (two test workers start servers at once)
+        port = free_port()
+        with open(root / "server.log", "w") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen([str(Path(sys.executable).with_name("milvus-lite")), "server", "--data-dir",
+                                     str(root / "data"), "--host", "127.0.0.1", "--port", str(port)], stdout=log,
+                                     stderr=subprocess.STDOUT)
+        uri = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while proc.poll() is None:
+            # ready when this server listens on the port (not another one that holds it) and answers
+            try:
+                ours = {proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))}
+            except psutil.NoSuchProcess:  # it exited meanwhile: the port was taken, try another
+                break
+            listening = any(c.pid in ours for c in psutil.net_connections("tcp")
+                            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port)
+            try:
+                if listening:
+                    pymilvus.MilvusClient(uri=uri, timeout=2).list_collections()
+                    break
+            except Exception:
+                pass
             assert time.monotonic() < deadline, (root / "server.log").read_text()
             time.sleep(0.2)
+        if proc.poll() is None:
+            break
+    assert proc.poll() is None, (root / "server.log").read_text()
     yield f"milvus://127.0.0.1:{port}", uri
     proc.terminate()
     proc.wait(timeout=30)
