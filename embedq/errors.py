@@ -36,6 +36,7 @@ The tree (class, ``code``, HTTP status, ``error_type``; ``*``: retryable)::
     │   ├── TooManyTexts         too_many_texts       413 Validation
     │   ├── TextTooLong          text_too_long        413 Validation
     │   ├── MessageTooLarge      message_too_large    413 Validation
+    │   ├── TooManyWindows       too_many_windows     413 Validation  a text needs more windows than max_windows
     │   └── ResultTooLarge       result_too_large     413 Backend
     ├── DeadLetter               dead_letter          424 Backend     the job crashed its worker, every time
     ├── BackendError           * backend_error        424 Backend
@@ -220,6 +221,13 @@ class TextTooLong(PayloadTooLarge):
 
 class MessageTooLarge(PayloadTooLarge):
     code = "message_too_large"
+
+
+class TooManyWindows(PayloadTooLarge):
+    """A text of a ``long_inputs="windows"`` job needs more windows than the worker's ``max_windows``: that text
+    fails alone (the job's result lists it under ``failed``); the job's other texts are answered."""
+
+    code = "too_many_windows"
 
 
 class ResultTooLarge(PayloadTooLarge):

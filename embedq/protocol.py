@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from embedq import errors
 
@@ -37,6 +37,9 @@ MAX_DEADLINE_SECONDS = 7 * 24 * 3600
 
 Encoding = Literal["float32", "float16", "float"]
 TruncationSide = Literal["right", "left"]
+#: An input longer than the model reads: cut (``truncate``), failed (``error``), or in windows (``windows``).
+LongInputs = Literal["truncate", "error", "windows"]
+MAX_WINDOW_OVERLAP = 4096  # a worker also refuses half its model's window or more
 
 
 class JobOptions(BaseModel):
@@ -79,7 +82,39 @@ class JobOptions(BaseModel):
         return self.model_dump(exclude_defaults=True)
 
 
-class EmbedOptions(JobOptions):
+class WindowOptions(JobOptions):
+    """Options of the kinds that embed texts (``embed``, ``embed_sparse``, ``embed_all``, ``embed_hybrid``): what
+    becomes of an input longer than the model reads (issue 58)."""
+
+    long_inputs: LongInputs | None = Field(
+        default=None,
+        description="truncate (None's meaning unless truncate=False), error (truncate=False), or windows: the "
+        "text cut into windows of the model's length, each its own item.")
+    window_overlap: int = Field(default=0, ge=0, le=MAX_WINDOW_OVERLAP,
+                                description="windows: tokens each window shares with the one before it.")
+    pool_windows: bool = Field(default=True, description="windows: one output per input, pooled over its windows "
+                               "(False: per input, each window's output with its character span).")
+
+    @model_validator(mode="after")
+    def _long_inputs(self) -> WindowOptions:
+        given = self.model_fields_set
+        if self.long_inputs != "windows":
+            extra = sorted(given & {"window_overlap", "pool_windows"})
+            if extra:
+                raise ValueError(f"{', '.join(extra)} applies only with long_inputs='windows'")
+        if self.long_inputs in ("truncate", "error") and "truncate" in given \
+                and self.truncate != (self.long_inputs == "truncate"):
+            raise ValueError(f"truncate={self.truncate} contradicts long_inputs={self.long_inputs!r}: give one")
+        if self.long_inputs == "error":
+            object.__setattr__(self, "truncate", False)
+        return self
+
+    @property
+    def windows(self) -> bool:  # the job's long inputs are cut into windows
+        return self.long_inputs == "windows"
+
+
+class EmbedOptions(WindowOptions):
     """``embedq.embed``: dense vectors."""
 
     normalize: bool | None = Field(
@@ -93,7 +128,7 @@ class EmbedOptions(JobOptions):
     encoding: Encoding = Field(default="float32", description="float32/float16: base64 little-endian.")
 
 
-class SparseOptions(JobOptions):
+class SparseOptions(WindowOptions):
     """``embedq.embed_sparse``: SPLADE weights per vocabulary id (TEI's ``/embed_sparse``)."""
 
     prompt: str | None = None
@@ -103,7 +138,7 @@ class SparseOptions(JobOptions):
     encoding: Encoding = Field(default="float32", description="The weights' encoding: float32, float16, float.")
 
 
-class EmbedAllOptions(JobOptions):
+class EmbedAllOptions(WindowOptions):
     """``embedq.embed_all``: every token's last hidden state (TEI's ``/embed_all``)."""
 
     prompt: str | None = None
@@ -115,7 +150,7 @@ class EmbedAllOptions(JobOptions):
 HYBRID_OUTPUTS = ("dense", "lexical", "colbert")
 
 
-class HybridOptions(JobOptions):
+class HybridOptions(WindowOptions):
     """``embedq.embed_hybrid``: any of BGE-M3's three outputs from one forward pass."""
 
     outputs: list[Literal["dense", "lexical", "colbert"]] = Field(
@@ -315,12 +350,24 @@ class Fingerprint(BaseModel):
     dtype: str
     prompt: str | None = None
     embedq_version: str
+    #: ``long_inputs="windows"`` jobs: the tokens neighbouring windows share, and whether each input's output was
+    #: pooled over its windows (None, None: no windows; a result leaves them out)
+    window_overlap: int | None = None
+    pool_windows: bool | None = None
 
     def space(self) -> tuple[object, ...]:
         """What decides the vector space: the weights (their hash also covers config and vocabulary),
-        pooling, normalisation, dimensions, compute dtype and prompt. Not the name the model was
+        pooling, normalisation, dimensions, compute dtype, prompt and windows. Not the name the model was
         loaded by, nor the embedq version."""
-        return (self.kind, self.weights_sha256, self.pooling, self.normalize, self.dimensions, self.dtype, self.prompt)
+        return (self.kind, self.weights_sha256, self.pooling, self.normalize, self.dimensions, self.dtype, self.prompt,
+                self.window_overlap, self.pool_windows)
+
+    def wire(self) -> dict[str, Any]:
+        """As a result carries it: every field, the window fields only when the job had windows."""
+        out = self.model_dump()
+        if self.window_overlap is None and self.pool_windows is None:
+            del out["window_overlap"], out["pool_windows"]
+        return out
 
     def same_space(self, other: Fingerprint) -> bool:
         return self.space() == other.space()
@@ -329,8 +376,12 @@ class Fingerprint(BaseModel):
         prompt = f", prompt {self.prompt!r}" if self.prompt else ""
         norm = "normalized" if self.normalize else "not normalized"
         kind = "" if self.kind == "embed" else f"{self.kind}: "
+        windows = ""
+        if self.window_overlap is not None:
+            windows = (f", {'pooled ' if self.pool_windows else ''}windows overlapping by {self.window_overlap} "
+                       "tokens")
         return (f"{kind}{self.model} ({self.weights_sha256[:12]}), {self.pooling} pooling, {self.dimensions} dims, "
-                f"{norm}, {self.dtype}{prompt}")
+                f"{norm}, {self.dtype}{prompt}{windows}")
 
 
 def encode_result(kind: str, arrays: dict[str, Any], fingerprint: Fingerprint, *, items: int, tokens: int,
@@ -345,7 +396,7 @@ def encode_result(kind: str, arrays: dict[str, Any], fingerprint: Fingerprint, *
         out[name] = encode_array(values, "float32" if name in exact and encoding == "float16" else encoding)
     if extra:
         out.update(extra)
-    out["fingerprint"] = fingerprint.model_dump()
+    out["fingerprint"] = fingerprint.wire()
     out["usage"] = {"texts": int(items), "tokens": int(tokens)}
     return out
 

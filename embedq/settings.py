@@ -57,6 +57,7 @@ class BackendSettings(BaseModel):
     pooling: Pooling | None = None
     trust_remote_code: bool = False
     allow_fake_backend: bool = False
+    max_windows: int = Field(default=128, ge=1)
 
 
 class Settings(BaseSettings):
@@ -127,6 +128,12 @@ class Settings(BaseSettings):
     )
     max_batch_requests: int = Field(default=256, ge=1, description="Texts per micro-batch.")
     max_chars: int = Field(default=100_000, ge=1, description="Characters per text.")
+    max_windows: int = Field(
+        default=128, ge=1,
+        description="Windows one text of a long_inputs='windows' job may need (each of the model's length); a "
+        "text that needs more fails alone with too_many_windows, the other texts of its job are answered. The "
+        "character limit (max_chars) applies first.",
+    )
     max_texts_per_job: int = Field(default=2048, ge=1)
     result_ttl: int = Field(default=3600, ge=1, description="Seconds a result is kept in Redis.")
     prefetch_window: int = Field(

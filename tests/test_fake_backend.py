@@ -87,12 +87,13 @@ def test_the_backend_settings_are_one_object_from_the_same_variables(monkeypatch
     value it refuses is ``InvalidOption``, a name it lacks a TypeError."""
     for name, value in {"DEVICE": "cuda:1", "DTYPE": "bfloat16", "TORCH_THREADS": "3", "LINEAR_KERNEL": "onednn",
                         "ONLINE_BATCH_TOKENS": "512", "POOLING": "last-token", "TRUST_REMOTE_CODE": "true",
-                        "ALLOW_FAKE_BACKEND": "true"}.items():
+                        "ALLOW_FAKE_BACKEND": "true", "MAX_WINDOWS": "7"}.items():
         monkeypatch.setenv(f"EMBEDQ_{name}", value)
     options = Settings().backend()
     assert options.model_dump() == {"device": "cuda:1", "dtype": "bfloat16", "torch_threads": 3,
                                     "linear_kernel": "onednn", "batch_tokens": 16384, "online_tokens": 512,
-                                    "pooling": "lasttoken", "trust_remote_code": True, "allow_fake_backend": True}
+                                    "pooling": "lasttoken", "trust_remote_code": True, "allow_fake_backend": True,
+                                    "max_windows": 7}
     assert isinstance(load_backend("embedq-fake", options), FakeBackend)
     with pytest.raises(errors.UnknownModel, match="EMBEDQ_ALLOW_FAKE_BACKEND"):
         load_backend("embedq-fake", options, allow_fake_backend=False)

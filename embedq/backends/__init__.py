@@ -78,7 +78,7 @@ def load_backend(model: str, settings: BackendSettings | None = None, *,
         if not settings.allow_fake_backend:
             raise errors.UnknownModel(f"{FAKE_MODEL!r} is the tests' fake model (vectors from a hash of the token "
                                       "ids): it serves only with EMBEDQ_ALLOW_FAKE_BACKEND=true")
-        return FakeBackend(model)
+        return FakeBackend(model, max_windows=settings.max_windows)
     path = resolve_model_path(model)
     if settings.device == "cpu":
         from embedq.backends.cpu import guard_amx

@@ -102,9 +102,17 @@ class Head(ABC):
 
     name: str = ""
     kinds: tuple[str, ...] = ()
+    #: the head pools the rows of a text's windows into one (:meth:`pool`): its jobs may ask
+    #: ``long_inputs="windows"`` (embedq/backends/windowing.py)
+    pools_windows: bool = False
 
     @abstractmethod
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared: ...
+
+    def pool(self, rows: list[Any], weights: list[int], options: Any) -> Any:
+        """One text's row from its windows' rows (``weights``: each window's tokens); no rows: the row of a text
+        that failed (zeros, or nothing)."""
+        raise errors.UnsupportedTask(f"long_inputs='windows' is not available for {self.name} jobs")
 
     def rows(self, output: Any, mask: Any, index: Any, batch: Sequence[Encoded]) -> list[np.ndarray]:
         """Inference thread: rows of the items at ``index`` (a LongTensor of batch positions)."""

@@ -41,6 +41,7 @@ from embedq.backends.tokens import (
     read_prompts,
     tokenizer_heads,
 )
+from embedq.backends.windowing import weighted_mean
 from embedq.protocol import Fingerprint, encode_result
 from embedq.settings import BackendSettings
 from embedq.version import __version__
@@ -74,6 +75,7 @@ def layout_heads(folder: Path, encoder: Encoder) -> dict[str, Sequence[Head]]:
 class DenseHead(Head):
     name = "dense"
     kinds = ("embed",)
+    pools_windows = True
 
     def __init__(self, tokenization: Tokenization, pooling: PoolingConfig,
                  steps: list[tuple[str, torch.nn.Module | None]], normalizes: bool, dimension: int) -> None:
@@ -97,6 +99,11 @@ class DenseHead(Head):
         if options.dimensions is not None and options.dimensions > self.dimension:
             raise errors.InvalidDimensions(f"dimensions={options.dimensions} but the model's vectors have "
                                            f"{self.dimension}")
+
+    def pool(self, rows: list[Any], weights: list[int], options: Any) -> np.ndarray:
+        """The token-weighted mean of the windows' vectors before the model's trailing Normalize (``finish``
+        applies it to the mean, as to any vector), as vLLM pools the chunks of a long input."""
+        return weighted_mean(rows, weights, self.dimension)
 
     def rows(self, output: Any, mask: torch.Tensor, index: Any, batch: Sequence[Encoded]) -> list[np.ndarray]:
         return list(self.vectors(output, mask, index, batch).cpu().numpy().astype(np.float32, copy=False))

@@ -72,7 +72,8 @@ class Encoder:
         self._position_ids = "position_ids" in params
         self._pad_id = pad_id(self.tokenizer)
         self.left_padding = self.tokenizer.padding_side == "left"
-        self.tokenization = Tokenization(self.tokenizer, self.max_seq_length, self.takes_token_type_ids)
+        self.tokenization = Tokenization(self.tokenizer, self.max_seq_length, self.takes_token_type_ids,
+                                         max_windows=settings.max_windows)
         # Bulk micro-batches that may be preempted run here when the chosen runtime cannot stop between layers
         # (runtime.preemptible_alternative); None: they run on the chosen one.
         self._preempt_forward: Any = None

@@ -35,6 +35,7 @@ import numpy as np
 
 from embedq import errors
 from embedq.backends.base import Backend, Encoded, ModelInfo, Prepared, per_token_result, postprocess
+from embedq.backends.windowing import Tokens, WindowPlan, concat_rows, finish_windows, weighted_mean, window_items
 from embedq.protocol import Fingerprint, encode_result
 from embedq.version import __version__
 
@@ -61,9 +62,13 @@ def fake_dimension(model: str) -> int | None:
     return dimension
 
 
+def _token_id(word: str) -> int:
+    return FIRST_ID + zlib.crc32(word.encode()) % (VOCABULARY - FIRST_ID)
+
+
 def token_ids(text: str) -> list[int]:
     """A text's token ids without special tokens: each word or punctuation mark, lower-cased, hashed."""
-    return [FIRST_ID + zlib.crc32(w.encode()) % (VOCABULARY - FIRST_ID) for w in _WORDS.findall(text.lower())]
+    return [_token_id(w) for w in _WORDS.findall(text.lower())]
 
 
 class FakeBackend(Backend):
@@ -71,7 +76,8 @@ class FakeBackend(Backend):
 
     is_padded = False
 
-    def __init__(self, model_id: str = FAKE_MODEL) -> None:
+    def __init__(self, model_id: str = FAKE_MODEL, *, max_windows: int = 128) -> None:
+        self.max_windows = max_windows
         self.dimension = fake_dimension(model_id) or DIMENSION
         self.item_seconds = float(os.environ.get("EMBEDQ_FAKE_ITEM_MS") or 0) / 1000
         poison = token_ids(os.environ.get("EMBEDQ_FAKE_POISON") or "")
@@ -110,10 +116,28 @@ class FakeBackend(Backend):
         dimensions = getattr(options, "dimensions", None)
         if dimensions is not None and dimensions > self.dimension:
             raise errors.InvalidDimensions(f"dimensions={dimensions} but the model's vectors have {self.dimension}")
-        encoded = [self._encode(item, options.prompt, options.truncate, options.truncation_side) for item in items]
+        state: dict[str, Any] = {"prompt": options.prompt}
+        if getattr(options, "windows", False):
+            encoded, state["windows"] = self._windows(items, options)
+        else:
+            encoded = [self._encode(item, options.prompt, options.truncate, options.truncation_side) for item in items]
         for e in encoded:
             e.head = "tokens" if kind == "embed_all" else "mean"
-        return Prepared(encoded, sum(len(e.ids) for e in encoded), {"prompt": options.prompt})
+        return Prepared(encoded, sum(len(e.ids) for e in encoded), state)
+
+    def _windows(self, items: list[Any], options: Any) -> tuple[list[Encoded], WindowPlan]:
+        """``long_inputs="windows"``: each text's windows of :data:`MAX_SEQ_LENGTH` tokens (windowing.py)."""
+        if any(not isinstance(item, str) for item in items):
+            raise errors.InvalidOption("long_inputs='windows' takes texts, not token ids")
+        head = [CLS, *(token_ids(options.prompt) if options.prompt else [])]
+        plan = WindowPlan(options.window_overlap, options.pool_windows)
+        encoded: list[Encoded] = []
+        for i, text in enumerate(items):
+            words = list(_WORDS.finditer(text.lower()))
+            tokens = Tokens(text, [w.start() for w in words], [w.end() for w in words])
+            encoded += window_items(tokens, [_token_id(w.group()) for w in words], head, [SEP], MAX_SEQ_LENGTH,
+                                    options.window_overlap, self.max_windows, plan, i, len(head) - 1)
+        return encoded, plan
 
     def forward(self, batch: Sequence[Encoded]) -> list[np.ndarray]:
         if self.poison is not None and any(self.poison in item.ids for item in batch):
@@ -124,6 +148,17 @@ class FakeBackend(Backend):
                 for item in batch]
 
     def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]:
+        windows = prepared.state.get("windows")
+        if windows is not None:
+            def pool(r: list[np.ndarray], w: list[int]) -> np.ndarray:
+                if kind == "embed_all":
+                    return concat_rows(r, self.dimension)
+                return weighted_mean(r, w, self.dimension)
+            return finish_windows(rows, prepared, len(windows.offsets) - 1,
+                                  lambda r: self._finish(kind, r, prepared, options), pool)
+        return self._finish(kind, rows, prepared, options)
+
+    def _finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]:
         if kind == "embed_all":
             return per_token_result(kind, rows, self.info, self.dimension, prepared, options.encoding)
         info = self.info

@@ -31,6 +31,7 @@ from embedq.backends.base import Encoded, Head, ModelInfo, Prepared
 from embedq.backends.encoder import Encoder
 from embedq.backends.tokenizing import Tokenization
 from embedq.backends.tokens import prepare_texts
+from embedq.backends.windowing import concat_rows, merge_sparse, weighted_mean
 from embedq.protocol import HYBRID_OUTPUTS, Fingerprint, encode_result
 from embedq.version import __version__
 
@@ -75,6 +76,7 @@ class M3Head(Head):
     """One combination of outputs; :func:`m3_heads` makes them all."""
 
     kinds = ("embed_hybrid",)
+    pools_windows = True
 
     def __init__(self, tokenization: Tokenization, weights: M3Weights, outputs: tuple[str, ...]) -> None:
         self.tokenization = tokenization
@@ -90,6 +92,25 @@ class M3Head(Head):
         for item in prepared.items:  # the variant that computes exactly the job's outputs
             item.head = head.name
         return prepared
+
+    def pool(self, rows: list[Any], weights: list[int], options: Any) -> tuple[Any, ...]:
+        """Each output over a text's windows: ``dense`` the token-weighted mean of the windows' CLS vectors,
+        L2-normalised again (the model's normalisation); ``lexical`` the largest weight per id (FlagEmbedding's
+        rule within a text); ``colbert`` every window's vectors one after the other."""
+        out: list[Any] = []
+        at = 0
+        for name in (o for o in HYBRID_OUTPUTS if o in options.outputs):
+            if name == "dense":
+                mean = weighted_mean([r[at] for r in rows], weights, self.weights.hidden)
+                out.append(mean / max(float(np.linalg.norm(mean)), 1e-12) if rows else mean)
+                at += 1
+            elif name == "lexical":
+                out += merge_sparse([(r[at], r[at + 1]) for r in rows], "max")
+                at += 2
+            else:
+                out.append(concat_rows([r[at] for r in rows], self.weights.colbert_dim))
+                at += 1
+        return tuple(out)
 
     def rows(self, output: Any, mask: torch.Tensor, index: Any, batch: Sequence[Encoded]) -> list[Any]:
         hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]

@@ -21,6 +21,7 @@ from embedq.backends.base import Backend, Encoded, Head, ModelInfo, Prepared, Ru
 from embedq.backends.encoder import Encoder
 from embedq.backends.folder import CLASSIFY, FEATURES, FILL_MASK, sentence_bert_config, weights_sha256
 from embedq.backends.modules import module_kind, read_json
+from embedq.backends.windowing import finish_windows
 
 
 class ModelBackend(Backend):
@@ -55,9 +56,14 @@ class ModelBackend(Backend):
             self._by_name.setdefault(head.name or spec.kind, head)
             self.info = dataclasses.replace(self.info, kinds=(*self.info.kinds, spec.kind))
 
+    def _check_windows(self, head: Head, options: Any) -> None:
+        if getattr(options, "windows", False) and not head.pools_windows:
+            raise errors.UnsupportedTask(f"long_inputs='windows' is not available for {head.name or 'these'} jobs")
+
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
         self.check_kind(kind)
         head = self.heads[kind]
+        self._check_windows(head, options)
         prepared = head.prepare(kind, items, options)
         for item in prepared.items:
             item.head = item.head or head.name
@@ -69,6 +75,8 @@ class ModelBackend(Backend):
         if batched is None or len(jobs) < 2:
             return super().prepare_many(kind, jobs)
         self.check_kind(kind)
+        if any(getattr(options, "windows", False) for _, options in jobs) and not head.pools_windows:
+            return super().prepare_many(kind, jobs)
         out = batched(kind, jobs)
         for prepared in out:
             if isinstance(prepared, Prepared):
@@ -119,7 +127,13 @@ class ModelBackend(Backend):
         return rows
 
     def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]:
-        return self.heads[kind].finish(kind, rows, prepared, options)
+        head = self.heads[kind]
+        windows = prepared.state.get("windows")
+        if windows is None:
+            return head.finish(kind, rows, prepared, options)
+        return finish_windows(rows, prepared, len(windows.offsets) - 1,
+                              lambda r: head.finish(kind, r, prepared, options),
+                              lambda r, w: head.pool(r, w, options))
 
     def preemption_blocker(self) -> str | None:
         return self.encoder.preemption_blocker()

@@ -17,11 +17,13 @@ import torch
 from embedq.backends.base import Encoded, Head, ModelInfo, Prepared, per_token_result
 from embedq.backends.tokenizing import Tokenization
 from embedq.backends.tokens import prepare_texts
+from embedq.backends.windowing import concat_rows
 
 
 class TokenEmbeddingsHead(Head):
     name = "tokens"
     kinds = ("embed_all",)
+    pools_windows = True
 
     def __init__(self, tokenization: Tokenization, hidden: int) -> None:
         self.tokenization = tokenization
@@ -30,6 +32,11 @@ class TokenEmbeddingsHead(Head):
 
     def prepare(self, kind: str, items: list[Any], options: Any) -> Prepared:
         return prepare_texts(self.tokenization, self.info, items, options)
+
+    def pool(self, rows: list[Any], weights: list[int], options: Any) -> np.ndarray:
+        """Every window's tokens one after the other (each window's special tokens included; the tokens two windows
+        share appear in both)."""
+        return concat_rows(rows, self.hidden)
 
     def rows(self, output: Any, mask: torch.Tensor, index: Any, batch: Sequence[Encoded]) -> list[np.ndarray]:
         hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]

@@ -34,6 +34,7 @@ from embedq.backends.modules import read_json
 from embedq.backends.tokenizing import Tokenization
 from embedq.backends.tokens import TOKENIZER_KINDS, prepare_texts, read_prompts, tokenizer_heads
 from embedq.backends.transformer import DTYPES
+from embedq.backends.windowing import merge_sparse
 from embedq.protocol import Fingerprint, encode_result
 from embedq.settings import BackendSettings
 from embedq.version import __version__
@@ -96,6 +97,7 @@ class SpladeHead(Head):
 
     name = "splade"
     kinds = ("embed_sparse", "embed")
+    pools_windows = True
 
     def __init__(self, tokenization: Tokenization, strategy: str, activation: str) -> None:
         self.tokenization = tokenization
@@ -117,6 +119,11 @@ class SpladeHead(Head):
                 raise errors.InvalidDimensions(f"dimensions={options.dimensions} is more than the model's "
                                                f"{self.info.dimension}")
         return prepare_texts(self.tokenization, self.info, items, options)
+
+    def pool(self, rows: list[Any], weights: list[int], options: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The windows' weights merged as SpladePooling merges tokens: the largest weight per id (``max``), or
+        their sum (``sum``: a token two windows share counts twice)."""
+        return merge_sparse(rows, self.strategy)
 
     def rows(self, output: Any, mask: torch.Tensor, index: Any, batch: Sequence[Encoded]) -> list[Any]:
         # items of another head in the batch: only this head's rows are read

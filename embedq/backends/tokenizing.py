@@ -14,6 +14,7 @@ from typing import Any
 from embedq import errors
 from embedq.backends.base import Encoded
 from embedq.backends.cutting import Cutter, Window
+from embedq.backends.windowing import Windower
 
 
 @dataclass
@@ -44,7 +45,8 @@ class Tokenization:
     limit (``max_seq_length``) and whether the model takes segment ids; owns a copy of the tokenizer that truncates on
     the left, the :class:`~embedq.backends.cutting.Cutter`, the prompts' lengths and the lock its calls take."""
 
-    def __init__(self, tokenizer: Any, max_seq_length: int, takes_token_type_ids: bool) -> None:
+    def __init__(self, tokenizer: Any, max_seq_length: int, takes_token_type_ids: bool, *,
+                 max_windows: int = 128) -> None:
         self.tokenizer = tokenizer
         self.max_seq_length = max_seq_length
         self.takes_token_type_ids = takes_token_type_ids
@@ -54,6 +56,7 @@ class Tokenization:
         self.cutter = Cutter(tokenizer, need=max_seq_length + 1)
         self._lock = threading.Lock()
         self._prompt_lengths: dict[str, int] = {}
+        self.windower = Windower(self, max_windows)  # long_inputs="windows" (windowing.py)
 
     def _call(self, tokenizer: Any, first: list[str], second: list[str] | None, *, truncate: bool,
               details: bool = False, add_special_tokens: bool = True) -> dict[str, Any]:

@@ -73,6 +73,9 @@ def prepare_texts(tokenization: Tokenization, info: ModelInfo | None, texts: lis
     (``state["prompt"]``), its texts tokenized as sentence-transformers does, its token count."""
     assert info is not None
     prompt = resolve_prompt(info, options.prompt, options.prompt_name)
+    if getattr(options, "windows", False):  # long_inputs="windows": each text's windows are its items
+        encoded, windows = tokenization.windower.encode(texts, prompt, options)
+        return Prepared(encoded, sum(len(e.ids) for e in encoded), {"prompt": prompt, "windows": windows})
     encoded = encode_items(tokenization, texts, prompt=prompt, truncate=options.truncate,
                            truncation_side=options.truncation_side)
     return Prepared(encoded, sum(len(e.ids) for e in encoded), {"prompt": prompt})
@@ -97,6 +100,12 @@ def prepare_texts_many(tokenization: Tokenization, info: ModelInfo | None, jobs:
             prompts[j] = resolve_prompt(info, options.prompt, options.prompt_name)
         except errors.EmbedqError as exc:
             out[j] = exc
+            continue
+        if getattr(options, "windows", False):
+            try:
+                out[j] = prepare_texts(tokenization, info, *jobs[j])
+            except errors.EmbedqError as exc:
+                out[j] = exc
             continue
         groups.setdefault((prompts[j], options.truncate, options.truncation_side), []).append(j)
     for (prompt, truncate, side), members in groups.items():

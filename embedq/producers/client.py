@@ -152,8 +152,9 @@ class Client:
     def submit(self, texts: str | Sequence[str], **options: Any) -> JobHandle:
         """Enqueue one embedding job (``embed``); returns a :class:`JobHandle` at once. An input may also be a list
         of the model's token ids (embedded as they are). Options: ``normalize``, ``prompt``, ``prompt_name``,
-        ``dimensions``, ``encoding``, ``truncate``, ``truncation_side``, ``model``; ``queue``, ``traffic_class``
-        and ``deadline`` as for :meth:`submit_job`, the same for every kind."""
+        ``dimensions``, ``encoding``, ``truncate``, ``truncation_side``, ``model``, ``long_inputs`` (``"truncate"``,
+        ``"error"`` or ``"windows"``), ``window_overlap``, ``pool_windows`` (embedq/windows.py); ``queue``,
+        ``traffic_class`` and ``deadline`` as for :meth:`submit_job`, the same for every kind."""
         return self.submit_job(EMBED, texts, **options)
 
     def submit_sparse(self, texts: str | Sequence[str], *, top_k: int | None = None, return_tokens: bool = False,
@@ -421,7 +422,10 @@ class Client:
 
     def embed(self, texts: str | Sequence[str], *, timeout: float | None = DEFAULT_RESULT_TIMEOUT,
               **options: Any) -> np.ndarray:
-        """Embed texts and wait: a ``(len(texts), dim)`` float32 array in input order."""
+        """Embed texts and wait: a ``(len(texts), dim)`` float32 array in input order. With
+        ``long_inputs="windows"`` a text longer than the model is embedded in windows of the model's length, pooled
+        into its one vector; ``pool_windows=False`` returns per text the list of its
+        :class:`~embedq.windows.TextWindow` instead (each window's vector, character span and tokens)."""
         return self.submit(texts, **options).result(timeout)
 
     def embed_sparse(self, texts: str | Sequence[str], *, timeout: float | None = DEFAULT_RESULT_TIMEOUT,

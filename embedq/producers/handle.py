@@ -16,6 +16,7 @@ from embedq import errors
 from embedq.batching.traffic import ONLINE
 from embedq.kinds import EMBED, TaskSpec
 from embedq.protocol import MAX_DEADLINE_SECONDS, Fingerprint
+from embedq.windows import decode_windows, has_windows
 
 #: Seconds a result may take before a producer's blocking call gives up (``Client.embed``).
 DEFAULT_RESULT_TIMEOUT = 600.0
@@ -129,6 +130,8 @@ class JobHandle:
         self.usage = payload.get("usage")
         self.fingerprint = Fingerprint.model_validate(payload["fingerprint"])
         texts = self.sent.args[-1] if self._return_text and self.sent.args else None
+        if has_windows(payload):  # long_inputs="windows": pooled, or each input's windows (embedq/windows.py)
+            return decode_windows(self.spec, payload, texts)
         return self.spec.decode(payload, texts)
 
     def status(self) -> str:

@@ -1,0 +1,57 @@
+"""Windows through a real worker (issue 58): a job's long texts cut into windows that pack with other jobs' items, a
+text over the worker's ``max_windows`` failing alone (the other texts of its job, and other jobs, answered), and
+what the Python client returns for each."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import WorkerHandle
+
+from embedq import errors
+from embedq.settings import Settings
+from embedq.windows import TextWindow
+
+pytestmark = pytest.mark.integration
+
+SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank."
+
+
+def text_of(sentences: int) -> str:
+    return " ".join(f"{SENTENCE[:-1]} {i}." for i in range(sentences))
+
+
+@pytest.fixture(scope="module")
+def worker(redis_server, tmp_path_factory):
+    settings = Settings(broker_url=redis_server.url, queue="embedq.test.windows", model="embedq-fake",
+                        allow_fake_backend=True, max_windows=4)
+    handle = WorkerHandle(settings, tmp_path_factory.mktemp("windows") / "worker.log")
+    yield handle
+    handle.stop()
+
+
+def test_a_text_over_max_windows_fails_alone(worker):
+    client = worker.client
+    small, long, huge = SENTENCE, text_of(20), text_of(200)  # 1, 3 and far more than 4 windows of 128 tokens
+    mixed = client.submit([small, huge, long], long_inputs="windows")
+    other = client.submit([long, small], long_inputs="windows", pool_windows=False)
+    plain = client.submit([huge])
+    with pytest.raises(errors.TooManyWindows, match=r"inputs\[1\]") as caught:
+        mixed.result()
+    vectors = caught.value.partial
+    assert list(caught.value.failed) == [1] and vectors.shape == (3, 32)
+    assert not vectors[1].any() and np.allclose(np.linalg.norm(vectors[[0, 2]], axis=1), 1.0, atol=1e-5)
+    windows = other.result()
+    assert [len(w) for w in windows] == [3, 1] and all(isinstance(w, TextWindow) for w in windows[0])
+    assert [long[w.start:w.end] for w in windows[0]][0].startswith(SENTENCE[:-1])
+    assert windows[0][0].start == 0 and windows[0][-1].end == len(long)
+    assert np.allclose(windows[1][0].output, vectors[0], atol=1e-6)  # a text that fits: one window, the same vector
+    assert plain.result().shape == (1, 32)  # without windows the huge text is truncated, as before
+    assert (other.usage["texts"], other.usage["windows"]) == (2, 4)
+    assert mixed.fingerprint is not None and mixed.fingerprint.window_overlap == 0
+
+
+def test_every_text_over_the_cap_fails_the_job(worker):
+    with pytest.raises(errors.TooManyWindows):
+        worker.client.embed([text_of(200)], long_inputs="windows")
+    assert worker.client.embed([SENTENCE], long_inputs="windows").shape == (1, 32)
