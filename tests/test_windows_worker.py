@@ -55,3 +55,23 @@ def test_every_text_over_the_cap_fails_the_job(worker):
     with pytest.raises(errors.TooManyWindows):
         worker.client.embed([text_of(200)], long_inputs="windows")
     assert worker.client.embed([SENTENCE], long_inputs="windows").shape == (1, 32)
+
+
+def test_an_enormous_document_does_not_hold_back_online_jobs(redis_server, tmp_path):
+    """A bulk job of one document at the character limit: its windows are bulk items, so an online job sent while
+    they run is answered before the document is (each item takes 40 ms in this worker's fake model)."""
+    settings = Settings(broker_url=redis_server.url, queue="embedq.test.windows.huge", model="embedq-fake",
+                        allow_fake_backend=True, max_windows=1000, max_chars=100_000)
+    handle = WorkerHandle(settings, tmp_path / "worker.log", extra_env={"EMBEDQ_FAKE_ITEM_MS": "40"})
+    try:
+        handle.stats()  # finds the worker's node first: later reads of its counters return at once
+        document = text_of(10_000)[:100_000]
+        bulk = handle.client.submit([document], long_inputs="windows", traffic_class="bulk")
+        handle.wait_until(lambda s: s["batches"] > 0, "the document's first micro-batch")
+        online = handle.client.submit([SENTENCE, text_of(30)], long_inputs="windows")
+        assert online.result(120).shape == (2, 32)
+        assert not bulk.ready()  # the document's windows are still running
+        assert bulk.result(300).shape == (1, 32)
+        assert bulk.usage["windows"] > 100
+    finally:
+        handle.stop()
