@@ -5,6 +5,7 @@ mean of the windows', and a text over ``max_windows`` failing alone."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -70,7 +71,7 @@ def test_windows_cover_the_text_within_the_budget(overlap):
     t = _words(text)
     ranges = plan(t, 40, overlap, cap=1000)
     assert ranges[0][0] == 0 and ranges[-1][1] == len(t)
-    for (a, e), (a2, e2) in zip(ranges, ranges[1:]):
+    for (a, e), (a2, e2) in itertools.pairwise(ranges):
         assert 0 < e - a <= 40
         assert a < a2 <= e <= e2  # progress, and no token left out between two windows
         shared = e - a2
@@ -78,7 +79,7 @@ def test_windows_cover_the_text_within_the_budget(overlap):
         assert abs(shared - overlap) <= 40 // 8 + 1  # moved at most the slack, to a sentence start
     spans = [t.span(a, e) for a, e in ranges]
     assert spans[0][0] == 0 and spans[-1][1] == len(text)
-    for (_, end), (start, _) in zip(spans, spans[1:]):
+    for (_, end), (start, _) in itertools.pairwise(spans):
         assert start <= end  # the spans cover the whole text
 
 
@@ -86,7 +87,7 @@ def test_a_window_ends_at_a_sentence_start_within_the_slack():
     text = " ".join(f"w{i}" + ("." if i % 5 == 4 else "") for i in range(400))
     t = _words(text)
     ranges = plan(t, 50, 0, cap=100)
-    for a, e in ranges[:-1]:
+    for _a, e in ranges[:-1]:
         assert text[t.ends[e - 1] - 1] == "."  # the window's last token ends its sentence
     assert plan(t, 50, 0, cap=3) is None  # more windows than the cap: planning stops
 
@@ -113,7 +114,7 @@ def st_minilm(minilm):
 
 def test_dense_windows_are_the_model_run_on_each_window(minilm, st_minilm, corpus):
     _, backend = minilm
-    docs = long_documents(corpus, 4, (300, 900)) + ["A short text that fits."]
+    docs = [*long_documents(corpus, 4, (300, 900)), "A short text that fits."]
     result = run(backend, "embed", docs, options("embed", window_overlap=24, pool_windows=False), other=corpus[:7])
     per_text = split_windows(result, decode_array(result["vectors"]))
     tokenizer = backend.encoder.tokenizer

@@ -43,7 +43,7 @@ def test_a_text_over_max_windows_fails_alone(worker):
     assert not vectors[1].any() and np.allclose(np.linalg.norm(vectors[[0, 2]], axis=1), 1.0, atol=1e-5)
     windows = other.result()
     assert [len(w) for w in windows] == [3, 1] and all(isinstance(w, TextWindow) for w in windows[0])
-    assert [long[w.start:w.end] for w in windows[0]][0].startswith(SENTENCE[:-1])
+    assert all(long[w.start:w.end].startswith(SENTENCE[:-1]) for w in windows[0])  # each starts a sentence
     assert windows[0][0].start == 0 and windows[0][-1].end == len(long)
     assert np.allclose(windows[1][0].output, vectors[0], atol=1e-6)  # a text that fits: one window, the same vector
     assert plain.result().shape == (1, 32)  # without windows the huge text is truncated, as before
@@ -67,11 +67,13 @@ def test_an_enormous_document_does_not_hold_back_online_jobs(redis_server, tmp_p
         handle.stats()  # finds the worker's node first: later reads of its counters return at once
         document = text_of(10_000)[:100_000]
         bulk = handle.client.submit([document], long_inputs="windows", traffic_class="bulk")
-        handle.wait_until(lambda s: s["batches"] > 0, "the document's first micro-batch")
+        stats = handle.wait_until(lambda s: s["batches"] > 0, "the document's first micro-batch")
+        assert stats["held_texts"] > 100  # the prefetch window counts the document's windows, not one text
         online = handle.client.submit([SENTENCE, text_of(30)], long_inputs="windows")
         assert online.result(120).shape == (2, 32)
         assert not bulk.ready()  # the document's windows are still running
         assert bulk.result(300).shape == (1, 32)
         assert bulk.usage["windows"] > 100
+        handle.wait_until(lambda s: s["held_texts"] == 0, "the window released with the job")
     finally:
         handle.stop()

@@ -61,6 +61,14 @@ class PrefetchWindow:
         self.peak_messages = max(self.peak_messages, self.messages)
         self.peak_texts = max(self.peak_texts, self.texts)
 
+    def received_more(self, texts: int, *, bulk: bool = False) -> None:
+        """A held message turned out to hold ``texts`` more items than it was counted for (long texts in windows):
+        they are held too, and :meth:`released` with its message."""
+        self.texts += texts
+        if bulk:
+            self.bulk_held[1] += texts
+        self.peak_texts = max(self.peak_texts, self.texts)
+
     def released(self, texts: int, *, bulk: bool = False) -> None:
         self.messages = max(self.messages - 1, 0)
         self.texts = max(self.texts - max(texts, 1), 0)

@@ -170,6 +170,12 @@ class HeldMessages:
         if self.intake and self._submit is not None:
             jobs, self.intake = self.intake, []
             self._submit(jobs)
+            for job in jobs:  # a job of long texts in windows holds more items than texts: the window counts items
+                extra = job.n_items - job.size
+                if extra > 0 and job.context.reqs:
+                    req, size = job.context.reqs[0]
+                    job.context.reqs[0] = (req, size + extra)
+                    self.window.received_more(extra, bulk=self.traffic_class(routing_key_of(req)) == BULK)
 
     def current_channel(self) -> Any:
         task_consumer = getattr(self.consumer, "task_consumer", None)
