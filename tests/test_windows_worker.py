@@ -74,6 +74,10 @@ def test_an_enormous_document_does_not_hold_back_online_jobs(redis_server, tmp_p
         assert not bulk.ready()  # the document's windows are still running
         assert bulk.result(300).shape == (1, 32)
         assert bulk.usage["windows"] > 100
+        counted = handle.stats()
+        # the document and the online job's long text; the short one is one window, not counted
+        assert counted["texts_windowed"] == 2
+        assert counted["windows"] == bulk.usage["windows"] + online.usage["windows"] - 1
         handle.wait_until(lambda s: s["held_texts"] == 0, "the window released with the job")
     finally:
         handle.stop()

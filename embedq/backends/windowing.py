@@ -23,6 +23,7 @@ result's ``window_offsets`` (input ``i``'s windows are rows ``window_offsets[i]:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -242,6 +243,15 @@ class Windower:
             items += window_items(t, ids[m:], [*front, *ids[:m]], back, tok.max_seq_length, options.window_overlap,
                                   self.max_windows, windows, i, plen)
         return items, windows
+
+
+def window_counts(prepared: Prepared) -> dict[str, int]:
+    """The worker's counters of a prepared job: its texts cut into more than one window, and their windows."""
+    plan_ = prepared.state.get("windows")
+    if plan_ is None:
+        return {}
+    counts = [b - a for a, b in itertools.pairwise(plan_.offsets) if b - a > 1]
+    return {"texts_windowed": len(counts), "windows": sum(counts)} if counts else {}
 
 
 def _ragged_counts(plan_: WindowPlan) -> np.ndarray:

@@ -37,6 +37,7 @@ from typing import Any
 
 from embedq import errors
 from embedq.backends.base import Backend
+from embedq.backends.windowing import window_counts
 from embedq.batching import Scheduler
 from embedq.batching.traffic import ONLINE, Deadlines, TrafficScheduler
 from embedq.settings import Settings
@@ -186,6 +187,7 @@ class EmbeddingService:
                     if self.metrics is not None:  # a job's share of the call (jobs that failed it are not counted)
                         self.metrics.observe("tokenize_seconds", each)
                     job.prepared = outcome
+                    self.stats.add(**window_counts(outcome))
                     job.tokenize_seconds = each
                     job.rows = [None] * job.n_items
                     job.remaining = job.n_items
@@ -225,10 +227,9 @@ class EmbeddingService:
 
     def count_received(self, items: int, traffic_class: str | None = None, kind: str | None = None) -> None:
         self.stats.add(jobs_received=1, items_received=items)
-        if traffic_class is not None:
-            self.stats.add_labelled("jobs_by_class", traffic_class)
-        if kind is not None:
-            self.stats.add_labelled("jobs_by_kind", kind)
+        for name, label in (("jobs_by_class", traffic_class), ("jobs_by_kind", kind)):
+            if label is not None:
+                self.stats.add_labelled(name, label)
 
     def cancel(self, job: Job, error: errors.EmbedqError | None = None) -> bool:
         """Consumer thread: drop a job that has not started; it finishes with ``cancelled``. A job whose

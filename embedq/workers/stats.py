@@ -35,6 +35,8 @@ COUNTERS: dict[str, str] = {
     "online_started": "Online jobs whose first micro-batch started.",
     "items_deduplicated": "Items not run through the model because an identical item (same token ids, prompt and "
     "head) waiting at the same time was: each got a copy of its row (EMBEDQ_DEDUPE).",
+    "texts_windowed": "Texts of long_inputs='windows' jobs longer than the model, cut into windows (issue 58).",
+    "windows": "Window items made of the texts_windowed (each runs through the model as an item of its own).",
     "canvas_failures": "Jobs whose Celery canvas work (callbacks, a chain's next step, a chord part) failed for good: "
     "over EMBEDQ_CANVAS_MAX_BYTES, refused by the broker, or refused by admission; their errbacks ran.",
 }
