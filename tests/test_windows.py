@@ -253,3 +253,22 @@ def test_options_are_checked(minilm):
     with pytest.raises(errors.InvalidOption):
         KINDS["rerank"].parse_options({"long_inputs": "windows"})
     assert decode_arrays(run(backend, "embed_all", ["one two three"], options("embed_all")))["tokens"].shape[0] == 5
+
+
+@pytest.mark.parametrize("which", ["minilm", "m3"])
+def test_a_prompt_is_in_every_window(which, minilm, m3, corpus):
+    """Each window with a prompt is what the model gives the prompt and the window's text without windows (the
+    prompt's tokens in front of every window; WordPiece and a SentencePiece tokenizer)."""
+    _, backend = minilm if which == "minilm" else m3
+    kind = "embed" if which == "minilm" else "embed_hybrid"
+    docs = long_documents(corpus, 2, (300, 600) if which == "minilm" else (80, 160), seed=5)
+    result = run(backend, kind, docs, options(kind, prompt="query: ", pool_windows=False))
+    decode = decode_array if kind == "embed" else decode_hybrid
+    windows = split_windows(result, decode(result["vectors"] if kind == "embed" else result))
+    for text, mine in zip(docs, windows):
+        assert len(mine) >= 2
+        plain = run(backend, kind, [text[w.start:w.end] for w in mine], KINDS[kind].parse_options({"prompt": "query: "}))
+        if kind == "embed":
+            assert_close(np.stack([w.output for w in mine]), decode_array(plain["vectors"]))
+        else:
+            assert_close(np.stack([w.output.dense for w in mine]), decode_hybrid(plain).dense)

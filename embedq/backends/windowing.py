@@ -234,8 +234,8 @@ class Windower:
         items: list[Encoded] = []
         for i, (text, enc) in enumerate(zip(texts, out.encodings)):
             ids, offsets, words = enc.ids, enc.offsets, enc.word_ids
-            m = 0  # the prompt's tokens: those that start inside it
-            while m < len(ids) and offsets[m][0] < shift:
+            m = 0  # the prompt's tokens: those that end inside it (a token across its end is the text's)
+            while m < len(ids) and offsets[m][1] <= shift:
                 m += 1
             starts = [max(a - shift, 0) for a, _ in offsets[m:]]
             ends = [max(b - shift, 0) for _, b in offsets[m:]]
