@@ -267,7 +267,8 @@ def test_a_prompt_is_in_every_window(which, minilm, m3, corpus):
     windows = split_windows(result, decode(result["vectors"] if kind == "embed" else result))
     for text, mine in zip(docs, windows):
         assert len(mine) >= 2
-        plain = run(backend, kind, [text[w.start:w.end] for w in mine], KINDS[kind].parse_options({"prompt": "query: "}))
+        pieces = [text[w.start:w.end] for w in mine]
+        plain = run(backend, kind, pieces, KINDS[kind].parse_options({"prompt": "query: "}))
         if kind == "embed":
             assert_close(np.stack([w.output for w in mine]), decode_array(plain["vectors"]))
         else:
