@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 import test_windows_worker
-from conftest import GatewayHandle
+from conftest import GatewayHandle, sparse_delta
 from test_windows_worker import SENTENCE, text_of
 
 pytestmark = pytest.mark.integration
@@ -23,15 +23,22 @@ SMALL = SENTENCE
 LONG, LONGER, HUGE = text_of(20), text_of(26), text_of(200)  # 3, 4 and far more than 4 windows of 128 tokens
 
 
-@pytest.fixture(scope="module")
-def gateway(worker, tmp_path_factory):
-    settings = worker.settings
-    g = GatewayHandle(settings.broker_url, settings.queue_name, tmp_path_factory.mktemp("gw-windows") / "gw.log",
-                      EMBEDQ_MODEL=settings.model, EMBEDQ_MAX_TEXTS_PER_JOB="2")
+def serve(settings, log) -> GatewayHandle:
+    """A gateway on ``settings``' queue cutting requests into jobs of 2 texts, once it has seen the worker."""
+    g = GatewayHandle(settings.broker_url, settings.queue_name, log, EMBEDQ_MODEL=settings.model,
+                      EMBEDQ_MAX_TEXTS_PER_JOB="2")
     deadline = time.monotonic() + 60  # the worker's registry record (written every second)
     while httpx.get(g.url + "/health").status_code != 200:
-        assert time.monotonic() < deadline, g.log.read_text(errors="replace")[-4000:]
+        if time.monotonic() > deadline:
+            g.stop()
+            raise AssertionError(g.log.read_text(errors="replace")[-4000:])
         time.sleep(0.2)
+    return g
+
+
+@pytest.fixture(scope="module")
+def gateway(worker, tmp_path_factory):
+    g = serve(worker.settings, tmp_path_factory.mktemp("gw-windows") / "gw.log")
     yield g
     g.stop()
 
@@ -190,3 +197,29 @@ def test_the_openai_sdk_with_extra_body(gateway, worker):
     with pytest.raises(openai.APIStatusError, match="too_many_windows") as caught:
         client.embeddings.create(model="any", input=[HUGE], extra_body={"long_inputs": "windows"})
     assert caught.value.status_code == 413
+
+
+def same_sparse(got: list[dict], want: list[dict]) -> bool:
+    """Two sparse vectors in TEI's shape, equal read densely (conftest.sparse_delta: the jobs' micro-batches differ)."""
+    return sparse_delta([e["index"] for e in got], [e["value"] for e in got],
+                        [e["index"] for e in want], [e["value"] for e in want]) <= 1e-5
+
+
+def test_sparse_windows(splade_worker, tmp_path):
+    """/embed_sparse of a real SPLADE model: pooled windows in TEI's shape, and per window."""
+    gateway = serve(splade_worker.settings, tmp_path / "gw.log")
+    try:
+        texts = [SMALL, text_of(60), LONG]
+        client = splade_worker.client
+        pooled = ok(post(gateway, "/embed_sparse", {"inputs": texts, "long_inputs": "windows"}))
+        want = client.embed_sparse(texts, long_inputs="windows")
+        assert len(pooled) == 3 and all(same_sparse(p, w.to_tei()) for p, w in zip(pooled, want))
+        assert pooled[1] != ok(post(gateway, "/embed_sparse", {"inputs": [texts[1]]}))[0]  # not the cut text
+        got = ok(post(gateway, "/embed_sparse", {"inputs": texts, "long_inputs": "windows", "pool_windows": False}))
+        expected = client.submit_job("embed_sparse", texts, long_inputs="windows", pool_windows=False).result()
+        assert [len(text) for text in got] == [len(e) for e in expected] and len(got[1]) > 1
+        for text, windows, per in zip(texts, got, expected):
+            assert "".join(text[w["start"]:w["end"]] for w in windows) == text
+            assert all(same_sparse(w["embedding"], e.output.to_tei()) for w, e in zip(windows, per))
+    finally:
+        gateway.stop()
