@@ -97,6 +97,15 @@ def test_pooled_windows_keep_each_route_s_shape(gateway, worker):
     assert len(every) == 2 and np.asarray(every[1]).shape == (sum(w["tokens"] for w in windows[1]), 32)
 
 
+def same_windows(a: list[list[dict]], b: list[list[dict]]) -> bool:
+    """Two per-window answers: the same windows, their vectors equal within float32's noise."""
+    def spans(x: list[list[dict]]) -> list:
+        return [[(w["window"], w["start"], w["end"], w["tokens"]) for w in text] for text in x]
+
+    return spans(a) == spans(b) and all(np.allclose([w["embedding"] for w in p], [w["embedding"] for w in q],
+                                                    atol=1e-6) for p, q in zip(a, b))
+
+
 def test_per_window_answers_slice_the_input(gateway, worker):
     texts = [LONG, SMALL, LONGER]
     body = {"inputs": texts, "long_inputs": "windows", "pool_windows": False}
@@ -127,6 +136,10 @@ def test_per_window_answers_slice_the_input(gateway, worker):
             vectors = [w["embedding"] if encoding == "float" else np.frombuffer(base64.b64decode(w["embedding"]),
                                                                                 "<f4") for w in entry["windows"]]
             assert np.allclose(vectors, [w["embedding"] for w in windows], atol=1e-6)
+    # the served model's own route and Vertex AI's instances read the same fields
+    assert same_windows(ok(post(gateway, "/", body)), got)
+    vertex = ok(post(gateway, "/vertex", {"instances": [body, {"inputs": [SMALL], "long_inputs": "windows"}]}))
+    assert same_windows(vertex["predictions"][0], got) and np.asarray(vertex["predictions"][1]).shape == (1, 32)
     every = ok(post(gateway, "/embed_all", body))
     assert [len(text) for text in every] == [3, 1, 4]
     assert [np.asarray(w["embedding"]).shape for w in every[1]] == [(every[1][0]["tokens"], 32)]
@@ -171,6 +184,16 @@ def test_contradictions_are_a_typed_422(gateway, path, body, wrong):
     assert refused.status_code == 422, refused.text
     message = refused.json()["error"]["message"] if path.startswith("/v1") else refused.json()["error"]
     assert message.startswith("[invalid_option]") and wrong in message
+
+
+def test_the_openapi_document_describes_the_fields(gateway):
+    schemas = httpx.get(gateway.url + "/openapi.json").json()["components"]["schemas"]
+    for name in ("EmbedRequest", "TextsRequest", "OpenAIEmbeddingRequest"):
+        fields = schemas[name]["properties"]
+        assert {"long_inputs", "window_overlap", "pool_windows"} <= set(fields), name
+        assert "too_many_windows" in fields["long_inputs"]["description"]
+        assert "data[i].windows" in fields["pool_windows"]["description"]
+    assert "long_inputs" not in schemas["RerankRequest"]["properties"]
 
 
 def test_bad_values_are_a_422(gateway):

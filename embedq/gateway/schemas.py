@@ -91,15 +91,19 @@ class WindowFields(_Body):
 
     long_inputs: Literal["truncate", "error", "windows"] | None = Field(
         default=None, description="embedq: an input longer than the model reads is cut (`truncate`), refused "
-        "(`error`: 422 too_many_tokens) or embedded in windows of the model's length (`windows`). Absent: the "
-        "route's usual behaviour (TEI's `truncate`; the OpenAI route cuts).")
+        "(`error`: 422 too_many_tokens) or embedded in windows of the model's length (`windows`; an input that "
+        "needs more than the worker's max_windows fails the request: 413 too_many_windows naming its index). "
+        "Absent: the route's usual behaviour (TEI's `truncate`; the OpenAI route cuts). Given, `truncate` may only "
+        "agree with it (true: truncate; false: error or windows), else 422 invalid_option.")
     window_overlap: int | None = Field(
         default=None, ge=0, le=MAX_WINDOW_OVERLAP,
         description="embedq, with long_inputs=windows: tokens each window shares with the one before it (0).")
     pool_windows: bool | None = Field(
         default=None, description="embedq, with long_inputs=windows: true (default): one output per input, pooled "
         "over its windows, in the route's usual shape; false: per input the list of its windows "
-        "`{window, start, end, tokens, embedding}` (character span `[start, end)` of the input).")
+        "`{window, start, end, tokens, embedding}` (`[start, end)`: the window's characters of the input; "
+        "`embedding`: the route's output for the window). TEI routes: a list of windows per input; OpenAI: "
+        "`data[i].embedding` is null and `data[i].windows` holds them, each `embedding` in `encoding_format`.")
 
     def window_options(self, truncate: bool | None) -> dict[str, Any]:
         """The job options of these fields (none when ``long_inputs`` is absent); ``truncate``: TEI's field as the
