@@ -1,6 +1,7 @@
-"""Inputs longer than the model on the gateway's embedding routes (issue 58): the request fields ``long_inputs``,
-``window_overlap`` and ``pool_windows`` on ``/v1/embeddings``, ``/embed``, ``/embed_sparse`` and ``/embed_all``, and
-how a windows job's results become the route's answer.
+"""Inputs longer than the model on the gateway's embedding routes (issue 58): how the results of jobs with
+``long_inputs="windows"`` become the route's answer. The request fields ``long_inputs``, ``window_overlap`` and
+``pool_windows`` of ``/v1/embeddings``, ``/embed``, ``/embed_sparse`` and ``/embed_all`` are
+:class:`~embedq.gateway.schemas.WindowFields`; the plans that use both are :mod:`embedq.gateway.plans`'.
 
 A request that names none of the fields is sent as before, with the job options it always had (TEI's ``truncate``:
 absent means cut). ``long_inputs`` given, TEI's ``truncate`` may only agree with it (``true``: ``truncate``;
