@@ -20,6 +20,7 @@ from embedq.gateway.plans import job_plan, parse, planner
 from embedq.gateway.schemas import JOB_HEADERS, TEI_ERRORS, JobRequest, JSONResponse, TeiError, responses
 from embedq.gateway.state import Gateway, gateway_of
 from embedq.gateway.webhooks import Webhooks, check_url
+from embedq.gateway.windowed import renumber
 from embedq.keys import GATEWAY_JOB_KEY
 
 router = APIRouter()
@@ -60,13 +61,20 @@ async def job_state(gateway: Gateway, job_id: str, record: dict[str, Any]) -> di
     if any(raw is None for raw in stored):
         done = sum(raw is not None for raw in stored)
         return {"id": job_id, "status": "queued", "done_jobs": done, "jobs": len(stored), **hook}
+    size = gateway.settings.max_texts_per_job
     try:
-        payloads = [results.decode(raw) for raw in stored]
+        payloads = []
+        for n, raw in enumerate(stored):
+            try:
+                payloads.append(results.decode(raw))
+            except errors.EmbedqError as exc:  # named by the request's index of its input (windows)
+                raise renumber(exc, n * size) from None
+        result = job_plan(record, gateway.settings).answer(payloads)
     except errors.EmbedqError as exc:
         status, error_type = http_status(exc)
         return {"id": job_id, "status": "failed", "code": status,
                 "error": {"error": str(exc), "error_type": error_type}, **hook}
-    return {"id": job_id, "status": "done", "result": job_plan(record, gateway.settings).answer(payloads), **hook}
+    return {"id": job_id, "status": "done", "result": result, **hook}
 
 
 @router.post("/jobs", status_code=202, summary="Start a job of any kind; answers at once with its id (and calls "

@@ -28,7 +28,9 @@ from embedq.gateway.schemas import (
     SimilarityRequest,
     TextsRequest,
     TokenizeRequest,
+    WindowFields,
 )
+from embedq.gateway.windowed import guarded, window_json, windows_of
 from embedq.kinds import KINDS, TaskSpec, id_lists, kind_names
 from embedq.protocol import decode_result
 from embedq.settings import Settings
@@ -102,19 +104,56 @@ def decoded(kind: str) -> Callable[[list[dict[str, Any]]], list[Any]]:
 
 def _vectors(payloads: list[dict[str, Any]]) -> tuple[np.ndarray, int]:
     vectors = [decode_result(p)[0] for p in payloads]
-    tokens = sum(int((p.get("usage") or {}).get("tokens", 0)) for p in payloads)
-    return (np.concatenate(vectors) if len(vectors) > 1 else vectors[0]), tokens
+    return (np.concatenate(vectors) if len(vectors) > 1 else vectors[0]), _tokens(payloads)
+
+
+def _tokens(payloads: list[dict[str, Any]]) -> int:
+    return sum(int((p.get("usage") or {}).get("tokens", 0)) for p in payloads)
 
 
 def embed_plan(texts: list[str], answer: Callable[[np.ndarray, int], Any], **options: Any) -> Plan:
     return Plan("embed", texts, _options(**options), lambda payloads: answer(*_vectors(payloads)))
 
 
+def _tei_options(body: EmbedRequest | TextsRequest) -> dict[str, Any]:
+    """A TEI embedding body's job options: TEI's, or with ``long_inputs`` the window options in place of
+    ``truncate`` (which then only agrees with it: :meth:`~embedq.gateway.schemas.WindowFields.window_options`)."""
+    options = body.job_options()
+    windows = body.window_options(body.truncate)
+    if windows:
+        del options["truncate"]
+    return {**options, **windows}
+
+
+def _windowed(plan: Plan, body: WindowFields, settings: Settings,
+              per_window: Callable[[list[dict[str, Any]]], Any]) -> Plan:
+    """``plan`` for a body with ``long_inputs="windows"``: its answer refused while an input failed alone (413
+    ``too_many_windows``, :func:`~embedq.gateway.windowed.guarded`), and ``per_window`` with ``pool_windows:
+    false``."""
+    if body.long_inputs != "windows":
+        return plan
+    if body.per_window:
+        plan.answer = per_window
+    plan.answer = guarded(plan.answer, settings.max_texts_per_job)
+    return plan
+
+
+def _tei_windows(kind: str, render: Callable[[Any], Any]) -> Callable[[list[dict[str, Any]]], Any]:
+    """A TEI route's per-window answer: per input the list of its windows, ``render`` writing one's output."""
+    spec = KINDS[kind]
+    return lambda payloads: [[window_json(w, render(w.output)) for w in text]
+                             for text in windows_of(payloads, spec.decode)]
+
+
+def _same(output: Any) -> Any:
+    return output
+
+
 def plan_embed(body: EmbedRequest, settings: Settings) -> Plan:
     plan = embed_plan(_inputs(body.inputs), lambda vectors, tokens: vectors, normalize=body.normalize,
-                      dimensions=body.dimensions, prompt_name=body.prompt_name, **body.job_options())
+                      dimensions=body.dimensions, prompt_name=body.prompt_name, **_tei_options(body))
     plan.single = _single(body.inputs)
-    return plan
+    return _windowed(plan, body, settings, _tei_windows("embed", _same))
 
 
 def _single(inputs: Any) -> bool:
@@ -124,15 +163,17 @@ def _single(inputs: Any) -> bool:
 
 def plan_sparse(body: TextsRequest, settings: Settings) -> Plan:
     answer = decoded("embed_sparse")
-    return Plan("embed_sparse", _inputs(body.inputs), _options(prompt_name=body.prompt_name, **body.job_options()),
+    plan = Plan("embed_sparse", _inputs(body.inputs), _options(prompt_name=body.prompt_name, **_tei_options(body)),
                 lambda payloads: [v.to_tei() for chunk in answer(payloads) for v in chunk],
                 single=_single(body.inputs))
+    return _windowed(plan, body, settings, _tei_windows("embed_sparse", lambda v: v.to_tei()))
 
 
 def plan_all(body: TextsRequest, settings: Settings) -> Plan:
     answer = decoded("embed_all")
-    return Plan("embed_all", _inputs(body.inputs), _options(prompt_name=body.prompt_name, **body.job_options()),
+    plan = Plan("embed_all", _inputs(body.inputs), _options(prompt_name=body.prompt_name, **_tei_options(body)),
                 lambda payloads: [m for chunk in answer(payloads) for m in chunk], single=_single(body.inputs))
+    return _windowed(plan, body, settings, _tei_windows("embed_all", _same))
 
 
 def plan_rerank(body: RerankRequest, settings: Settings) -> Plan:
@@ -212,18 +253,29 @@ def plan_similarity(body: SimilarityRequest, settings: Settings) -> Plan:
 
 
 def plan_openai(body: OpenAIEmbeddingRequest, settings: Settings, name: str) -> Plan:
-    """OpenAI's embeddings: normalized vectors, as floats or base64 of little-endian float32, under ``name``."""
+    """OpenAI's embeddings: normalized vectors, as floats or base64 of little-endian float32, under ``name``; with
+    ``pool_windows: false`` each entry's ``embedding`` is null and its ``windows`` hold the vectors."""
 
-    def answer(vectors: np.ndarray, tokens: int) -> dict[str, Any]:
+    def encode(vectors: np.ndarray) -> list[Any]:
         vectors = np.ascontiguousarray(vectors, dtype="<f4")
         if body.encoding_format == "base64":
-            data: list[Any] = [base64.b64encode(v.tobytes()).decode("ascii") for v in vectors]
-        else:
-            data = list(vectors)
-        return {"object": "list", "model": name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-                "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)]}
+            return [base64.b64encode(v.tobytes()).decode("ascii") for v in vectors]
+        return list(vectors)
 
-    return embed_plan(_texts(body.input), answer, normalize=True, dimensions=body.dimensions)
+    def response(data: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
+        return {"object": "list", "model": name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                "data": [{"object": "embedding", "index": i, **entry} for i, entry in enumerate(data)]}
+
+    def per_window(payloads: list[dict[str, Any]]) -> dict[str, Any]:
+        texts = windows_of(payloads, lambda p: decode_result(p)[0])
+        data = [{"embedding": None, "windows": [window_json(w, e) for w, e in zip(text, encode(
+            np.asarray([w.output for w in text], np.float32).reshape(len(text), -1)))]} for text in texts]
+        return response(data, _tokens(payloads))
+
+    plan = embed_plan(_texts(body.input), lambda vectors, tokens: response(
+        [{"embedding": e} for e in encode(vectors)], tokens), normalize=True, dimensions=body.dimensions,
+        **body.window_options(None))
+    return _windowed(plan, body, settings, per_window)
 
 
 #: The request body and planner of each kind a TEI route serves (and ``similarity``): the TEI routes', ``POST /``'s

@@ -7,9 +7,10 @@ from typing import Any, Literal
 
 import orjson
 from fastapi.responses import JSONResponse as _StarletteJSON
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from embedq.protocol import MAX_DEADLINE_SECONDS
+from embedq import errors
+from embedq.protocol import MAX_DEADLINE_SECONDS, MAX_WINDOW_OVERLAP
 
 
 class JSONResponse(_StarletteJSON):
@@ -85,9 +86,52 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+class WindowFields(_Body):
+    """The request fields of issue 58 (embedq's own; a client that sends none gets the route's usual behaviour)."""
+
+    long_inputs: Literal["truncate", "error", "windows"] | None = Field(
+        default=None, description="embedq: an input longer than the model reads is cut (`truncate`), refused "
+        "(`error`: 422 too_many_tokens) or embedded in windows of the model's length (`windows`; an input that "
+        "needs more than the worker's max_windows fails the request: 413 too_many_windows naming its index). "
+        "Absent: the route's usual behaviour (TEI's `truncate`; the OpenAI route cuts). Given, `truncate` may only "
+        "agree with it (true: truncate; false: error or windows), else 422 invalid_option.")
+    window_overlap: int | None = Field(
+        default=None, ge=0, le=MAX_WINDOW_OVERLAP,
+        description="embedq, with long_inputs=windows: tokens each window shares with the one before it (0).")
+    pool_windows: bool | None = Field(
+        default=None, description="embedq, with long_inputs=windows: true (default): one output per input, pooled "
+        "over its windows, in the route's usual shape; false: per input the list of its windows "
+        "`{window, start, end, tokens, embedding}` (`[start, end)`: the window's characters of the input; "
+        "`embedding`: the route's output for the window). TEI routes: a list of windows per input; OpenAI: "
+        "`data[i].embedding` is null and `data[i].windows` holds them, each `embedding` in `encoding_format`.")
+
+    def window_options(self, truncate: bool | None) -> dict[str, Any]:
+        """The job options of these fields (none when ``long_inputs`` is absent); ``truncate``: TEI's field as the
+        request gave it (None: absent), which must agree with ``long_inputs``."""
+        if self.long_inputs is None:
+            extra = [name for name in ("window_overlap", "pool_windows") if getattr(self, name) is not None]
+            if extra:
+                raise errors.InvalidOption(f"{', '.join(extra)} applies only with long_inputs='windows'")
+            return {}
+        if truncate is not None and truncate != (self.long_inputs == "truncate"):
+            raise errors.InvalidOption(f"truncate={str(truncate).lower()} contradicts long_inputs="
+                                       f"{self.long_inputs!r}: give one of them")
+        options: dict[str, Any] = {"long_inputs": self.long_inputs}
+        if self.window_overlap is not None:
+            options["window_overlap"] = self.window_overlap
+        if self.pool_windows is not None:
+            options["pool_windows"] = self.pool_windows
+        return options
+
+    @property
+    def per_window(self) -> bool:
+        """The answer lists each input's windows (``pool_windows: false``)."""
+        return self.long_inputs == "windows" and self.pool_windows is False
+
+
 # TEI's fields with a default and no `null` (serde's ``#[serde(default)]`` on a plain type: `null` is refused, 422)
 # are plain types here; only its ``Option`` fields (truncate, prompt_name, dimensions, model, user) take `null`.
-class OpenAIEmbeddingRequest(_Body):
+class OpenAIEmbeddingRequest(WindowFields):
     input: str | list[str] | list[int] | list[list[int]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
@@ -108,14 +152,14 @@ class _TeiOptions(_Body):
 TeiInput = str | list[int] | list[str | list[int]]
 
 
-class EmbedRequest(_TeiOptions):
+class EmbedRequest(_TeiOptions, WindowFields):
     inputs: TeiInput
     normalize: bool = True
     prompt_name: str | None = None
     dimensions: int | None = None
 
 
-class TextsRequest(_TeiOptions):
+class TextsRequest(_TeiOptions, WindowFields):
     """``/embed_sparse`` and ``/embed_all``."""
 
     inputs: TeiInput

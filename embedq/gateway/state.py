@@ -20,6 +20,7 @@ from embedq.gateway.middleware import GatewayMetrics
 from embedq.gateway.plans import Plan
 from embedq.gateway.results import AsyncResults
 from embedq.gateway.tei_meta import TeiMetrics
+from embedq.gateway.windowed import renumber
 from embedq.producers.client import Client
 from embedq.producers.handle import DEADLINE_GRACE, DEFAULT_RESULT_TIMEOUT
 from embedq.protocol import MAX_DEADLINE_SECONDS
@@ -211,16 +212,19 @@ class Gateway:
             gone.cancel()
         for handle in handles:  # answered: nothing to send again if Redis restarts now
             self.client.pending.discard(handle)
-        for outcome in outcomes:
-            if isinstance(outcome, errors.JobTimeout) and deadline is not None:
-                await asyncio.gather(*(self._forget(h) for h in handles))
-                raise errors.Expired(f"the request's jobs did not run within its deadline ({deadline:g}s)")
-            if isinstance(outcome, BaseException):
-                raise outcome
         out, start = [], 0
         for part in sent:
             out.append(list(outcomes[start:start + len(part)]))
             start += len(part)
+        size = self.settings.max_texts_per_job
+        for outcome in outcomes:
+            if isinstance(outcome, errors.JobTimeout) and deadline is not None:
+                await asyncio.gather(*(self._forget(h) for h in handles))
+                raise errors.Expired(f"the request's jobs did not run within its deadline ({deadline:g}s)")
+        for part in out:  # job n of a plan holds its inputs from n * size: an error names them by that index
+            for n, outcome in enumerate(part):
+                if isinstance(outcome, BaseException):
+                    raise renumber(outcome, n * size)
         return out
 
     async def _forget(self, handle: Any) -> None:
