@@ -118,8 +118,10 @@ class LanceOut:
 
         if not self.path.exists():
             return 0
-        db = lancedb.connect(str(self.path))
-        return db.open_table(name).count_rows() if name in db.table_names() else 0
+        try:
+            return lancedb.connect(str(self.path)).open_table(name).count_rows()
+        except ValueError:  # no such table yet
+            return 0
 
     def rows(self, name: str) -> tuple[list[Key], np.ndarray]:
         import lancedb
