@@ -295,10 +295,7 @@ class LanceSink(contract.Sink):
         rows = ((doc_id, h, w) for batch in batches.to_batches() for doc_id, h, w in
                 zip(batch.column("id").to_pylist(), *(batch.column(c).to_pylist() if on else itertools.repeat(None)
                                                       for c, on in ((HASH, hashes), ("window", self.windowed)))))
-        ids, keys, numbers = itertools.tee(rows, 3)  # read in step by take_committed
-        self._table_rows = self.ledger.take_committed((r[0] for r in ids), where=self.where, container="table",
-                                                      hashes=(r[1] for r in keys) if hashes else None,
-                                                      windows=(r[2] for r in numbers) if self.windowed else None)
+        self._table_rows = self.ledger.take_rows(rows, where=self.where, container="table", windowed=self.windowed)
 
     # -- Sink's contract ---------------------------------------------------------------------------
     def accept(self, fingerprint: Fingerprint) -> None:

@@ -164,30 +164,34 @@ class Ledger:
         return key
 
     def take_committed(self, ids: Iterable[str], *, where: str, container: str,
-                       hashes: Iterable[bytes | None] | None = None, windows: Iterable[int] | None = None) -> int:
+                       hashes: Iterable[bytes | None] | None = None) -> int:
         """The ids a database target holds into ``committed`` (with their content hashes, ``hashes``, in the same
         order), and their count as the record's rows (the stored record's own may lag by the last commit); refused
         when an id is there twice (written outside embedq index). The record read with them is the one the target
-        holds. ``windows``: each row's window number (a windows output, ``windowed.py``: its key is (id, window), an
-        id is there once per window)."""
-        rows = dups = 0
+        holds."""
         pairs = zip(ids, hashes) if hashes is not None else ((doc_id, None) for doc_id in ids)
-        keys = IdSet() if windows is not None else self.committed
-        numbers = iter(windows) if windows is not None else None
-        for doc_id, content_hash in pairs:
-            key = digest(doc_id if numbers is None else f"{doc_id}\0{next(numbers)}")
+        return self.take_rows(((doc_id, h, None) for doc_id, h in pairs), where=where, container=container)
+
+    def take_rows(self, rows: Iterable[tuple[str, bytes | None, int | None]], *, where: str, container: str,
+                  windowed: bool = False) -> int:
+        """:meth:`take_committed` of rows (id, content hash or None, window or None); ``windowed``: a windows output
+        (``windowed.py``), whose key is (id, window): an id is there once per window."""
+        rows_n = dups = 0
+        keys = IdSet() if windowed else self.committed
+        for doc_id, content_hash, window in rows:
+            key = digest(f"{doc_id}\0{window}") if windowed else digest(doc_id)
             dups += key in keys
-            if numbers is not None:
+            if windowed:
                 keys.add(key)
             self.take(doc_id, content_hash)
-            rows += 1
+            rows_n += 1
         if dups:
-            what = "(id, window) keys" if windows is not None else "ids"
+            what = "(id, window) keys" if windowed else "ids"
             raise errors.OutputMismatch(f"{where} holds {dups} {what} more than once: it was written outside "
                                         f"embedq index; write to another {container}, or pass --overwrite")
-        self.manifest.rows = rows
+        self.manifest.rows = rows_n
         self._stored = self.record()
-        return rows
+        return rows_n
 
     def record(self) -> str:
         """The manifest as stored (JSON)."""

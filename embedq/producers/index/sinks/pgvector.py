@@ -36,7 +36,6 @@ inner product does), so ``ORDER BY embedding <=> $query LIMIT k`` uses it; on a 
 
 from __future__ import annotations
 
-import itertools
 import re
 import time
 from pathlib import Path
@@ -323,10 +322,7 @@ class PgvectorSink(contract.Sink):
             cur.itersize = 50_000
             cur.execute(self.target._sql("SELECT id, {h}, {w} FROM {t}", h=rows.ident("content_hash") if keeps else
                                          rows.sql_null(), w=rows.ident("window") if self.keys else rows.sql_null()))
-            ids, hashes, numbers = itertools.tee(cur, 3)  # read in step: the tee holds one row
-            self.ledger.take_committed((r[0] for r in ids), where=self.where, container="table",
-                                       hashes=(r[1] for r in hashes) if keeps else None,
-                                       windows=(r[2] for r in numbers) if self.keys else None)
+            self.ledger.take_rows(cur, where=self.where, container="table", windowed=bool(self.keys))
         self.conn.commit()
 
     # -- Sink's contract ---------------------------------------------------------------------------
