@@ -82,6 +82,10 @@ class ParquetOut:
         matrix = np.asarray(vectors.flatten()).reshape(-1, vectors.type.list_size)
         return _keys(table.to_pydict()), matrix
 
+    def nearest(self, name: str, query: np.ndarray) -> tuple[str, int]:
+        keys, matrix = self.rows(name)
+        return keys[int(np.argmax(matrix @ query))][:2]  # unit vectors: cosine
+
 
 class PgvectorOut:
     def __init__(self, cluster, tmp: Path) -> None:
@@ -104,6 +108,15 @@ class PgvectorOut:
             pgvector_psycopg.register_vector(conn)
             rows = conn.execute(f'SELECT id, "window", start, "end", embedding FROM {name}').fetchall()
         return [tuple(r[:4]) for r in rows], np.stack([r[4].to_numpy() for r in rows])
+
+    def nearest(self, name: str, query: np.ndarray) -> tuple[str, int]:
+        import pgvector.psycopg as pgvector_psycopg
+        from pgvector import Vector
+
+        with self.cluster.connect(self.db) as conn:
+            pgvector_psycopg.register_vector(conn)
+            return tuple(conn.execute(f'SELECT id, "window" FROM {name} ORDER BY embedding <=> %s LIMIT 1',
+                                      (Vector(query),)).fetchone())
 
 
 class LanceOut:
@@ -129,6 +142,13 @@ class LanceOut:
         table = lancedb.connect(str(self.path)).open_table(name).to_arrow()
         vectors = table.column("vector").combine_chunks()
         return _keys(table.to_pydict()), np.asarray(vectors.flatten()).reshape(-1, vectors.type.list_size)
+
+    def nearest(self, name: str, query: np.ndarray) -> tuple[str, int]:
+        import lancedb
+
+        tbl = lancedb.connect(str(self.path)).open_table(name)
+        hit = tbl.search(query).distance_type("cosine").select(["id", "window"]).limit(1).to_list()[0]
+        return hit["id"], hit["window"]
 
 
 class MilvusOut:
@@ -172,6 +192,18 @@ class MilvusOut:
         assert all(r["key"] == f"{r['id']}#{r['window']}" for r in rows)
         return _keys({c: [r[c] for r in rows] for c in ("id", "window", "start", "end")}), \
             np.asarray([r["vector"] for r in rows], np.float32)
+
+
+    def nearest(self, name: str, query: np.ndarray) -> tuple[str, int]:
+        client = self._client()
+        try:
+            client.load_collection(f"{self.prefix}_{name}")
+            hits = client.search(f"{self.prefix}_{name}", data=[query.tolist()], anns_field="vector", limit=1,
+                                 output_fields=["id", "window"], search_params={"metric_type": "COSINE"},
+                                 consistency_level="Strong")
+        finally:
+            client.close()
+        return hits[0][0]["entity"]["id"], hits[0][0]["entity"]["window"]
 
 
 def _keys(columns: dict[str, list]) -> list[Key]:
@@ -271,3 +303,81 @@ def test_b_windows_into_each_sink_after_a_sigkill_and_a_resume(fake_worker, docu
     want = [k for k in expected if k[0] not in ("doc-0", "doc-1", "doc-2")] + expected_windows(fake_worker, edited[:2])
     got = out.rows("docs")[0]
     assert len(got) == summary["rows"] and sorted(got) == sorted(want)
+
+
+def test_a_document_over_max_windows_fails_alone_and_its_job_mates_are_written(fake_worker, documents, expected,
+                                                                               tmp_path):
+    """A document that needs more windows than the worker's max_windows is the errors file's (too_many_windows),
+    read from the result's ``failed`` list: the other documents of its job are written, with --store-text each
+    window's own text."""
+    huge = ("huge", "\n\n".join(text for _, text in documents[:6]))  # far more than MAX_WINDOWS windows
+    docs = [*documents[:3], huge, documents[3]]
+    src = write_jsonl(tmp_path / "docs.jsonl", docs)
+    out = tmp_path / "out.parquet"
+    code, summary, text = run(fake_worker.settings, src, str(out), *WINDOWS, "--chunk-size", "8", "--store-text")
+    assert code == 1, text  # some records failed
+    assert summary["failed"] == 1 and summary["failures_by_code"] == {"too_many_windows": 1}
+    errors_file = [json.loads(line) for line in Path(summary["errors_file"]).read_text().splitlines()]
+    assert [(e["id"], e["code"]) for e in errors_file] == [("huge", "too_many_windows")]
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(out).to_pydict()
+    want = [k for k in expected if k[0] in ("doc-0", "doc-1", "doc-2", "doc-3")]
+    assert sorted(_keys(table)) == sorted(want) and summary["texts"] == 4 and summary["windows"] == len(want)
+    texts = dict(docs)
+    assert all(t == texts[i][s:e] for i, s, e, t in zip(table["id"], table["start"], table["end"], table["text"]))
+    assert list(pq.read_schema(next(out.glob("part-*.parquet"))).names)[:4] == ["id", "window", "start", "end"]
+
+
+def test_window_settings_and_outputs_that_cannot_hold_windows_are_refused(fake_worker, documents, tmp_path):
+    """An output made with other window settings is refused before anything is embedded (its manifest's options,
+    then the workers' fingerprint); NPY and JSONL cannot hold windows (output_unsupported); --window-overlap without
+    windows, --reuse with windows and --no-truncate with windows are refused."""
+    src = write_jsonl(tmp_path / "docs.jsonl", documents[:3])
+    out = str(tmp_path / "out.parquet")
+    code, _, text = run(fake_worker.settings, src, out, *WINDOWS)
+    assert code == 0, text
+    code, _, text = run(fake_worker.settings, src, out, *WINDOWS, "--window-overlap", "16")
+    assert code == 2 and "window_overlap" in text and "--overwrite" in text, text
+    code, _, text = run(fake_worker.settings, src, out)  # today's truncation into a windows output
+    assert code == 2 and "long_inputs" in text, text
+    for name in ("out.npy", "out.jsonl"):
+        code, _, text = run(fake_worker.settings, src, str(tmp_path / name), *WINDOWS)
+        assert code == 2 and "cannot store them" in text, text
+        assert not (tmp_path / name).exists()
+    for extra in (("--window-overlap", "8"), (*WINDOWS, "--reuse", out), (*WINDOWS, "--no-truncate")):
+        code, _, text = run(fake_worker.settings, src, str(tmp_path / "other.parquet"), *extra)
+        assert code == 2, text
+    help_text = subprocess.run([*cmd(src, out)[:4], "--help"], capture_output=True, text=True,
+                               env=env(fake_worker.settings)).stdout
+    assert "--long-inputs {truncate,error,windows}" in help_text and "--window-overlap" in help_text
+
+
+@pytest.mark.parametrize("out", SINKS, indirect=True)
+def test_b_a_passage_from_the_middle_of_a_long_document_finds_its_window(worker, corpus, out, tmp_path):
+    """Acceptance b's query, with a real model (the session's MiniLM worker, windows of 256 tokens): 20 long
+    documents indexed with windows; a passage from the middle of one of them, embedded as a query, has as nearest
+    row (the database's own nearest-neighbour query) that document's window whose [start, end) holds it."""
+    docs = build_documents(corpus, 20, (900, 1400), seed=7)
+    code, summary, text = run(worker.settings, write_jsonl(tmp_path / "long.jsonl", docs), out.url("long"), *WINDOWS)
+    assert code == 0, text
+    keys = out.rows("long")[0]
+    assert summary["rows"] == len(keys) > 2 * len(docs)  # several windows a document
+    parts = [p for _, t in docs for p in t.split("\n\n")]
+    checked = 0
+    for doc_id, text in docs[::4]:
+        pieces = text.split("\n\n")
+        starts = np.cumsum([0] + [len(p) + 2 for p in pieces])
+        # from the middle on: a passage of 30+ words no other document has, wholly inside one window
+        for k in range(len(pieces) // 2, len(pieces)):
+            a, b = int(starts[k]), int(starts[k]) + len(pieces[k])
+            holding = [w for i, w, s, e in keys if i == doc_id and s <= a and b <= e]
+            if len(pieces[k].split()) >= 30 and parts.count(pieces[k]) == 1 and holding:
+                break
+        else:
+            continue
+        assert text[a:b] == pieces[k]
+        query = np.asarray(worker.client.embed([pieces[k]]))[0]
+        assert out.nearest("long", query) == (doc_id, holding[0])
+        checked += 1
+    assert checked >= 3

@@ -316,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "of the URL)")
     i.add_argument("--build-index", action="store_true", help="a database output: build its ANN index (pgvector: HNSW; "
                    "LanceDB: IVF_HNSW_SQ; cosine) after the load; its time is reported on its own line")
-    i.add_argument("--store-text", action="store_true", help="a database output: store each text beside its vectors")
+    i.add_argument("--store-text", action="store_true", help="a database or Parquet output: store each text (with "
+                   "--long-inputs windows, each window's text) beside its vectors")
     i.add_argument("--prune", action="store_true", help="after a complete run, remove the ids the output holds "
                    "that the input no longer has (re-indexing a corpus into the same output: unchanged texts are kept, "
                    "edited ones replaced, new ids added)")
