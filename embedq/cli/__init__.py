@@ -116,11 +116,16 @@ def cmd_index(ns: argparse.Namespace, settings: Settings) -> int:
     from embedq.producers.index.sinks.contract import check_flags
     from embedq.producers.index.sinks.registry import load_sinks, output_target
     from embedq.producers.index.sources import Source
+    from embedq.producers.index.windowed import per_window, window_options
 
     if ns.model:
         settings = settings.model_copy(update={"model": ns.model})
+    options = _embedding_options(ns)
+    if ns.no_truncate and ns.long_inputs not in (None, "error"):
+        raise errors.InvalidOption(f"--no-truncate is --long-inputs error: not with --long-inputs {ns.long_inputs}")
+    options.update(window_options(ns.long_inputs or "truncate", ns.window_overlap))
     config = IndexConfig(
-        chunk_size=ns.chunk_size, max_in_flight=ns.max_in_flight, options=_embedding_options(ns),
+        chunk_size=ns.chunk_size, max_in_flight=ns.max_in_flight, options=options,
         vector_dtype=ns.vector_dtype, job_timeout=ns.job_timeout, checkpoint_seconds=ns.checkpoint_seconds,
         shard_rows=ns.shard_rows, overwrite=ns.overwrite, progress=not ns.quiet, kind=ns.kind, outputs=ns.outputs,
         wait_for_worker=ns.wait_for_worker, connect_timeout=settings.broker_timeout,
@@ -133,7 +138,7 @@ def cmd_index(ns: argparse.Namespace, settings: Settings) -> int:
     source.check()
     load_sinks(settings.sink_plugins)  # a plugin's scheme (EMBEDQ_SINKS, entry points embedq.sinks)
     target = output_target(ns.output, ns.output_format, config)
-    check_flags(target, build_index=ns.build_index, store_text=ns.store_text)
+    check_flags(target, build_index=ns.build_index, store_text=ns.store_text, windows=per_window(options))
     target.check()
 
     def _stop(signum: int, frame: Any) -> None:  # SIGTERM (systemd, kill): stop like Ctrl-C (the run's own
@@ -311,13 +316,21 @@ def build_parser() -> argparse.ArgumentParser:
                    "of the URL)")
     i.add_argument("--build-index", action="store_true", help="a database output: build its ANN index (pgvector: HNSW; "
                    "LanceDB: IVF_HNSW_SQ; cosine) after the load; its time is reported on its own line")
-    i.add_argument("--store-text", action="store_true", help="a database output: store each text beside its vectors")
+    i.add_argument("--store-text", action="store_true", help="a database or Parquet output: store each text (with "
+                   "--long-inputs windows, each window's text) beside its vectors")
     i.add_argument("--prune", action="store_true", help="after a complete run, remove the ids the output holds "
                    "that the input no longer has (re-indexing a corpus into the same output: unchanged texts are kept, "
                    "edited ones replaced, new ids added)")
     i.add_argument("--reuse", action="append", metavar="OUTPUT", help="take the vectors of texts another output of the "
                    "same model and options holds (by content hash) instead of embedding them again, e.g. last night's "
                    "Parquet into tonight's pgvector table; may be given more than once")
+    i.add_argument("--long-inputs", choices=["truncate", "error", "windows"],
+                   help="a text longer than the model reads: truncate it (default), fail it (error: --no-truncate), "
+                   "or cut it into windows of the model's length and write one row per window (Parquet or a "
+                   "database: id, window, start, end, the kind's columns; --store-text: the window's text); a text "
+                   "over the worker's EMBEDQ_MAX_WINDOWS fails alone (too_many_windows)")
+    i.add_argument("--window-overlap", type=int, metavar="N",
+                   help="--long-inputs windows: tokens each window shares with the one before it (default 0)")
     i.add_argument("--json", action="store_true", help="also print the summary as JSON on stdout")
     i.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_embedding_options(i)

@@ -64,13 +64,14 @@ class Chunk:
 class Repeats:
     """Which texts of a run have a vector coming or stored (see the module's docstring)."""
 
-    def __init__(self, sink: Sink, readers: list[Sink]) -> None:
+    def __init__(self, sink: Sink, readers: list[Sink], *, read_back: bool = True) -> None:
         self.sink = sink
         self.readers = readers  # --reuse outputs, opened to read rows back
         self.in_flight: dict[bytes, Chunk] = {}  # a text's hash -> the chunk that carries it (not yet written)
         self.written = IdSet()  # hashes of the rows this run wrote
         self.deferred: list[tuple[str, bytes, str]] = []  # (id, hash, text): to write from a stored row
-        self.read_back = sink.ledger.keeps_hashes  # whether rows can be read back from the output itself
+        # whether rows can be read back from the output itself (not a windows output's: a text has many rows)
+        self.read_back = read_back and sink.ledger.keeps_hashes
 
     def attach(self, doc_id: str, text: str, content_hash: bytes, *, defer: bool = True) -> bool:
         """Route a record whose text may have a vector coming or stored: True when it needs no job of its own

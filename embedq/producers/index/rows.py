@@ -18,7 +18,9 @@ from embedq.producers.index.repeats import Chunk, Repeats, take_rows
 from embedq.producers.index.sinks.contract import Sink
 from embedq.producers.index.stopping import Stopper
 from embedq.producers.index.summary import Summary
+from embedq.producers.index.windowed import WindowRows, expand, groups
 from embedq.protocol import decode_result
+from embedq.windows import failures
 
 
 class RowWriter:
@@ -28,6 +30,7 @@ class RowWriter:
         self.vector_dtype, self.store_text = vector_dtype, store_text
         self.summary, self.stop, self._fail = summary, stop, fail
         self.bar: Any = None  # the run's progress bar, once it has one
+        summary.documents_before = len(sink.committed)
 
     def result(self, chunk: Chunk, payload: dict[str, Any]) -> int:
         """A job's result under its chunk's ids and its riders'; returns how many of the chunk's own rows were taken."""
@@ -39,12 +42,40 @@ class RowWriter:
             fingerprint, data = self.kind.arrays(payload)
         with self.stop.writing():
             self.sink.accept(fingerprint)  # OutputMismatch before the first write
+        if fingerprint.pool_windows is False or payload.get("failed"):
+            return self._documents(chunk, payload, data)
         n = self.put(chunk.ids, data, chunk.texts, chunk.hashes, embedded=True)
         if chunk.riders:
             ids, rows, texts = (list(column) for column in zip(*chunk.riders))
             self.put(ids, take_rows(data, rows), texts, [chunk.hashes[i] for i in rows])
         self.repeats.landed(chunk)
         return n
+
+    def _documents(self, chunk: Chunk, payload: dict[str, Any], data: Any) -> int:
+        """A result with windows (one row per window: ``windowed.py``) or with texts that failed alone
+        (``too_many_windows``: those go to the errors file, their job-mates are written); returns how many of the
+        chunk's own documents were taken."""
+        failed = failures(payload)
+        for i, exc in failed.items():
+            for doc_id in (chunk.ids[i], *(rider for rider, k, _ in chunk.riders if k == i)):
+                self._fail(doc_id, exc)
+        own = [(doc_id, text, h, i) for i, (doc_id, text, h) in enumerate(zip(chunk.ids, chunk.texts, chunk.hashes))
+               if i not in failed]
+        riders = [(doc_id, text, chunk.hashes[i], i) for doc_id, i, text in chunk.riders if i not in failed]
+        taken = [0, 0]
+        for k, docs in enumerate((own, riders)):
+            if not docs:
+                continue
+            if "window_spans" in payload:  # per window
+                rows_of, spans = groups(payload)
+                x = expand(docs, rows_of, spans)
+                taken[k] = self.put(x.ids, take_rows(data, x.rows), x.texts, x.hashes, embedded=k == 0,
+                                    windows=x.windows)
+            else:  # one output per text (pooled windows): the failed texts' rows left out
+                ids, texts, hashes, index = (list(column) for column in zip(*docs))
+                taken[k] = self.put(ids, take_rows(data, index), texts, hashes, embedded=k == 0)
+        self.repeats.landed(chunk)
+        return taken[0]
 
     def stored(self, deferred: list[tuple[str, bytes, str]]) -> list[tuple[str, bytes, str]]:
         """Write the deferred records (id, hash, text) from the rows the stores hold (the output, then ``--reuse``);
@@ -70,28 +101,37 @@ class RowWriter:
                 self.put(ids, take_rows(data, rows), texts, hashes)
         return [(doc_id, h, text) for h, pairs in waiting.items() for doc_id, text in pairs]
 
-    def put(self, ids: list[str], data: Any, texts: list[str], hashes: list[bytes], *, embedded: bool = False) -> int:
+    def put(self, ids: list[str], data: Any, texts: list[str], hashes: list[bytes], *, embedded: bool = False,
+            windows: WindowRows | None = None) -> int:
         """Rows into the output (with their content hashes where it keeps them); ``embedded``: their texts were embedded
-        by this run, else written from a vector it had. Returns how many the output took."""
+        by this run, else written from a vector it had; ``windows``: one row per window (``ids`` repeats a document's
+        id once per window). Returns how many documents the output took."""
         stored_texts = texts if self.store_text else None
+        keeps = self.sink.ledger.keeps_hashes
         with self.stop.writing():
-            if self.sink.ledger.keeps_hashes:
+            if windows is not None:
+                refused = self.sink.write(ids, data, stored_texts, hashes if keeps else None,  # type: ignore[call-arg]
+                                          windows=windows)
+            elif keeps:
                 refused = self.sink.write(ids, data, stored_texts, hashes)  # type: ignore[call-arg]
             else:
                 refused = self.sink.write(ids, data, stored_texts)
-        for doc_id, exc in refused:  # rows the database refuses (Milvus: an empty sparse vector)
+        for doc_id, exc in dict(refused).items():  # rows the database refuses (Milvus: an empty sparse vector)
             self._fail(doc_id, exc)
         bad = {doc_id for doc_id, _ in refused}
         committed = self.sink.committed
         n = 0
-        for doc_id, content_hash in zip(ids, hashes):
+        for doc_id, content_hash in (dict(zip(ids, hashes)).items() if windows is not None else zip(ids, hashes)):
             if doc_id in bad:
                 continue
             n += 1
             self.repeats.written.add(content_hash)
-            self.summary.replaced += digest(doc_id) in committed
+            old = digest(doc_id) in committed
+            self.summary.replaced += old
+            self.summary.new_documents += not old
         if embedded:
             self.summary.texts += n
+            self.summary.windows += sum(doc_id not in bad for doc_id in ids) if windows is not None else 0
         else:
             self.summary.reused += n
         if self.bar is not None:

@@ -47,6 +47,7 @@ from embedq.producers.index.sinks.registry import load_sinks, output_target
 from embedq.producers.index.sources import Record, Source, record_text
 from embedq.producers.index.stopping import Stop, Stopper, ride_out, say, wait_for_worker
 from embedq.producers.index.summary import Failures, Summary
+from embedq.producers.index.windowed import per_window
 from embedq.protocol import Fingerprint
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class Indexer:
         self.target = output_target(output, output_format, config)
         self.kind = index_kind(config.kind, self.target.format)
         self.job_options = self.kind.job_options(config.options, config.vector_dtype)
+        self.windows = per_window(self.job_options)  # one row per window of a document (windowed.py)
         self.summary = Summary(input=source.describe(), output=self.target.describe())
         self.errors_path = config.errors_file or self.target.default_errors_path()
         self.window: deque[Chunk] = deque()
@@ -91,7 +93,11 @@ class Indexer:
     def run(self) -> Summary:
         """Check the input, reach the broker and find a worker before the output is created (a refused run
         leaves no files), then stream. Ctrl-C or SIGTERM stops at once at any stage, committing what arrived."""
-        check_flags(self.target, build_index=self.config.ann_index, store_text=self.config.store_text)
+        check_flags(self.target, build_index=self.config.ann_index, store_text=self.config.store_text,
+                    windows=self.windows)
+        if self.windows and self.config.reuse:
+            raise errors.InvalidOption("--reuse reads rows back by content hash, one per text: not with --long-inputs "
+                                       "windows (a repeated document rides with the job that carries it)")
         self.target.check_input(self.source.path)
         self.target.check()  # a database reached and its table checked before the broker (a file: when opened)
         self._fit_kind()
@@ -199,9 +205,10 @@ class Indexer:
         if self.config.prune and type(self.sink).prune is Sink.prune:
             raise errors.InvalidOption(f"--prune: {self.sink.where} cannot remove rows (a {self.target.format} "
                                        "output)")
-        self.repeats = Repeats(self.sink, self.readers)
+        self.repeats = Repeats(self.sink, self.readers, read_back=not self.windows)
         self.rows = RowWriter(self.sink, self.repeats, self.kind, vector_dtype=self.config.vector_dtype,
                               store_text=self.config.store_text, summary=self.summary, stop=self.stop, fail=self._fail)
+        self.summary.windowed = self.windows
 
     def _connect(self) -> None:
         """Reach the broker before anything else, for at most ``connect_timeout`` seconds: a wrong URL or a
@@ -311,11 +318,7 @@ class Indexer:
             s.fingerprint = self.sink.manifest.fingerprint
             m = self.sink.manifest
             m.complete = complete and not s.failed
-            m.runs = [*m.runs[-19:], {"finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "input": s.input,
-                                      "texts": s.texts, "skipped": s.skipped, "failed": s.failed,
-                                      "reused": s.reused, "replaced": s.replaced, "pruned": s.pruned,
-                                      "seconds": round(s.seconds, 1), "interrupted": not complete,
-                                      "workers": dict(s.workers)}]
+            m.runs = [*m.runs[-19:], s.run_record(complete)]
             self.sink.save_manifest()
         finally:
             self.sink.close()

@@ -9,6 +9,7 @@ the output's rows and embedding-space fingerprint at the end. ``render`` is what
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,16 @@ class Summary:
     ann_index_seconds: float | None = None
     notes: list[str] = field(default_factory=list)  # what the output could not take (an output left out, and why)
     output_removed: bool = False  # no record had a usable text: the run left no output, only its errors file
+    #: ``--long-inputs windows`` (``windowed.py``): rows are windows; ``texts`` counts documents, ``windows`` the rows
+    #: this run wrote (embedded and reused), ``documents`` the documents the output holds at the end
+    windowed: bool = False
+    windows: int = 0
+    documents_before: int = 0  # documents the output held when the run started
+    new_documents: int = 0  # documents written by this run that the output did not hold
+
+    @property
+    def documents(self) -> int:
+        return self.documents_before + self.new_documents - self.pruned
 
     @property
     def texts_per_second(self) -> float:
@@ -59,14 +70,24 @@ class Summary:
         out["fingerprint"] = self.fingerprint.model_dump() if self.fingerprint else None
         out["texts_per_second"] = round(self.texts_per_second, 2)
         out["tokens_per_second"] = round(self.tokens_per_second, 1)
+        if self.windowed:
+            out["documents"] = self.documents
         return out
+
+    def run_record(self, complete: bool) -> dict[str, Any]:
+        """The run's line in the output's manifest (``runs``)."""
+        return {"finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "input": self.input, "texts": self.texts,
+                **({"windows": self.windows} if self.windowed else {}), "skipped": self.skipped, "failed": self.failed,
+                "reused": self.reused, "replaced": self.replaced, "pruned": self.pruned,
+                "seconds": round(self.seconds, 1), "interrupted": not complete, "workers": dict(self.workers)}
 
     def render(self) -> str:
         state = "interrupted" if self.interrupted else "done"
         codes = ", ".join(f"{code}: {n:,}" for code, n in self.failures_by_code.most_common())
+        texts = f"{self.texts:,} documents in {self.windows:,} windows" if self.windowed else f"{self.texts:,} texts"
         lines = [
             f"embedq index: {state} in {self.seconds:.1f}s: {self.input} -> {self.output}",
-            f"  embedded   {self.texts:,} texts, {self.tokens:,} tokens ({self.texts_per_second:,.1f} texts/s, "
+            f"  embedded   {texts}, {self.tokens:,} tokens ({self.texts_per_second:,.1f} texts/s, "
             f"{self.tokens_per_second:,.0f} tokens/s)",
             f"  skipped    {self.skipped:,} already in the output",
             *([f"  reused     {self.reused:,} texts written from vectors of the same text (repeats, stored rows)"]
@@ -74,7 +95,9 @@ class Summary:
             *([f"  replaced   {self.replaced:,} ids whose text changed"] if self.replaced else []),
             *([f"  pruned     {self.pruned:,} ids the input no longer has"] if self.pruned else []),
             f"  failed     {self.failed:,}" + (f" -> {self.errors_file} ({codes})" if self.failed else ""),
-            f"  output     {self.rows:,} rows" + (f"; {self.fingerprint.describe()}" if self.fingerprint else "")
+            f"  output     {self.rows:,} rows"
+            + (f" (the windows of {self.documents:,} documents)" if self.windowed else "")
+            + (f"; {self.fingerprint.describe()}" if self.fingerprint else "")
             + ("; none written: no record had a usable text" if self.output_removed else ""),
         ]
         if self.ann_index is not None:

@@ -90,7 +90,13 @@ class Sink(ABC):
         A sink that :attr:`stores_hashes` takes a fourth argument, ``hashes``: each row's 16-byte content hash when its
         ledger :attr:`~embedq.producers.index.sinks.manifests.Ledger.keeps_hashes` (else None), and *replaces* an id
         its ledger holds committed: the old row is gone once the new one is committed, in the same commit where the
-        target can (a re-indexed text that was edited)."""
+        target can (a re-indexed text that was edited).
+
+        A sink whose target :attr:`~Target.stores_windows` is written, for an output of one row per window
+        (``windowed.py``), with the keyword ``windows``: a :class:`~embedq.producers.index.windowed.WindowRows` of
+        the rows (``ids`` then repeats a document's id once per window, ``hashes`` its hash, ``texts`` the windows'
+        texts); a document's windows always come in one call, and an id it holds committed is replaced whole (all its
+        old windows go). What it refuses of a document, it refuses whole (every window's id in the list)."""
 
     def commit(self) -> None:
         """Make what was written since the last commit durable (:meth:`flush`), count it, and store the manifest."""
@@ -191,14 +197,21 @@ class Target(ABC):
     #: asking for either is refused before anything starts (:func:`check_flags`).
     builds_index: ClassVar[bool] = False
     stores_text: ClassVar[bool] = False
+    #: Whether it stores one row per window of a document (``--long-inputs windows``: ``windowed.py``, ``Sink.write``'s
+    #: ``windows``). Default: no; a run asking for it is refused before anything starts (:func:`check_flags`).
+    stores_windows: ClassVar[bool] = False
     #: Whether :func:`~embedq.producers.index.precheck.nothing_to_embed` may open it before a private broker and
     #: worker are started, to tell that every id of the input is in it already (the file outputs). Default: no.
     precheck: ClassVar[bool] = False
 
 
-def check_flags(target: Target, *, build_index: bool, store_text: bool) -> None:
-    """Refuse ``--build-index`` or ``--store-text`` for a target that does not declare it (a file output), before
-    anything starts."""
+def check_flags(target: Target, *, build_index: bool, store_text: bool, windows: bool = False) -> None:
+    """Refuse ``--build-index``, ``--store-text`` or ``--long-inputs windows`` for a target that does not declare it
+    (a file output), before anything starts."""
+    if windows and not target.stores_windows:
+        raise errors.OutputUnsupported(f"--long-inputs windows writes one row per window, keyed by (id, window), into "
+                                       f"Parquet or a database; {target.describe()} cannot store them (a "
+                                       f"{target.format} output)")
     if build_index and not target.builds_index:
         raise errors.InvalidOption(f"--build-index is for an output with an ANN index (a database); "
                                    f"{target.describe()} has none")

@@ -29,9 +29,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from embedq import errors
 from embedq.producers.index.idset import IdSet, digest
 from embedq.producers.index.sinks.contract import Refused, Sink
 from embedq.producers.index.sinks.manifests import Ledger, Manifest, Part, utc_now
+from embedq.producers.index.windowed import COLUMNS, WindowRows
 
 
 def sidecar(path: Path, suffix: str) -> Path:
@@ -109,7 +111,8 @@ class ParquetSink(FileSink):
 
     def __init__(self, path: Path, manifest: Manifest, *, shard_rows: int) -> None:
         super().__init__(path, manifest, shard_rows=shard_rows)
-        self._buffer: list[tuple[list[str], Any, list[bytes] | None]] = []
+        # (ids, vectors or a kind's table, hashes, window columns, texts) of each write
+        self._buffer: list[tuple[list[str], Any, list[bytes] | None, WindowRows | None, list[str] | None]] = []
         self._buffered = 0
         self._writer: Any = None
         self._shard_rows = 0
@@ -134,11 +137,12 @@ class ParquetSink(FileSink):
         return self.path / f".{self._shard_name()}.tmp"
 
     def write(self, ids: list[str], vectors: Any, texts: list[str] | None = None,
-              hashes: list[bytes] | None = None) -> Refused:
+              hashes: list[bytes] | None = None, windows: WindowRows | None = None) -> Refused:
         """``vectors``: a dense matrix (the ``vector`` column), or a pyarrow table of a kind's columns
-        (``producers/index/kinds.py``); an id committed before the run replaces its row (removed at the commit)."""
+        (``producers/index/kinds.py``); an id committed before the run replaces its rows (removed at the commit);
+        ``windows``: the window columns (``windowed.py``), after ``id``; ``texts``: a ``text`` column, last."""
         self._buffer.append((ids, vectors if hasattr(vectors, "schema") else self._vectors(vectors),
-                             hashes if self.ledger.keeps_hashes else None))
+                             hashes if self.ledger.keeps_hashes else None, windows, texts))
         self._buffered += len(ids)
         self.ledger.pending_rows += len(ids)
         committed = self.ledger.committed
@@ -161,36 +165,43 @@ class ParquetSink(FileSink):
             return
         fp = self.manifest.fingerprint
         assert fp is not None and self.dimension is not None
-        ids = [i for chunk_ids, _, _ in self._buffer for i in chunk_ids]
-        hashes = None
+        ids = [i for chunk_ids, *_ in self._buffer for i in chunk_ids]
+        columns: dict[str, Any] = {"id": pa.array(ids, pa.string())}
+        if self._buffer[0][3] is not None:  # one row per window: id, window, start, end
+            for name in COLUMNS:
+                columns[name] = pa.array(np.concatenate([w.columns()[name] for *_, w, _ in self._buffer]), pa.int32())
         if self.ledger.keeps_hashes:
-            hashes = pa.array([h for _, _, chunk_hashes in self._buffer for h in chunk_hashes or ()], pa.binary(16))
+            columns["content_hash"] = pa.array([h for _, _, hs, _, _ in self._buffer for h in hs or ()], pa.binary(16))
         if hasattr(self._buffer[0][1], "schema"):  # a kind's own columns
-            columns = pa.concat_tables([t for _, t, _ in self._buffer])
-            table = columns.add_column(0, "id", pa.array(ids, pa.string()))
-            if hashes is not None:
-                table = table.add_column(1, "content_hash", hashes)
-            if self._writer is None:
-                schema = table.schema.with_metadata({b"embedq.fingerprint": fp.model_dump_json().encode()})
-                self._writer = pq.ParquetWriter(self._tmp_path(), schema)
-            self._writer.write_table(table.cast(self._writer.schema), row_group_size=len(ids))
-            self._shard_rows += len(ids)
-            self._buffer, self._buffered = [], 0
-            return
-        dim = self.dimension
-        value_type = pa.float16() if self.manifest.vector_dtype == "float16" else pa.float32()
+            kind = pa.concat_tables([t for _, t, *_ in self._buffer])
+            columns.update(zip(kind.column_names, kind.columns))
+        else:
+            value_type = pa.float16() if self.manifest.vector_dtype == "float16" else pa.float32()
+            flat = np.concatenate([v for _, v, *_ in self._buffer]).reshape(-1)
+            columns["vector"] = pa.FixedSizeListArray.from_arrays(pa.array(flat, value_type), self.dimension)
+        if self._buffer[0][4] is not None:  # --store-text
+            columns["text"] = pa.array([t for *_, texts in self._buffer for t in texts or ()], pa.string())
+        table = pa.table(columns)
         if self._writer is None:
-            fields = [("id", pa.string()), *([("content_hash", pa.binary(16))] if hashes is not None else []),
-                      ("vector", pa.list_(value_type, dim))]
-            schema = pa.schema(fields, metadata={b"embedq.fingerprint": fp.model_dump_json().encode()})
+            self._check_columns(table.schema.names)
+            schema = table.schema.with_metadata({b"embedq.fingerprint": fp.model_dump_json().encode()})
             self._writer = pq.ParquetWriter(self._tmp_path(), schema)
-        flat = np.concatenate([v for _, v, _ in self._buffer]).reshape(-1)
-        columns = {"id": pa.array(ids, pa.string()), **({"content_hash": hashes} if hashes is not None else {}),
-                   "vector": pa.FixedSizeListArray.from_arrays(pa.array(flat, value_type), dim)}
-        table = pa.table(columns, schema=self._writer.schema)
-        self._writer.write_table(table, row_group_size=len(ids))
+        self._writer.write_table(table.cast(self._writer.schema), row_group_size=len(ids))
         self._shard_rows += len(ids)
         self._buffer, self._buffered = [], 0
+
+    def _check_columns(self, names: list[str]) -> None:
+        """A new shard's columns are those of the shards committed before (a dataset is one table): a run with
+        ``--store-text`` does not continue a dataset made without it, nor the other way round."""
+        import pyarrow.parquet as pq
+
+        if not self.manifest.parts:
+            return
+        have = pq.read_schema(self.path / self.manifest.parts[-1].file).names
+        if ("text" in have) != ("text" in names):
+            raise errors.OutputMismatch(f"{self.path} was written {'with' if 'text' in have else 'without'} "
+                                        "--store-text; this run asks otherwise: its shards would not make one table. "
+                                        "Run it as it was made, or pass --overwrite")
 
     def flush(self) -> None:
         self._write_group()
@@ -290,7 +301,7 @@ class ParquetSink(FileSink):
             return [], None
         table = pa.concat_tables(tables)
         out = [bytes(h) for h in table.column("content_hash").to_pylist()]
-        data = table.drop_columns(["id", "content_hash"])
+        data = table.drop_columns([c for c in ("id", "content_hash", "text") if c in table.column_names])
         if "kind" not in self.manifest.options:  # the plain embed kind: a float matrix, as written
             vectors = data.column("vector").combine_chunks()
             data = vectors.values.to_numpy(zero_copy_only=False).reshape(len(out), -1)

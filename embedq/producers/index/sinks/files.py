@@ -81,6 +81,14 @@ class FileTarget(Target):
 
     precheck: ClassVar[bool] = True  # read under its lock in an instant: a rerun with nothing missing starts nothing
 
+    @property  # type: ignore[override]
+    def stores_windows(self) -> bool:  # --long-inputs windows: Parquet only (columns id, window, start, end, ...)
+        return self.format == "parquet"
+
+    @property  # type: ignore[override]
+    def stores_text(self) -> bool:  # --store-text: Parquet's text column
+        return self.format == "parquet"
+
     def __init__(self, path: Path, fmt: str | None = None) -> None:
         self.path = path
         self.format = fmt or detect_output_format(path)

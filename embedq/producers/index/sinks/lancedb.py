@@ -14,7 +14,8 @@ ragged (``--kind multi``: ``embed_all``'s per-token states; BGE-M3's ``colbert``
 LanceDB's multivector type; sparse -> ``<name>indices`` list<int32> and ``<name>values`` list<float32> (plain
 columns: LanceDB has no sparse vector type); scalar -> one value. ``--store-text`` adds ``text``. An existing table
 without embedq's record is used only when it is empty and its columns are exactly these (types and dimensions);
-otherwise it is refused before anything is embedded.
+otherwise it is refused before anything is embedded. ``--long-inputs windows`` (``windowed.py``): ``window``,
+``start``, ``end`` (int32) after ``id``; (id, window) is each row's key (checked distinct when a run starts).
 
 **The record** (format, options, embedding-space fingerprint, row count, runs: the file sinks' manifest) is the
 metadata of the ``id`` field, key ``embedq.manifest`` (``tbl.schema.field("id").metadata``): written by the commit
@@ -34,11 +35,12 @@ count is what a run starts from.
 
 **Re-indexing** (a table that keeps content hashes): a write of an id committed before the run replaces its row by
 one ``merge_insert`` on ``id`` at the commit (one LanceDB version: the old row and the new one are never both there;
-the new ids' rows are still one ``add``); ``--prune`` deletes the ids the input no longer has at once, in deletes
-of 1,024 ids (each its own version); ``rows_by_hash`` reads rows back by ``content_hash IN (...)`` (through its
-index), and ``--reuse`` opens the table for that alone (``open_reader``: no lock, nothing written). One writer per
-table: an ``flock`` on ``<db>.<table>.embedq.lock`` beside the
-database's folder, dropped by the kernel when the writer dies.
+the new ids' rows are still one ``add``); in a windows table an edited document's old windows are deleted first, then
+its new ones appended (a kill between leaves it absent: embedded again). ``--prune`` deletes the ids the input no
+longer has at once, in deletes of 1,024 ids (each its own version); ``rows_by_hash`` reads rows back by
+``content_hash IN (...)`` (through its index), and ``--reuse`` opens the table for that alone (``open_reader``: no
+lock, nothing written). One writer per table: an ``flock`` on ``<db>.<table>.embedq.lock`` beside the database's
+folder, dropped by the kernel when the writer dies.
 
 **The ANN index** (``--build-index``): IVF_HNSW_SQ with cosine distance on each vector column (dense and
 multivector) after the load (LanceDB's defaults: one IVF partition per ~1M vectors, HNSW m=20, ef_construction=300,
@@ -50,7 +52,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import re
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ from embedq import errors
 from embedq.producers.index.idset import IdSet, digest
 from embedq.producers.index.kinds import index_kind
 from embedq.producers.index.sinks import contract
-from embedq.producers.index.sinks.locks import OutputLock
+from embedq.producers.index.sinks.locks import OutputLock, writable
 from embedq.producers.index.sinks.manifests import (
     Ledger,
     Manifest,
@@ -72,6 +73,7 @@ from embedq.producers.index.sinks.manifests import (
     utc_now,
 )
 from embedq.producers.index.sinks.urls import database_errors_path, split_param
+from embedq.producers.index.windowed import COLUMNS, WindowRows, per_window
 from embedq.protocol import Fingerprint
 
 MANIFEST_KEY = b"embedq.manifest"
@@ -93,20 +95,6 @@ def _pa() -> Any:
     return pa
 
 
-def _writable(folder: Path) -> str | None:
-    """Why files cannot be created in ``folder`` (None: they can): tried, not guessed from the mode bits."""
-    if not folder.exists():
-        return "does not exist"
-    if not folder.is_dir():
-        return "is not a folder"
-    try:
-        with tempfile.TemporaryFile(dir=folder, prefix=".embedq-probe-"):
-            pass
-    except OSError as exc:
-        return f"is not writable ({exc.strerror or exc})"
-    return None
-
-
 def _sql_string(text: str) -> str:
     """``text`` as a SQL string literal (LanceDB's filters)."""
     return "'" + text.replace("'", "''") + "'"
@@ -122,6 +110,7 @@ class Target(contract.Target):
     format = "lancedb"
     builds_index = True  # --build-index (build_index)
     stores_text = True  # --store-text
+    stores_windows = True  # --long-inputs windows: int32 window, start, end after id (windowed.py)
 
     def __init__(self, url: str, config: Any) -> None:
         self.url = url
@@ -165,7 +154,7 @@ class Target(contract.Target):
         if self._checked:
             return
         where = self.path if self.path.exists() else self.path.parent
-        why = _writable(where)
+        why = writable(where)
         if why is not None:
             what = "the database folder" if where == self.path else "the parent folder of the database"
             raise errors.InvalidOption(f"cannot write the LanceDB database {self.path}: {what} {where} {why}")
@@ -291,6 +280,8 @@ class LanceSink(contract.Sink):
         self._buffered = 0
         self._table_rows = 0  # rows the table holds (committed)
         self._add_hash = False  # an adopted empty table gets the content_hash column before its first rows
+        self.windowed = per_window(manifest.options)  # one row per window (windowed.py)
+        self._dropping: list[str] = []  # windowed: edited documents whose old windows go before the new ones come
 
     def load_committed(self) -> None:
         tbl = self.target.tbl
@@ -300,13 +291,11 @@ class LanceSink(contract.Sink):
         if hashes and tbl.schema.get_field_index(HASH) < 0:
             raise errors.OutputMismatch(f"{self.where} has no {HASH} column, though its record keeps content hashes "
                                         "(changed outside embedq index); pass --overwrite to start afresh")
-        batches = tbl.search().select(["id", HASH] if hashes else ["id"]).to_batches()
-        rows = ((doc_id, h) for batch in batches for doc_id, h in
-                zip(batch.column("id").to_pylist(), batch.column(HASH).to_pylist() if hashes else
-                    itertools.repeat(None)))
-        ids, keys = itertools.tee(rows)  # read in step by take_committed
-        self._table_rows = self.ledger.take_committed((r[0] for r in ids), where=self.where, container="table",
-                                                      hashes=(r[1] for r in keys) if hashes else None)
+        batches = tbl.search().select(["id", *([HASH] if hashes else []), *(["window"] if self.windowed else [])])
+        rows = ((doc_id, h, w) for batch in batches.to_batches() for doc_id, h, w in
+                zip(batch.column("id").to_pylist(), *(batch.column(c).to_pylist() if on else itertools.repeat(None)
+                                                      for c, on in ((HASH, hashes), ("window", self.windowed)))))
+        self._table_rows = self.ledger.take_rows(rows, where=self.where, container="table", windowed=self.windowed)
 
     # -- Sink's contract ---------------------------------------------------------------------------
     def accept(self, fingerprint: Fingerprint) -> None:
@@ -316,7 +305,8 @@ class LanceSink(contract.Sink):
             # the plain dense path: its columns are known now (a kind's are compared at its first write)
             pa = _pa()
             value = pa.float16() if self.manifest.vector_dtype == "float16" else pa.float32()
-            want = [("id", pa.string()), *([(HASH, pa.binary(16))] if self.ledger.keeps_hashes else []),
+            want = [("id", pa.string()), *[(c, pa.int32()) for c in COLUMNS if self.windowed],
+                    *([(HASH, pa.binary(16))] if self.ledger.keeps_hashes else []),
                     ("vector", pa.list_(value, fingerprint.dimensions))]
             self._compare(pa.schema(want + ([("text", pa.string())] if self.target.config.store_text else [])))
         self.manifest.fingerprint = fingerprint
@@ -334,8 +324,9 @@ class LanceSink(contract.Sink):
                                         "table, or pass --overwrite to replace it")
 
     def write(self, ids: list[str], data: Any, texts: list[str] | None = None,
-              hashes: list[bytes] | None = None) -> contract.Refused:
-        """Buffer the rows (appended by the next commit); an id committed before this run replaces its row."""
+              hashes: list[bytes] | None = None, windows: WindowRows | None = None) -> contract.Refused:
+        """Buffer the rows (appended by the next commit); an id committed before this run replaces its row (a
+        document: all its windows)."""
         if self.reader:
             raise errors.InvalidOption(f"--reuse: {self.where} is opened to read rows back, not to write")
         pa = _pa()
@@ -348,17 +339,21 @@ class LanceSink(contract.Sink):
         else:
             table = data
         table = table.add_column(0, "id", pa.array(ids, pa.string()))
+        for k, (name, column) in enumerate((windows.arrow() if self.windowed and windows is not None else {}).items()):
+            table = table.add_column(1 + k, name, column)
         if self.ledger.keeps_hashes:
             if hashes is None:
                 raise ValueError(f"{self.where} keeps content hashes: write needs each row's")
-            table = table.add_column(1, HASH, pa.array(hashes, pa.binary(16)))
+            table = table.add_column(1 + 3 * self.windowed, HASH, pa.array(hashes, pa.binary(16)))
         if texts is not None:
             table = table.append_column("text", pa.array(texts, pa.string()))
         if self.schema is None:
             self.schema = table.schema
         elif not self._buffer and self._table_rows == 0 and self.adopted:
             self._compare(table.schema)
-        if len(self.committed):
+        if len(self.committed) and self.windowed:  # the old windows deleted first, at the append (_append)
+            self._dropping += dict.fromkeys(doc_id for doc_id in ids if digest(doc_id) in self.committed)
+        elif len(self.committed):
             replacing = np.fromiter((digest(doc_id) in self.committed for doc_id in ids), bool, len(ids))
             if replacing.any():
                 self._replacing.append(table.filter(pa.array(replacing)))
@@ -380,6 +375,9 @@ class LanceSink(contract.Sink):
         n = batch.num_rows if batch is not None else 0
         inserted = 0
         try:
+            # windowed: an edited document's old windows go first (a kill between: it is absent, embedded again)
+            inserted -= self._delete_ids(self._dropping)
+            self._dropping = []
             if batch is None:
                 pass
             elif self.target.tbl is None:
@@ -436,21 +434,26 @@ class LanceSink(contract.Sink):
 
     def prune(self, keep: IdSet) -> int:
         """Delete the rows whose id is not in ``keep`` at once (each delete of IDS_PER_FILTER ids is a LanceDB
-        commit: a kill between two leaves the rest to the next ``--prune`` run); returns how many."""
+        commit: a kill between two leaves the rest to the next ``--prune`` run); returns how many ids."""
         tbl = self.target.tbl
         if tbl is None or self.reader:
             return 0
-        gone = [doc_id for batch in tbl.search().select(["id"]).to_batches()
-                for doc_id in batch.column("id").to_pylist() if digest(doc_id) not in keep]
-        deleted = 0
+        gone = list(dict.fromkeys(doc_id for batch in tbl.search().select(["id"]).to_batches()
+                                  for doc_id in batch.column("id").to_pylist() if digest(doc_id) not in keep))
         try:
-            for i in range(0, len(gone), IDS_PER_FILTER):
-                names = ", ".join(_sql_string(doc_id) for doc_id in gone[i:i + IDS_PER_FILTER])
-                deleted += tbl.delete(f"id IN ({names})").num_deleted_rows
+            deleted = self._delete_ids(gone)
         except (OSError, RuntimeError, ValueError) as exc:
             raise errors.Unavailable(f"pruning {self.where} failed: {exc}; run again to finish it") from None
         self._table_rows -= deleted
         self.manifest.rows -= deleted
+        return len(gone)
+
+    def _delete_ids(self, ids: list[str]) -> int:
+        """Delete every row of these ids, IDS_PER_FILTER ids a LanceDB commit; returns the rows deleted."""
+        deleted = 0
+        for i in range(0, len(ids), IDS_PER_FILTER):
+            names = ", ".join(_sql_string(doc_id) for doc_id in ids[i:i + IDS_PER_FILTER])
+            deleted += self.target.tbl.delete(f"id IN ({names})").num_deleted_rows
         return deleted
 
     def rows_by_hash(self, hashes: list[bytes]) -> tuple[list[bytes], Any]:
@@ -481,6 +484,6 @@ class LanceSink(contract.Sink):
 
     def close(self) -> None:
         """Rows not appended yet are dropped (the next run embeds them again); a reader lets go of the table."""
-        self._buffer, self._replacing, self._buffered = [], [], 0
+        self._buffer, self._replacing, self._buffered, self._dropping = [], [], 0, []
         if self.reader:
             self.target.tbl = self.target.db = None

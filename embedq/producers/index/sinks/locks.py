@@ -1,10 +1,12 @@
 """One writer per output of ``embedq index``: :class:`OutputLock`, an ``flock`` on a file beside what it guards (a
-file output, a LanceDB folder, a Milvus Lite file; a Milvus server's in the temp folder)."""
+file output, a LanceDB folder, a Milvus Lite file; a Milvus server's in the temp folder); :func:`writable`, whether
+a folder takes new files."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +51,17 @@ class OutputLock:
         with contextlib.suppress(OSError):
             self.path.unlink()  # still held: a writer that opened it meanwhile finds it gone and opens anew
         self._fh.close()
+
+
+def writable(folder: Path) -> str | None:
+    """Why files cannot be created in ``folder`` (None: they can): tried, not guessed from the mode bits."""
+    if not folder.exists():
+        return "does not exist"
+    if not folder.is_dir():
+        return "is not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=".embedq-probe-"):
+            pass
+    except OSError as exc:
+        return f"is not writable ({exc.strerror or exc})"
+    return None

@@ -169,19 +169,29 @@ class Ledger:
         order), and their count as the record's rows (the stored record's own may lag by the last commit); refused
         when an id is there twice (written outside embedq index). The record read with them is the one the target
         holds."""
-        rows = dups = 0
         pairs = zip(ids, hashes) if hashes is not None else ((doc_id, None) for doc_id in ids)
-        for doc_id, content_hash in pairs:
-            key = digest(doc_id)
-            dups += key in self.committed
+        return self.take_rows(((doc_id, h, None) for doc_id, h in pairs), where=where, container=container)
+
+    def take_rows(self, rows: Iterable[tuple[str, bytes | None, int | None]], *, where: str, container: str,
+                  windowed: bool = False) -> int:
+        """:meth:`take_committed` of rows (id, content hash or None, window or None); ``windowed``: a windows output
+        (``windowed.py``), whose key is (id, window): an id is there once per window."""
+        rows_n = dups = 0
+        keys = IdSet() if windowed else self.committed
+        for doc_id, content_hash, window in rows:
+            key = digest(f"{doc_id}\0{window}") if windowed else digest(doc_id)
+            dups += key in keys
+            if windowed:
+                keys.add(key)
             self.take(doc_id, content_hash)
-            rows += 1
+            rows_n += 1
         if dups:
-            raise errors.OutputMismatch(f"{where} holds {dups} ids more than once: it was written outside "
+            what = "(id, window) keys" if windowed else "ids"
+            raise errors.OutputMismatch(f"{where} holds {dups} {what} more than once: it was written outside "
                                         f"embedq index; write to another {container}, or pass --overwrite")
-        self.manifest.rows = rows
+        self.manifest.rows = rows_n
         self._stored = self.record()
-        return rows
+        return rows_n
 
     def record(self) -> str:
         """The manifest as stored (JSON)."""

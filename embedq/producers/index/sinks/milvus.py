@@ -19,7 +19,9 @@ kind), so one collection serves a hybrid search; ``scalar`` -> ``DOUBLE``; ``rag
 writes dense + lexical and says that ColBERT is left out (asking for it with ``--outputs`` is refused).
 ``--store-text`` adds ``text`` (``VARCHAR``). Vectors are float32 (``--vector-dtype float16`` is refused: Milvus
 Lite has no ``FLOAT16_VECTOR``). An existing collection without embedq's record is used only when it is empty and
-its fields are exactly these; otherwise it is refused before anything is embedded.
+its fields are exactly these; otherwise it is refused before anything is embedded. ``--long-inputs windows``
+(``windowed.py``): ``key`` (``id#window``, the primary key), ``id``, ``window``, ``start``, ``end`` and ``windows`` (the
+document's window count) first (``milvus_rows.py``).
 
 **The record** (format, options, embedding-space fingerprint, row count, runs) is the collection's property
 ``embedq.manifest``: set when the collection is created, before any row, and updated after each commit. It is read
@@ -30,9 +32,11 @@ is written.
 not enforce a primary key on ``insert``), then the row count is checked (``count(*)``, strong consistency: the count
 before plus the batch, or the run stops: another writer) and the record updated. A run killed mid-commit leaves
 whole rows of that commit (each row is all its fields or absent); the next run reads the ids the collection holds and
-embeds the rest. Re-indexing: the upsert replaces an id written again (never twice); ``--prune`` deletes at once;
-``rows_by_hash`` (and ``--reuse``: ``open_reader``, no lock, nothing written) reads the plain kind's vectors back
-by ``content_hash in [...]`` (a kind's fields are not read back: their texts are embedded again). ``milvus_rows.py``
+embeds the rest (a windows collection: a document only some of whose windows are there is deleted first, and
+embedded again; an edited one's old windows are deleted before its new ones are sent). Re-indexing: the upsert
+replaces an id written again (never twice); ``--prune`` deletes at once; ``rows_by_hash`` (and ``--reuse``:
+``open_reader``, no lock, nothing written) reads the plain kind's vectors back by ``content_hash in [...]`` (a kind's
+fields are not read back: their texts are embedded again). ``milvus_rows.py``
 makes the rows and reads them. A row Milvus cannot take is that record's error (errors file), not the run's: an
 empty sparse vector (Milvus refuses one), an id or text over ``VARCHAR``'s 65,535 bytes. One writer per collection:
 an ``flock`` beside a Milvus Lite file, or in the temp folder for a server (writers on other machines are caught by
@@ -47,7 +51,6 @@ are indexed, so the collection is created with exact ones: ``FLAT`` (cosine) on 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import os
 import re
@@ -72,8 +75,9 @@ from embedq.producers.index.sinks.manifests import (
     resume_or_start,
     utc_now,
 )
-from embedq.producers.index.sinks.milvus_rows import HASH, MAX_VARCHAR, WORK_TIMEOUT
+from embedq.producers.index.sinks.milvus_rows import HASH, MAX_VARCHAR, WORK_TIMEOUT, reason
 from embedq.producers.index.sinks.urls import database_errors_path, mask_url, split_param
+from embedq.producers.index.windowed import WindowRows, per_window
 from embedq.protocol import Fingerprint
 
 MANIFEST_KEY = "embedq.manifest"
@@ -93,18 +97,13 @@ def _pymilvus() -> Any:
     return pymilvus
 
 
-def _reason(exc: BaseException) -> str:
-    """One line saying why (a MilvusException's own message, without its code)."""
-    text = str(getattr(exc, "message", None) or exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 class Target(contract.Target):
     """A Milvus collection as an ``embedq index`` output (see the module's docstring)."""
 
     format = "milvus"
     builds_index = True  # --build-index (build_index)
     stores_text = True  # --store-text
+    stores_windows = True  # --long-inputs windows: key (id#window), id, window, start, end, windows (milvus_rows.py)
 
     def __init__(self, url: str, config: Any) -> None:
         self.url = url
@@ -212,13 +211,13 @@ class Target(contract.Target):
         try:
             self.client = pymilvus.MilvusClient(**self.connect, timeout=CONNECT_TIMEOUT)
         except Exception as exc:  # pymilvus raises MilvusException, grpc's errors and plain ones alike
-            reason = _reason(exc)
-            if not self.lite and _AUTH.search(reason):
-                raise errors.InvalidOption(f"Milvus at {self.describe()} refused the login ({reason}); check the "
+            why = reason(exc)
+            if not self.lite and _AUTH.search(why):
+                raise errors.InvalidOption(f"Milvus at {self.describe()} refused the login ({why}); check the "
                                            "user and password (in the URL, MILVUS_TOKEN or MILVUS_USER / "
                                            "MILVUS_PASSWORD)") from None
             what = f"open the Milvus Lite database {self.path}" if self.lite else f"reach Milvus at {self.describe()}"
-            raise errors.Unavailable(f"cannot {what}: {reason}") from None
+            raise errors.Unavailable(f"cannot {what}: {why}") from None
 
     def count(self) -> int:
         """The rows the collection holds now (strong consistency: every acknowledged write)."""
@@ -286,6 +285,8 @@ class MilvusSink(contract.Sink):
         self._rows: list[dict[str, Any]] = []
         self._new = 0  # of the buffered rows, those of ids the collection does not hold
         self._count = 0  # rows the collection holds (committed)
+        self.windowed = per_window(manifest.options)  # one row per window (windowed.py)
+        self._dropping: list[str] = []  # windowed: edited documents whose old windows go before the new ones come
 
     def load_committed(self) -> None:
         if self.target.fields is None:
@@ -294,16 +295,20 @@ class MilvusSink(contract.Sink):
             # Milvus answers queries on a loaded collection only
             self.client.load_collection(self.target.collection, timeout=WORK_TIMEOUT)
         except Exception as exc:
-            raise errors.Unavailable(f"cannot load {self.where} ({_reason(exc)}): Milvus loads a collection whose "
+            raise errors.Unavailable(f"cannot load {self.where} ({reason(exc)}): Milvus loads a collection whose "
                                      "vector fields are indexed") from None
         hashes = self.ledger.keeps_hashes
         if hashes and HASH not in self.target.fields:
             raise errors.OutputMismatch(f"{self.where} has no {HASH} field, though its record keeps content hashes "
                                         "(changed outside embedq index); pass --overwrite to start afresh")
-        rows = milvus_rows.committed(self.client, self.target.collection, hashes)
-        ids, keys = itertools.tee(rows)  # read in step by take_committed
-        self._count = self.ledger.take_committed((r[0] for r in ids), where=self.where, container="collection",
-                                                 hashes=(r[1] for r in keys) if hashes else None)
+        if self.windowed:  # a document a killed run left a part of is deleted: embedded again
+            rows, partial = milvus_rows.windows_committed(self.client, self.target.collection, hashes)
+            if partial and not self.reader:
+                milvus_rows.delete(self.client, self.target.collection, partial)
+        else:
+            rows = ((doc_id, h, None) for doc_id, h in milvus_rows.committed(self.client, self.target.collection,
+                                                                             hashes))  # type: ignore[assignment]
+        self._count = self.ledger.take_rows(rows, where=self.where, container="collection", windowed=self.windowed)
 
     # -- Sink's contract ---------------------------------------------------------------------------
     def accept(self, fingerprint: Fingerprint) -> None:
@@ -318,9 +323,7 @@ class MilvusSink(contract.Sink):
         return self._with_text([*self._keys(), ("vector", dtype.FLOAT_VECTOR, dim)])
 
     def _keys(self) -> milvus_rows.Plan:
-        """``id``, and ``content_hash`` where the output keeps content hashes."""
-        dtype = _pymilvus().DataType
-        return [("id", dtype.VARCHAR, None)] + ([(HASH, dtype.VARCHAR, None)] if self.ledger.keeps_hashes else [])
+        return milvus_rows.key_fields(_pymilvus().DataType, hashes=self.ledger.keeps_hashes, windowed=self.windowed)
 
     def _with_text(self, fields: milvus_rows.Plan) -> milvus_rows.Plan:
         return fields + ([("text", _pymilvus().DataType.VARCHAR, None)] if self.target.config.store_text else [])
@@ -329,16 +332,7 @@ class MilvusSink(contract.Sink):
         """The fields this run writes, from its first result."""
         if isinstance(data, np.ndarray):
             return self._plan_dense(int(data.shape[1]))
-        dtype = _pymilvus().DataType
-        fields = self._keys()
-        for column, arrays, _ in data:
-            if column.shape == "dense":
-                fields.append((column.name, dtype.FLOAT_VECTOR, int(arrays[0].shape[1])))
-            elif column.shape == "sparse":  # a sparse column's name is a prefix in Parquet (``lexical_``; SPLADE's: "")
-                fields.append((column.name.rstrip("_") or "sparse", dtype.SPARSE_FLOAT_VECTOR, None))
-            else:
-                fields.append((column.name, dtype.DOUBLE, None))
-        return self._with_text(fields)
+        return self._with_text(self._keys() + milvus_rows.kind_fields(_pymilvus().DataType, data))
 
     def _compare(self, want: milvus_rows.Plan) -> None:
         have = self.target.fields or {}
@@ -359,9 +353,10 @@ class MilvusSink(contract.Sink):
                                         "collection, or pass --overwrite to replace it")
 
     def write(self, ids: list[str], data: Any, texts: list[str] | None = None,
-              hashes: list[bytes] | None = None) -> contract.Refused:
-        """Buffer the rows; returns those Milvus cannot take, each with its error (they are not written). An id
-        committed before this run replaces its row (``upsert`` on the primary key)."""
+              hashes: list[bytes] | None = None, windows: WindowRows | None = None) -> contract.Refused:
+        """Buffer the rows; returns those Milvus cannot take, each with its error (they are not written; a document's
+        windows: all of them). An id committed before this run replaces its row (``upsert`` on the primary key; a
+        document: its old windows deleted at the send, before its new ones)."""
         if self.reader:
             raise errors.InvalidOption(f"--reuse: {self.where} is opened to read rows back, not to write")
         if self.schema is None:
@@ -372,16 +367,17 @@ class MilvusSink(contract.Sink):
                 self.schema = [f for f in self.schema if f[0] != HASH]
         if self.ledger.keeps_hashes and hashes is None:
             raise ValueError(f"{self.where} keeps content hashes: write needs each row's")
-        rows = milvus_rows.to_rows(self.schema, ids, data, texts, hashes if self.ledger.keeps_hashes else None)
-        refused, kept = [], []
-        for row in rows:
-            why = milvus_rows.refuse(row)
-            if why is None:
-                kept.append(row)
-            else:
-                refused.append((row["id"], errors.InvalidRecord(f"{self.where} cannot store this record: {why}")))
+        rows = milvus_rows.to_rows(self.schema, ids, data, texts, hashes if self.ledger.keeps_hashes else None,
+                                   windows if self.windowed else None)
+        refused = [(row["id"], errors.InvalidRecord(f"{self.where} cannot store this record: {why}"))
+                   for row in rows if (why := milvus_rows.refuse(row)) is not None]
+        bad = {doc_id for doc_id, _ in refused}
+        kept = [row for row in rows if row["id"] not in bad]
         self._rows += kept
         new = sum(idset.digest(row["id"]) not in self.committed for row in kept) if len(self.committed) else len(kept)
+        if self.windowed and new < len(kept):  # edited documents: every old window goes first (_send)
+            self._dropping += dict.fromkeys(r["id"] for r in kept if idset.digest(r["id"]) in self.committed)
+            new = len(kept)
         self._new += new
         self.ledger.pending_rows += new  # a replaced row is counted once, before this run
         if len(self._rows) >= ROWS_PER_FLUSH:
@@ -395,7 +391,7 @@ class MilvusSink(contract.Sink):
         schema = pymilvus.MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
         params = pymilvus.MilvusClient.prepare_index_params()
         for name, ftype, dim in self.schema:
-            kwargs: dict[str, Any] = {"is_primary": True} if name == "id" else {}
+            kwargs: dict[str, Any] = {"is_primary": True} if name == self.schema[0][0] else {}
             if ftype == pymilvus.DataType.VARCHAR:
                 kwargs["max_length"] = milvus_rows.HASH_LENGTH if name == HASH else MAX_VARCHAR
             if dim is not None:
@@ -428,13 +424,18 @@ class MilvusSink(contract.Sink):
             elif self.adopted and self.target.manifest is None:  # the record before the rows: never rows without
                 self.ledger.save(self._store_record, force=True)
                 self.target.manifest = self.manifest
+            if self._dropping:  # a kill from here to the upserts' end leaves those documents absent or partial
+                milvus_rows.delete(self.client, self.target.collection, self._dropping)
+                self._dropping, count = [], self.target.count()
+                self.ledger.pending_rows -= self._count - count
+                self._count = count
             for i in range(0, n, ROWS_PER_REQUEST):
                 self.client.upsert(self.target.collection, self._rows[i:i + ROWS_PER_REQUEST], timeout=WORK_TIMEOUT)
             count = self.target.count()
         except errors.EmbedqError:
             raise
         except Exception as exc:  # pymilvus's MilvusException, grpc's RpcError
-            raise errors.Unavailable(f"writing to {self.where} failed: {_reason(exc)}; run again to continue from "
+            raise errors.Unavailable(f"writing to {self.where} failed: {reason(exc)}; run again to continue from "
                                      "the last commit") from None
         self._rows, self._new = [], 0
         if count != self._count + new:
@@ -458,7 +459,7 @@ class MilvusSink(contract.Sink):
             self.client.alter_collection_properties(self.target.collection, properties={MANIFEST_KEY: record},
                                                     timeout=WORK_TIMEOUT)
         except Exception as exc:
-            raise errors.Unavailable(f"committing to {self.where} failed: {_reason(exc)}; run again to continue "
+            raise errors.Unavailable(f"committing to {self.where} failed: {reason(exc)}; run again to continue "
                                      "from the last commit") from None
 
     def prune(self, keep: idset.IdSet) -> int:
@@ -468,14 +469,15 @@ class MilvusSink(contract.Sink):
             return 0
         collection = self.target.collection
         try:
-            gone = [doc_id for doc_id, _ in milvus_rows.committed(self.client, collection, False)
-                    if idset.digest(doc_id) not in keep]
-            deleted = milvus_rows.delete(self.client, collection, gone)
+            gone = list(dict.fromkeys(doc_id for doc_id, _ in milvus_rows.committed(self.client, collection, False)
+                                      if idset.digest(doc_id) not in keep))
+            milvus_rows.delete(self.client, collection, gone)
+            deleted = self._count - self.target.count()  # a windows collection: every window of those ids
         except Exception as exc:  # pymilvus's MilvusException, grpc's RpcError
-            raise errors.Unavailable(f"pruning {self.where} failed: {_reason(exc)}; run again to finish it") from None
+            raise errors.Unavailable(f"pruning {self.where} failed: {reason(exc)}; run again to finish it") from None
         self._count -= deleted
         self.manifest.rows -= deleted
-        return deleted
+        return len(gone)
 
     def rows_by_hash(self, hashes: list[bytes]) -> tuple[list[bytes], Any]:
         """The rows of these content hashes the collection holds (one per hash, in the order asked), for the plain
@@ -486,12 +488,12 @@ class MilvusSink(contract.Sink):
         try:
             return milvus_rows.by_hash(self.client, self.target.collection, hashes)
         except Exception as exc:
-            raise errors.Unavailable(f"reading {self.where} failed: {_reason(exc)}") from None
+            raise errors.Unavailable(f"reading {self.where} failed: {reason(exc)}") from None
 
     def close(self) -> None:
         """Rows not sent yet are dropped (the next run embeds them again); the client stays the target's (the ANN
         index is built after the run), but a reader's is closed."""
-        self._rows, self._new = [], 0
+        self._rows, self._new, self._dropping = [], 0, []
         if self.reader and self.target.client is not None:
             self.target.client.close()
             self.target.client = self.client = None

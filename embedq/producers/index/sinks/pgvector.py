@@ -16,7 +16,9 @@ before anything is embedded); ``scalar`` -> ``double precision``; ``ragged`` (a 
 pgvector has no multi-vector type that an index can use. ``--store-text`` adds ``text``; a table made since content
 hashes (the manifest's ``content_hash``) has ``content_hash bytea`` (``content.py``), with a btree index. An existing
 table without embedq's record is used only when it is empty and its columns are exactly these (types and dimensions;
-``content_hash`` is added to it); otherwise it is refused before anything is embedded.
+``content_hash`` is added to it); otherwise it is refused before anything is embedded. ``--long-inputs windows``
+(``windowed.py``): ``window``, ``start``, ``end`` (``integer``) after ``id``, primary key (id, window); a document's
+windows are written in the commit's transaction, an edited one's old windows deleted in it.
 
 **Commits** are transactions: the rows since the last commit (binary ``COPY``; an id the table held before the run, a
 re-indexed text, has its old row deleted first, in the same transaction; ``--prune``'s deletes too) and the manifest
@@ -34,7 +36,6 @@ inner product does), so ``ORDER BY embedding <=> $query LIMIT k`` uses it; on a 
 
 from __future__ import annotations
 
-import itertools
 import re
 import time
 from pathlib import Path
@@ -46,23 +47,15 @@ from embedq import errors
 from embedq.producers.index.idset import IdSet, digest
 from embedq.producers.index.kinds import index_kind
 from embedq.producers.index.sinks import contract, manifests
+from embedq.producers.index.sinks import pgvector_names as names
 from embedq.producers.index.sinks import pgvector_rows as rows
 from embedq.producers.index.sinks.manifests import Ledger, Manifest, check_space, resume_or_start, utc_now
-from embedq.producers.index.sinks.pgvector_names import check_schema, index_name, missing_extension, split_table
 from embedq.producers.index.sinks.urls import database_errors_path, mask_url, split_param
+from embedq.producers.index.windowed import WindowRows, per_window
 from embedq.protocol import Fingerprint
 
 MANIFEST_TABLE = "embedq_index"
 _AUTH_FAILED = re.compile(r"password authentication failed|no password supplied|authentication failed", re.I)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
 
 
 def _psycopg() -> Any:
@@ -77,6 +70,7 @@ class Target(contract.Target):
     format = "postgresql"
     builds_index = True  # --build-index (build_index)
     stores_text = True  # --store-text
+    stores_windows = True  # --long-inputs windows: integer window, start, end after id; primary key (id, window)
 
     def __init__(self, url: str, config: Any) -> None:
         self.url = url
@@ -84,7 +78,7 @@ class Target(contract.Target):
         if not table:
             raise errors.InvalidOption(f"{mask_url(url)} names no table: add ?table=NAME (or schema.name)")
         self.table = table
-        self.schema, self.name = split_table(table, mask_url(url))
+        self.schema, self.name = names.split_table(table, mask_url(url))
         self.config = config
         self.conn: Any = None
         self.version: tuple[int, ...] = ()
@@ -116,12 +110,12 @@ class Target(contract.Target):
             self._connect()
             self._plan_check()
             self._load_manifest()
-            check_schema(self.conn, self.schema, where=self.describe(),
+            names.check_schema(self.conn, self.schema, where=self.describe(),
                          creates=not self.table_exists or self.config.overwrite)
         except psycopg.OperationalError as exc:
-            raise errors.Unavailable(f"{self.describe()}: {_first_line(exc)}") from None
+            raise errors.Unavailable(f"{self.describe()}: {names.first_line(exc)}") from None
         except psycopg.Error as exc:  # a server's refusal, named: never a traceback
-            raise errors.InvalidOption(f"{self.describe()}: {_first_line(exc)}") from None
+            raise errors.InvalidOption(f"{self.describe()}: {names.first_line(exc)}") from None
         self._checked = True
 
     def _connect(self, *, reading: bool = False) -> None:
@@ -148,10 +142,10 @@ class Target(contract.Target):
                     self.conn.commit()
                 except psycopg.Error as exc:
                     self.conn.rollback()
-                    raise errors.OutputUnsupported(missing_extension(self.describe(), exc)) from None
+                    raise errors.OutputUnsupported(names.missing_extension(self.describe(), exc)) from None
                 cur.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'")
                 row = cur.fetchone()
-            self.version = _version(row[0])
+            self.version = names.version_of(row[0])
         self.conn.commit()
 
     def refused_shapes(self) -> dict[str, str]:
@@ -253,10 +247,10 @@ class Target(contract.Target):
             sink.load_committed()
         except psycopg.OperationalError as exc:
             self.close()
-            raise errors.Unavailable(f"{self.describe()}: {_first_line(exc)}") from None
+            raise errors.Unavailable(f"{self.describe()}: {names.first_line(exc)}") from None
         except psycopg.Error as exc:
             self.close()
-            raise errors.InvalidOption(f"{self.describe()}: {_first_line(exc)}") from None
+            raise errors.InvalidOption(f"{self.describe()}: {names.first_line(exc)}") from None
         except BaseException:
             self.close()
             raise
@@ -271,7 +265,7 @@ class Target(contract.Target):
         t0 = time.perf_counter()
         with self.conn.cursor() as cur:
             for name, ops in cols:
-                index = index_name(self.name, name)
+                index = names.index_name(self.name, name)
                 from psycopg import sql
 
                 cur.execute(self._sql("CREATE INDEX IF NOT EXISTS {i} ON {t} USING hnsw ({c} " + ops + ")",
@@ -308,6 +302,7 @@ class PgvectorSink(contract.Sink):
         self.target = target
         self.conn = target.conn
         self.cols: list[rows.Col] | None = None
+        self.keys = rows.WINDOW_COLS if per_window(manifest.options) else []  # after id (windowed.py)
         self.broken = False  # a write failed: its transaction was rolled back, so nothing is committed any more
         self.existing = existing
         self.reader = reader
@@ -325,10 +320,9 @@ class PgvectorSink(contract.Sink):
                                         "record says it has. Write to another table, or pass --overwrite")
         with self.conn.cursor(name="embedq_ids", binary=True) as cur:
             cur.itersize = 50_000
-            cur.execute(self.target._sql("SELECT id, content_hash FROM {t}" if keeps else "SELECT id, NULL FROM {t}"))
-            ids, hashes = itertools.tee(cur)  # read in step: the tee holds one row
-            self.ledger.take_committed((r[0] for r in ids), where=self.where, container="table",
-                                       hashes=(r[1] for r in hashes) if keeps else None)
+            cur.execute(self.target._sql("SELECT id, {h}, {w} FROM {t}", h=rows.ident("content_hash") if keeps else
+                                         rows.sql_null(), w=rows.ident("window") if self.keys else rows.sql_null()))
+            self.ledger.take_rows(cur, where=self.where, container="table", windowed=bool(self.keys))
         self.conn.commit()
 
     # -- Sink's contract ---------------------------------------------------------------------------
@@ -336,9 +330,12 @@ class PgvectorSink(contract.Sink):
         check_space(self.manifest.fingerprint, fingerprint, where=self.where, container="table")
         plain = index_kind(self.target.config.kind, self.target.format).columns is None  # the dense ``vector`` path
         if self.existing and self.cols is None and plain:
-            want = [("id", "text"), ("embedding", self._vector_type(fingerprint.dimensions))]
+            want = [("id", "text"), *self._key_types(), ("embedding", self._vector_type(fingerprint.dimensions))]
             self._compare(want + ([("text", "text")] if self.target.config.store_text else []) + self._hash_col())
         self.manifest.fingerprint = fingerprint
+
+    def _key_types(self) -> list[tuple[str, str]]:
+        return [(c.name, c.pgtype) for c in self.keys]
 
     def _vector_type(self, dim: int) -> str:
         return f"{'halfvec' if self.manifest.vector_dtype == 'float16' else 'vector'}({dim})"
@@ -348,18 +345,14 @@ class PgvectorSink(contract.Sink):
         return [rows.HASH_COLUMN] if self.ledger.keeps_hashes and not self.adopted else []
 
     def _compare(self, want: list[tuple[str, str]]) -> None:
-        have = dict(self.existing)
-        problems = [f"{name} is {have[name]}, this run writes {pgtype}" if name in have else f"no column {name} "
-                    f"({pgtype})" for name, pgtype in want if have.get(name) != pgtype]
-        required = self.target._required - {n for n, _ in want}
-        problems += [f"column {name} is NOT NULL without a default" for name in sorted(required)]
+        problems = rows.schema_problems(dict(self.existing), want, self.target._required)
         if problems:
             raise errors.OutputMismatch(f"{self.where} has another schema: {'; '.join(problems)}. Write to another "
                                         "table, or pass --overwrite to replace it")
 
     def _plan(self, ids: list[str], data: Any, texts: list[str] | None) -> None:
         self.cols = rows.plan_columns(data, self.manifest.vector_dtype, self.where)
-        want = [("id", "text")] + [(c.name, c.pgtype) for c in self.cols]
+        want = [("id", "text"), *self._key_types()] + [(c.name, c.pgtype) for c in self.cols]
         if texts is not None:
             want.append(("text", "text"))
         hashed = self.ledger.keeps_hashes
@@ -373,13 +366,13 @@ class PgvectorSink(contract.Sink):
 
         want += [rows.HASH_COLUMN] if hashed else []
         body = sql.SQL(", ").join(sql.SQL("{} " + t).format(sql.Identifier(n)) for n, t in want[1:])
-        self._create(["CREATE TABLE {t} (id text PRIMARY KEY, {body})"] + ([_HASH_INDEX] if hashed else []),
-                     body=body)
+        key = "PRIMARY KEY (id, \"window\")" if self.keys else "PRIMARY KEY (id)"  # windowed.py: (id, window)
+        self._create([f"CREATE TABLE {{t}} (id text, {{body}}, {key})"] + ([_HASH_INDEX] if hashed else []), body=body)
         self.existing = want
 
     def _create(self, statements: list[str], **parts: Any) -> None:
         """DDL in the first commit's transaction (the table, its content-hash column and index)."""
-        hash_index = rows.ident(index_name(self.target.name, rows.HASH_COLUMN[0], "btree"))
+        hash_index = rows.ident(names.index_name(self.target.name, rows.HASH_COLUMN[0], "btree"))
         try:
             with self.conn.cursor() as cur:
                 for statement in statements:
@@ -387,10 +380,10 @@ class PgvectorSink(contract.Sink):
         except _psycopg().Error as exc:  # checked before the run; a change since (a schema dropped) is named
             self.conn.rollback()
             self.broken = True
-            raise errors.InvalidOption(f"creating {self.where} failed: {_first_line(exc)}") from None
+            raise errors.InvalidOption(f"creating {self.where} failed: {names.first_line(exc)}") from None
 
     def write(self, ids: list[str], data: Any, texts: list[str] | None = None,
-              hashes: list[bytes] | None = None) -> contract.Refused:
+              hashes: list[bytes] | None = None, windows: WindowRows | None = None) -> contract.Refused:
         self._writable()
         if self.cols is None:
             self._plan(ids, data, texts)
@@ -402,11 +395,12 @@ class PgvectorSink(contract.Sink):
         else:
             fields = [col.encode(arrays[0] if col.pgtype.startswith(("vector", "halfvec")) else arrays)
                       for col, (_, arrays, _) in zip(self.cols, data)]
-        from psycopg import sql
-
-        cols = sql.SQL(", ").join(sql.Identifier(n) for n in rows.copy_columns(self.cols, texts is not None, keeps))
-        # an id committed before this run is replaced: its old row deleted in the transaction that adds the new one
-        replaced = [doc_id for doc_id in ids if digest(doc_id) in self.ledger.committed]
+        if self.keys:  # a windows table: window, start, end after id
+            assert windows is not None, "a windows table is written with the rows' window columns"
+            fields = [c.encode(windows.columns()[c.name]) for c in self.keys] + fields
+        cols = rows.idents(rows.copy_columns(self.keys + self.cols, texts is not None, keeps))
+        # an id committed before this run is replaced: its old rows deleted in the transaction that adds the new ones
+        replaced = list(dict.fromkeys(doc_id for doc_id in ids if digest(doc_id) in self.ledger.committed))
         try:
             with self.conn.cursor() as cur:
                 gone = rows.delete_ids(cur, self.target._sql(_DELETE), replaced)
@@ -438,13 +432,14 @@ class PgvectorSink(contract.Sink):
             with self.conn.cursor(name="embedq_prune") as cur:
                 cur.itersize = 50_000
                 cur.execute(self.target._sql("SELECT id FROM {t}"))
-                drop = [doc_id for (doc_id,) in cur if (key := digest(doc_id)) in committed and key not in keep]
+                drop = list(dict.fromkeys(doc_id for (doc_id,) in cur
+                                          if (key := digest(doc_id)) in committed and key not in keep))
             with self.conn.cursor() as cur:
-                gone = rows.delete_ids(cur, self.target._sql(_DELETE), drop)
+                gone = rows.delete_ids(cur, self.target._sql(_DELETE), drop)  # a windows table: every window
         except _psycopg().Error as exc:
             self._failed("pruning", exc)
         self.ledger.pending_rows -= gone
-        return gone
+        return len(drop)
 
     def rows_by_hash(self, hashes: list[bytes]) -> tuple[list[bytes], Any]:
         """Rows of these content hashes (one per hash found, by the btree index), read back in binary: as

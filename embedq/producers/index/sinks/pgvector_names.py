@@ -98,3 +98,12 @@ def missing_extension(where: str, exc: Exception) -> str:
             "Ubuntu: the postgresql-<major>-pgvector package from PostgreSQL's own apt repository, apt.postgresql.org, "
             "or a build from source; docs/INDEXING.md), then have a superuser run CREATE EXTENSION vector in this "
             "database (it is not a trusted extension: an ordinary user cannot create it).")
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def version_of(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:3])

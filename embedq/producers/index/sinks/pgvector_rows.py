@@ -18,6 +18,7 @@ import numpy as np
 
 from embedq import errors
 from embedq.producers.index.kinds import ColumnArrays
+from embedq.producers.index.windowed import COLUMNS
 
 COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack("!ii", 0, 0)
 COPY_TRAILER = struct.pack("!h", -1)
@@ -63,6 +64,24 @@ def sparse(name: str, dim: int) -> Col:
 def scalar(name: str) -> Col:
     return Col(name, "double precision",
                lambda arrays: [struct.pack("!id", 8, float(v)) for v in np.asarray(arrays[0]).reshape(-1)])
+
+
+def integer(name: str) -> Col:
+    """An ``integer`` column (a windows table's ``window``, ``start``, ``end``: ``windowed.py``)."""
+    return Col(name, "integer", lambda values: [struct.pack("!ii", 4, int(v)) for v in np.asarray(values).tolist()])
+
+
+#: A windows table's key columns after ``id`` (its primary key is (id, window)).
+WINDOW_COLS = [integer(name) for name in COLUMNS]
+
+
+def schema_problems(have: dict[str, str], want: list[tuple[str, str]], required: set[str]) -> list[str]:
+    """How an existing table's columns (``have``: name -> type) differ from those a run writes (``want``), and its
+    NOT NULL columns without a default (``required``) the run leaves empty."""
+    problems = [f"{name} is {have[name]}, this run writes {pgtype}" if name in have else f"no column {name} "
+                f"({pgtype})" for name, pgtype in want if have.get(name) != pgtype]
+    return problems + [f"column {name} is NOT NULL without a default"
+                       for name in sorted(required - {n for n, _ in want})]
 
 
 def _cat(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
@@ -180,6 +199,12 @@ def ident(name: str) -> Any:
     from psycopg import sql
 
     return sql.Identifier(name)
+
+
+def sql_null() -> Any:
+    from psycopg import sql
+
+    return sql.SQL("NULL")
 
 
 def idents(names: list[str]) -> Any:
