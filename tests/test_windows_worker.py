@@ -81,3 +81,23 @@ def test_an_enormous_document_does_not_hold_back_online_jobs(redis_server, tmp_p
         handle.wait_until(lambda s: s["held_texts"] == 0, "the window released with the job")
     finally:
         handle.stop()
+
+
+def test_long_bulk_documents_are_tokenized_off_the_consumer_thread(redis_server, tmp_path):
+    """A bulk windows job of long documents is tokenized on the preparer's thread: an online job sent while it is
+    being tokenized is fetched, run and answered meanwhile (this worker's fake tokenizer takes 400 ms per 10,000
+    characters of a windows job: 5.6 s for this one)."""
+    settings = Settings(broker_url=redis_server.url, queue="embedq.test.windows.prepare", model="embedq-fake",
+                        allow_fake_backend=True, max_windows=1000)
+    handle = WorkerHandle(settings, tmp_path / "worker.log", extra_env={"EMBEDQ_FAKE_PREPARE_MS": "400"})
+    try:
+        handle.stats()  # finds the worker's node first
+        documents = [text_of(1200)[:70_000], text_of(1300)[-70_000:]]
+        bulk = handle.client.submit(documents, long_inputs="windows", traffic_class="bulk")
+        handle.wait_until(lambda s: s["preparing"] == 1, "the bulk job handed to the preparer")
+        assert handle.client.submit([SENTENCE, text_of(3)]).result(120).shape == (2, 32)
+        assert handle.stats()["preparing"] == 1  # answered while the documents were still being tokenized
+        assert bulk.result(300).shape == (2, 32)
+        handle.wait_until(lambda s: s["preparing"] == 0 and s["held_texts"] == 0, "the job done and released")
+    finally:
+        handle.stop()

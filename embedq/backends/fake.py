@@ -16,6 +16,8 @@ loads in milliseconds.
 
 ``EMBEDQ_FAKE_ITEM_MS`` (default 0) makes each micro-batch take that many milliseconds per item, as a device would:
 for the tests of what a process holds while the model runs (a kill mid-run), where an instant model holds nothing.
+``EMBEDQ_FAKE_PREPARE_MS`` (default 0) makes tokenizing a ``long_inputs="windows"`` job take that many milliseconds per
+10,000 characters, as a long document's tokenizer call does: for the tests of where such a job is tokenized.
 ``EMBEDQ_FAKE_POISON`` (a word; unset: none) makes the process that runs a micro-batch holding that word SIGKILL
 itself, as a segfault in a kernel would: for the tests of poison jobs in whatever process runs the model.
 """
@@ -80,6 +82,7 @@ class FakeBackend(Backend):
         self.max_windows = max_windows
         self.dimension = fake_dimension(model_id) or DIMENSION
         self.item_seconds = float(os.environ.get("EMBEDQ_FAKE_ITEM_MS") or 0) / 1000
+        self.prepare_seconds = float(os.environ.get("EMBEDQ_FAKE_PREPARE_MS") or 0) / 1000 / 10_000  # a character
         poison = token_ids(os.environ.get("EMBEDQ_FAKE_POISON") or "")
         self.poison = poison[0] if poison else None
         self.table = np.random.default_rng(0).standard_normal((VOCABULARY, self.dimension)).astype(np.float32)
@@ -133,6 +136,8 @@ class FakeBackend(Backend):
         plan = WindowPlan(options.window_overlap, options.pool_windows)
         encoded: list[Encoded] = []
         for i, text in enumerate(items):
+            if self.prepare_seconds:
+                time.sleep(self.prepare_seconds * len(text))
             words = list(_WORDS.finditer(text.lower()))
             tokens = Tokens(text, [w.start() for w in words], [w.end() for w in words])
             encoded += window_items(tokens, [_token_id(w.group()) for w in words], head, [SEP], MAX_SEQ_LENGTH,

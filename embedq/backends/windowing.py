@@ -23,7 +23,9 @@ result's ``window_offsets`` (input ``i``'s windows are rows ``window_offsets[i]:
 
 from __future__ import annotations
 
+import copy
 import itertools
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -202,11 +204,14 @@ class Windower:
         self.tokenization = tokenization
         self.max_windows = max_windows
         self._specials: tuple[list[int], list[int]] | None = None
+        # A copy of the tokenizer and a lock of its own: a long text tokenized on the preparer's thread
+        # (workers/preparer.py) never holds up the consumer thread's tokenizer calls.
+        self._tokenizer: Any = None
+        self._lock = threading.Lock()
 
-    def specials(self) -> tuple[list[int], list[int]]:
-        """The special tokens the tokenizer puts before and after a text's tokens."""
+    def specials(self, tokenizer: Any) -> tuple[list[int], list[int]]:
+        """The special tokens ``tokenizer`` (the copy, under the lock) puts before and after a text's tokens."""
         if self._specials is None:
-            tokenizer = self.tokenization.tokenizer
             probe = "hello world"
             plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
             whole = list(tokenizer(probe, add_special_tokens=True)["input_ids"])
@@ -222,13 +227,17 @@ class Windower:
         if any(not isinstance(text, str) for text in texts):
             raise errors.InvalidOption("long_inputs='windows' takes texts, not token ids")
         tok = self.tokenization
-        front, back = self.specials()
         full = [prompt + text for text in texts] if prompt else list(texts)
         with tok._lock:
             plen = tok.prompt_length(prompt) if prompt else 0
-            out = tok.tokenizer(full, add_special_tokens=False, truncation=False, padding=False,
-                                return_attention_mask=False, return_token_type_ids=False,
-                                return_offsets_mapping=True)
+        with self._lock:
+            if self._tokenizer is None:
+                with tok._lock:
+                    self._tokenizer = copy.deepcopy(tok.tokenizer)
+            front, back = self.specials(self._tokenizer)
+            out = self._tokenizer(full, add_special_tokens=False, truncation=False, padding=False,
+                                  return_attention_mask=False, return_token_type_ids=False,
+                                  return_offsets_mapping=True)
         shift = len(prompt) if prompt else 0
         windows = WindowPlan(options.window_overlap, options.pool_windows)
         items: list[Encoded] = []

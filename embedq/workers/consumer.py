@@ -148,6 +148,7 @@ class Worker:
                                               ALREADY_STORED).start()
             self.records.bind(self.service, self.canvas_thread)
             self.messages.bind(self.service.submit_many, metrics)
+            self.service.on_prepared = self.messages.prepared_off_thread
             metrics.bind(self.service, window_state=partial(window_stats, self), queues=settings.queues,
                          redis=redis_client(settings) if settings.broker_url else None)
         return self.service

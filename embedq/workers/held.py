@@ -106,6 +106,7 @@ class HeldMessages:
         self.intake: list[Job] = []  # delivered jobs not yet handed to the service (see flush_intake)
         self.finished: queue.SimpleQueue = queue.SimpleQueue()  # (job, outcome, monotonic time stored)
         self.started: queue.SimpleQueue = queue.SimpleQueue()  # jobs whose first micro-batch started (events)
+        self.prepared_late: queue.SimpleQueue = queue.SimpleQueue()  # jobs tokenized off this thread (preparer.py)
         self.consumer: Any = None
         self.closed = False  # the worker stopped taking messages: a fetch takes no more
         self._submit: Callable[[list[Job]], None] | None = None
@@ -170,12 +171,28 @@ class HeldMessages:
         if self.intake and self._submit is not None:
             jobs, self.intake = self.intake, []
             self._submit(jobs)
-            for job in jobs:  # a job of long texts in windows holds more items than texts: the window counts items
-                extra = job.n_items - job.size
-                if extra > 0 and job.context.reqs:
-                    req, size = job.context.reqs[0]
-                    job.context.reqs[0] = (req, size + extra)
-                    self.window.received_more(extra, bulk=self.traffic_class(routing_key_of(req)) == BULK)
+            self._count_items(jobs)
+        late: list[Job] = []
+        while True:  # before any of them can be released (drain_finished flushes first)
+            try:
+                late.append(self.prepared_late.get_nowait())
+            except queue.Empty:
+                break
+        self._count_items(late)
+
+    def prepared_off_thread(self, jobs: list[Job]) -> None:
+        """The preparer's thread: these jobs are tokenized; the consumer thread counts their items at its next flush."""
+        for job in jobs:
+            self.prepared_late.put(job)
+
+    def _count_items(self, jobs: list[Job]) -> None:
+        """A job of long texts in windows holds more items than texts: the window counts its items."""
+        for job in jobs:
+            extra = job.n_items - job.size
+            if extra > 0 and job.context.reqs:
+                req, size = job.context.reqs[0]
+                job.context.reqs[0] = (req, size + extra)
+                self.window.received_more(extra, bulk=self.traffic_class(routing_key_of(req)) == BULK)
 
     def current_channel(self) -> Any:
         task_consumer = getattr(self.consumer, "task_consumer", None)

@@ -60,6 +60,27 @@ class Job:
         return len(self.prepared.items[i].ids)
 
 
+def model_aliases(*names: str) -> set[str]:
+    """The names a job's ``model`` option may give the worker's model: each name and its last path part."""
+    out: set[str] = set()
+    for name in names:
+        name = name.strip().lower().rstrip("/")
+        out.update({name, name.split("/")[-1]})
+    return out
+
+
+def check_job(job: Job, backend: Any, settings: Any, aliases: set[str]) -> None:
+    """The job's kind, options and inputs checked (its options parsed, its inputs turned into items)."""
+    spec = job.spec
+    backend.check_kind(spec.kind)  # first: a job of another kind learns what this worker serves
+    opts = spec.parse_options(job.options)
+    job.options = opts
+    job.texts = spec.items(job.texts, settings.max_texts_per_job, settings.max_chars)
+    if opts.model is not None and opts.model.strip().lower() not in aliases:
+        raise errors.UnknownModel(
+            f"model {opts.model!r} is not served on this queue (this worker serves {backend.info.model_id!r})")
+
+
 def expired(job: Job) -> errors.Expired:
     """The error of a job dropped because its deadline passed before it started."""
     return errors.Expired(f"job {job.id} passed its deadline before it ran; it was not computed")

@@ -166,7 +166,7 @@ def embedq_stats(state: Any) -> dict[str, Any]:
     if service is None:
         return {"ready": False}
     out = {**identity(worker), "buffered": len(service.scheduler) + service.dedupe.waiting, **window_stats(worker),
-           **service.stats.snapshot()}
+           "preparing": service.preparer.preparing, **service.stats.snapshot()}
     if getattr(service, "device", None):  # a host of the split layout: its device process's counters
         out["device_process"] = service.device
     return out

@@ -44,8 +44,9 @@ from embedq.settings import Settings
 from embedq.workers import hooks, memory
 from embedq.workers.dedupe import Dedupe
 from embedq.workers.inflight import Flight, MicroBatches
-from embedq.workers.jobs import DoneCallback, DoneManyCallback, Job, expired
+from embedq.workers.jobs import DoneCallback, DoneManyCallback, Job, check_job, expired, model_aliases
 from embedq.workers.outbox import Outbox
+from embedq.workers.preparer import Preparer, heavy
 from embedq.workers.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class EmbeddingService:
         self._stopping = False
         # Suspects of a crash, oldest first: each runs alone, so a poison job can only take itself down.
         self._suspects: collections.deque[Job] = collections.deque()
-        self._aliases = _model_aliases(settings.model, self.info.model_id)
+        self._aliases = model_aliases(settings.model, self.info.model_id)
         self._thread = threading.Thread(target=self._loop, name="embedq-inference", daemon=True)
         self.hooks = hooks.installed()  # seams for a program that steers the worker (workers/hooks.py)
         # The micro-batches in the model (workers/inflight.py), the jobs of which are in the model now included.
@@ -109,6 +110,8 @@ class EmbeddingService:
         # Finished and failed jobs go to the results thread (workers/outbox.py), which stores their outcomes; a
         # device process passes its own (workers/device.py: the rows go back to the job's host process).
         self._outbox = outbox(self.stats) if outbox else Outbox(backend, settings, self.stats, on_done, on_done_many)
+        self.preparer = Preparer(self._prepare_heavy)  # bulk jobs of long texts in windows (workers/preparer.py)
+        self.on_prepared: Callable[[list[Job]], None] | None = None  # jobs the preparer tokenized (held.py)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> EmbeddingService:
@@ -138,6 +141,7 @@ class EmbeddingService:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self.preparer.close()
         if self._outbox.thread.is_alive():
             self._outbox.close()
             self._outbox.thread.join(timeout)
@@ -162,7 +166,7 @@ class EmbeddingService:
                 self.fail(job, expired(job))
                 continue
             try:
-                self._check(job)
+                check_job(job, self.backend, self.settings, self._aliases)
             except errors.EmbedqError as exc:
                 self.fail(job, exc)
                 continue
@@ -173,25 +177,41 @@ class EmbeddingService:
             by_kind.setdefault(job.kind, []).append(job)
         ready: list[Job] = []
         for kind, group in by_kind.items():
-            t0 = time.perf_counter()
-            try:
-                prepared = self.backend.prepare_many(kind, [(job.texts, job.options) for job in group])
-            except Exception as exc:  # a tokenizer crash must not take the consumer down
-                log.exception("preparing %d job(s) failed", len(group))
-                prepared = [errors.BackendError(f"could not tokenize: {type(exc).__name__}")] * len(group)
-            each = (time.perf_counter() - t0) / len(group)
-            for job, outcome in zip(group, prepared):
-                if isinstance(outcome, errors.EmbedqError):
-                    self.fail(job, outcome)
-                else:
-                    if self.metrics is not None:  # a job's share of the call (jobs that failed it are not counted)
-                        self.metrics.observe("tokenize_seconds", each)
-                    job.prepared = outcome
-                    self.stats.add(**window_counts(outcome))
-                    job.tokenize_seconds = each
-                    job.rows = [None] * job.n_items
-                    job.remaining = job.n_items
-                    ready.append(job)
+            light = [job for job in group if not heavy(job)]
+            if len(light) < len(group):  # bulk jobs of long texts in windows: tokenized off this thread
+                self.preparer.put(kind, [job for job in group if heavy(job)])
+            ready += self._prepare(kind, light) if light else []
+        self.enqueue(ready)
+
+    def _prepare(self, kind: str, group: list[Job]) -> list[Job]:
+        """Tokenize the jobs of one kind together; those that fail get their error, the rest are returned."""
+        ready: list[Job] = []
+        t0 = time.perf_counter()
+        try:
+            prepared = self.backend.prepare_many(kind, [(job.texts, job.options) for job in group])
+        except Exception as exc:  # a tokenizer crash must not take the consumer down
+            log.exception("preparing %d job(s) failed", len(group))
+            prepared = [errors.BackendError(f"could not tokenize: {type(exc).__name__}")] * len(group)
+        each = (time.perf_counter() - t0) / len(group)
+        for job, outcome in zip(group, prepared):
+            if isinstance(outcome, errors.EmbedqError):
+                self.fail(job, outcome)
+            else:
+                if self.metrics is not None:  # a job's share of the call (jobs that failed it are not counted)
+                    self.metrics.observe("tokenize_seconds", each)
+                job.prepared = outcome
+                self.stats.add(**window_counts(outcome))
+                job.tokenize_seconds, job.rows, job.remaining = each, [None] * job.n_items, job.n_items
+                ready.append(job)
+        return ready
+
+    def _prepare_heavy(self, kind: str, group: list[Job]) -> None:
+        """The preparer's thread: heavy jobs tokenized, told to ``on_prepared`` (held.py), then scheduled."""
+        with self._cond:
+            group = [job for job in group if not job.done]  # cancelled while they waited
+        ready = self._prepare(kind, group) if group else []
+        if self.on_prepared is not None:
+            self.on_prepared(ready)
         self.enqueue(ready)
 
     def enqueue(self, ready: list[Job]) -> None:
@@ -248,18 +268,6 @@ class EmbeddingService:
     def count_failure(self, code: str, items: int) -> None:
         """One failed job of ``items`` items (also for messages refused before they became jobs)."""
         self.stats.failure(code, items)
-
-    def _check(self, job: Job) -> None:
-        """The job's kind, options and inputs checked (its options parsed, its inputs turned into items)."""
-        spec = job.spec
-        self.backend.check_kind(spec.kind)  # first: a job of another kind learns what this worker serves
-        opts = spec.parse_options(job.options)
-        job.options = opts
-        job.texts = spec.items(job.texts, self.settings.max_texts_per_job, self.settings.max_chars)
-        if opts.model is not None and opts.model.strip().lower() not in self._aliases:
-            raise errors.UnknownModel(
-                f"model {opts.model!r} is not served on this queue (this worker serves {self.info.model_id!r})"
-            )
 
     # -- inference thread --------------------------------------------------------------------
     def _loop(self) -> None:
@@ -490,11 +498,3 @@ class EmbeddingService:
 def _unhooked(keys: list[tuple[Job, int]]) -> None:
     """An online micro-batch at a preemption point runs whole: nothing pauses it."""
     return None
-
-
-def _model_aliases(*names: str) -> set[str]:
-    out: set[str] = set()
-    for name in names:
-        name = name.strip().lower().rstrip("/")
-        out.update({name, name.split("/")[-1]})
-    return out
