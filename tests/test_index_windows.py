@@ -394,3 +394,50 @@ def test_a_part_of_a_document_is_told_from_a_whole_one():
 
     rows = [("a", 0, 2), ("a", 1, 2), ("b", 0, 3), ("b", 2, 3), ("c", 0, 1), ("d", 1, 2), ("e", 0, 2), ("e", 1, 3)]
     assert whole_documents(rows) == ({"a", "c"}, {"b", "d", "e"})
+
+
+def test_sparse_windows_are_rows_of_their_own(splade_worker, corpus, tmp_path):
+    """``--kind sparse --long-inputs windows`` (a tiny SPLADE model: windows of 64 tokens): one row per window, each
+    window's weights what the client gets for that window."""
+    docs = build_documents(corpus, 6, (200, 400), seed=11)
+    out = tmp_path / "sparse.parquet"
+    code, summary, text = run(splade_worker.settings, write_jsonl(tmp_path / "docs.jsonl", docs), str(out),
+                              "--kind", "sparse", *WINDOWS)
+    assert code == 0, text
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(out).to_pydict()
+    want = splade_worker.client.embed_sparse([t for _, t in docs], long_inputs="windows", pool_windows=False)
+    by_key = {(i, w): (idx, val) for i, w, idx, val in zip(table["id"], table["window"], table["indices"],
+                                                           table["values"])}
+    assert summary["rows"] == len(by_key) == sum(len(w) for w in want) > 3 * len(docs)
+    for (doc_id, _), windows in zip(docs, want):
+        for w in windows:
+            indices, values = by_key[(doc_id, w.window)]
+            assert indices == w.output.indices.tolist()
+            np.testing.assert_allclose(values, w.output.values, atol=1e-6)
+
+
+def test_milvus_deletes_a_part_of_a_document_a_killed_run_left(fake_worker, documents, expected, milvus_server,
+                                                                tmp_path):
+    """Milvus has no transaction: a run killed while sending a document's windows leaves a part of it. The next
+    run deletes that part and embeds the document again, whole (a real collection; the part made by deleting
+    windows of a written document, as a kill between two inserts leaves it)."""
+    out = MilvusOut(milvus_server, tmp_path)
+    docs = documents[:4]
+    src = write_jsonl(tmp_path / "docs.jsonl", docs)
+    code, summary, text = run(fake_worker.settings, src, out.url("parts"), *WINDOWS)
+    assert code == 0, text
+    import pymilvus
+
+    client = pymilvus.MilvusClient(uri=out.uri, dedicated=True)
+    try:
+        client.delete(f"{out.prefix}_parts", filter='id == "doc-1" and window >= 2')
+    finally:
+        client.close()
+    want = sorted(k for k in expected if k[0] in {d for d, _ in docs})
+    assert sorted(out.rows("parts")[0]) != want
+    code, summary, text = run(fake_worker.settings, src, out.url("parts"), *WINDOWS)
+    assert code == 0, text
+    assert summary["texts"] == 1 and summary["skipped"] == 3  # doc-1 again, the whole ones skipped
+    assert sorted(out.rows("parts")[0]) == want
