@@ -142,7 +142,8 @@ class Settings(BaseSettings):
     prefetch_texts: int = Field(
         default=8192, ge=1,
         description="Texts a worker buffers at most: it takes no new job while this many are held (one job "
-        "may overshoot by its own size). Bounds the time a message waits, see visibility_timeout.",
+        "may overshoot by its own size; a long_inputs='windows' job counts its windows once tokenized). Bounds the "
+        "time a message waits, see visibility_timeout.",
     )
     fetch_batch: int = Field(
         default=64, ge=1,
