@@ -140,6 +140,20 @@ def kill_after_rows(command: list[str], environ: dict[str, str], cwd: Path, rows
     return rows()
 
 
+def milvus_client(uri: str, **kwargs):
+    """A ``pymilvus.MilvusClient`` of ``uri``. The server may have sent this process's idle channel a GOAWAY for its
+    keepalive pings ("too_many_pings": a slow fixture or a long run leaves it idle for a minute); that connection is
+    gone, and a new one is made once."""
+    import pymilvus
+
+    try:
+        return pymilvus.MilvusClient(uri=uri, **kwargs)
+    except pymilvus.exceptions.MilvusException as exc:
+        if "Fail connecting" not in str(exc):
+            raise
+        return pymilvus.MilvusClient(uri=uri, **kwargs)
+
+
 def milvus_server_at(root: Path) -> Iterator[tuple[str, str]]:
     """A module fixture's body: ``milvus-lite server`` on a free port of 127.0.0.1 with its data under ``root``, ready
     when a client's call is answered; yields its ``milvus://`` URL and its client URI, and stops it after."""

@@ -21,6 +21,7 @@ from indexdb import (
     env,
     items_received,
     kill_after_rows,
+    milvus_client,
     milvus_server_at,
     query_texts,
     random_rows,
@@ -52,14 +53,7 @@ def server(tmp_path_factory):
 def _client(uri: str):
     """A client of a server (``http://...``) or of a Milvus Lite file, which is closed after: Milvus Lite holds a
     file's database for one process at a time, so the indexer could not open it while the test holds it."""
-    try:
-        client = pymilvus.MilvusClient(uri=uri)
-    except pymilvus.exceptions.MilvusException as exc:
-        # The server may have sent this process's idle channel a GOAWAY for its keepalive pings ("too_many_pings":
-        # a slow fixture leaves it idle for a minute); that connection is gone, a new one is made.
-        if "Fail connecting" not in str(exc):
-            raise
-        client = pymilvus.MilvusClient(uri=uri)
+    client = milvus_client(uri)
     try:
         yield client
     finally:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import FAKE, gated_handle
-from indexdb import cmd, env, milvus_server_at, run
+from indexdb import cmd, env, milvus_client, milvus_server_at, run
 from reindex import write_jsonl
 
 from embedq.settings import Settings
@@ -162,11 +162,9 @@ class MilvusOut:
         return f"{self.base}?collection={self.prefix}_{name}"
 
     def _client(self):
-        import pymilvus
-
         # a channel of its own, closed with the client (an idle shared one outlives it, and a long MiniLM run later
-        # the server drops it for its keepalive pings: "Too many pings")
-        return pymilvus.MilvusClient(uri=self.uri, dedicated=True)
+        # the server drops it for its keepalive pings: "Too many pings"; indexdb.milvus_client connects again then)
+        return milvus_client(self.uri, dedicated=True)
 
     def count(self, name: str) -> int:
         client = self._client()
@@ -428,9 +426,7 @@ def test_milvus_deletes_a_part_of_a_document_a_killed_run_left(fake_worker, docu
     src = write_jsonl(tmp_path / "docs.jsonl", docs)
     code, summary, text = run(fake_worker.settings, src, out.url("parts"), *WINDOWS)
     assert code == 0, text
-    import pymilvus
-
-    client = pymilvus.MilvusClient(uri=out.uri, dedicated=True)
+    client = milvus_client(out.uri, dedicated=True)
     try:
         client.delete(f"{out.prefix}_parts", filter='id == "doc-1" and window >= 2')
     finally:
