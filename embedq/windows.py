@@ -24,8 +24,6 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from embedq import errors
 from embedq.protocol import HybridEmbedding, decode_array
 
@@ -85,8 +83,3 @@ def decode_windows(spec: Any, payload: dict[str, Any], texts: Any = None) -> Any
         error.failed = failed  # type: ignore[attr-defined]
         raise error
     return out
-
-
-def window_counts(payload: dict[str, Any]) -> np.ndarray:
-    """Windows per input (0: the text failed)."""
-    return np.diff(decode_array(payload["window_offsets"]))

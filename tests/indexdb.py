@@ -154,6 +154,49 @@ def milvus_client(uri: str, **kwargs):
         return pymilvus.MilvusClient(uri=uri, **kwargs)
 
 
+class MilvusCollections:
+    """Collections of a ``milvus-lite server`` (``milvus_server_at``), named with a prefix of the test's own, read
+    while the indexer writes them (a Milvus Lite file is one process's). Each read has a client of its own, closed
+    after it (an idle shared channel outlives it, and the server drops that for its keepalive pings)."""
+
+    def __init__(self, server: tuple[str, str], tmp: Path) -> None:
+        self.base, self.uri = server
+        self.prefix = "c" + "".join(ch for ch in tmp.name if ch.isalnum())[-12:]
+
+    def url(self, name: str) -> str:
+        return f"{self.base}?collection={self.prefix}_{name}"
+
+    def client(self):
+        return milvus_client(self.uri, dedicated=True)
+
+    def count(self, name: str) -> int:
+        """Rows of a collection (0 before it exists)."""
+        client = self.client()
+        try:
+            if not client.has_collection(f"{self.prefix}_{name}"):
+                return 0
+            rows = client.query(f"{self.prefix}_{name}", filter="", output_fields=["count(*)"],
+                                consistency_level="Strong")
+        finally:
+            client.close()
+        return int(rows[0]["count(*)"])
+
+    def scan(self, name: str, fields: list[str]) -> list[dict]:
+        """Every row of a collection, with ``fields``."""
+        client = self.client()
+        try:
+            client.load_collection(f"{self.prefix}_{name}")
+            it = client.query_iterator(f"{self.prefix}_{name}", batch_size=1000, output_fields=fields,
+                                       consistency_level="Strong")
+            rows = []
+            while batch := it.next():
+                rows += batch
+            it.close()
+        finally:
+            client.close()
+        return rows
+
+
 def milvus_server_at(root: Path) -> Iterator[tuple[str, str]]:
     """A module fixture's body: ``milvus-lite server`` on a free port of 127.0.0.1 with its data under ``root``, ready
     when a client's call is answered; yields its ``milvus://`` URL and its client URI, and stops it after."""

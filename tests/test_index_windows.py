@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import FAKE, gated_handle
-from indexdb import cmd, env, milvus_client, milvus_server_at, run
+from indexdb import MilvusCollections, cmd, env, milvus_server_at, run
 from reindex import write_jsonl
 
 from embedq.settings import Settings
@@ -151,51 +151,15 @@ class LanceOut:
         return hit["id"], hit["window"]
 
 
-class MilvusOut:
-    """Collections of a ``milvus-lite server`` (read while the indexer writes)."""
-
-    def __init__(self, server: tuple[str, str], tmp: Path) -> None:
-        self.base, self.uri = server
-        self.prefix = "w" + "".join(ch for ch in tmp.name if ch.isalnum())[-12:]
-
-    def url(self, name: str) -> str:
-        return f"{self.base}?collection={self.prefix}_{name}"
-
-    def _client(self):
-        # a channel of its own, closed with the client (an idle shared one outlives it, and a long MiniLM run later
-        # the server drops it for its keepalive pings: "Too many pings"; indexdb.milvus_client connects again then)
-        return milvus_client(self.uri, dedicated=True)
-
-    def count(self, name: str) -> int:
-        client = self._client()
-        try:
-            if not client.has_collection(f"{self.prefix}_{name}"):
-                return 0
-            rows = client.query(f"{self.prefix}_{name}", filter="", output_fields=["count(*)"],
-                                consistency_level="Strong")
-        finally:
-            client.close()
-        return int(rows[0]["count(*)"])
-
+class MilvusOut(MilvusCollections):
     def rows(self, name: str) -> tuple[list[Key], np.ndarray]:
-        client = self._client()
-        try:
-            client.load_collection(f"{self.prefix}_{name}")
-            it = client.query_iterator(f"{self.prefix}_{name}", batch_size=2000, consistency_level="Strong",
-                                       output_fields=["key", "id", "window", "start", "end", "windows", "vector"])
-            rows = []
-            while batch := it.next():
-                rows += batch
-            it.close()
-        finally:
-            client.close()
+        rows = self.scan(name, ["key", "id", "window", "start", "end", "windows", "vector"])
         assert all(r["key"] == f"{r['id']}#{r['window']}" for r in rows)
         return _keys({c: [r[c] for r in rows] for c in ("id", "window", "start", "end")}), \
             np.asarray([r["vector"] for r in rows], np.float32)
 
-
     def nearest(self, name: str, query: np.ndarray) -> tuple[str, int]:
-        client = self._client()
+        client = self.client()
         try:
             client.load_collection(f"{self.prefix}_{name}")
             hits = client.search(f"{self.prefix}_{name}", data=[query.tolist()], anns_field="vector", limit=1,
@@ -426,7 +390,7 @@ def test_milvus_deletes_a_part_of_a_document_a_killed_run_left(fake_worker, docu
     src = write_jsonl(tmp_path / "docs.jsonl", docs)
     code, summary, text = run(fake_worker.settings, src, out.url("parts"), *WINDOWS)
     assert code == 0, text
-    client = milvus_client(out.uri, dedicated=True)
+    client = out.client()
     try:
         client.delete(f"{out.prefix}_parts", filter='id == "doc-1" and window >= 2')
     finally:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import reindex
-from indexdb import cmd, env, milvus_server_at
+from indexdb import MilvusCollections, cmd, env, milvus_server_at
 from reindex import index, reindex_case, versions, write_jsonl
 
 pytestmark = pytest.mark.integration
@@ -68,42 +68,9 @@ class Lance:
         return _unique(dict(zip(ids, matrix)), len(ids))
 
 
-class Milvus:
-    """Collections of a ``milvus-lite server`` (read while the indexer writes: a Milvus Lite file is one process's)."""
-
-    def __init__(self, server: tuple[str, str], tmp: Path) -> None:
-        self.base, self.uri = server
-        self.prefix = "c" + "".join(ch for ch in tmp.name if ch.isalnum())[-12:]
-
-    def url(self, name: str) -> str:
-        return f"{self.base}?collection={self.prefix}_{name}"
-
-    def _client(self):
-        import pymilvus
-
-        return pymilvus.MilvusClient(uri=self.uri)
-
-    def count(self, name: str) -> int:
-        client = self._client()
-        try:
-            rows = client.query(f"{self.prefix}_{name}", filter="", output_fields=["count(*)"],
-                                consistency_level="Strong")
-        finally:
-            client.close()
-        return int(rows[0]["count(*)"])
-
+class Milvus(MilvusCollections):
     def read(self, name: str) -> dict[str, np.ndarray]:
-        client = self._client()
-        try:
-            client.load_collection(f"{self.prefix}_{name}")
-            it = client.query_iterator(f"{self.prefix}_{name}", batch_size=1000, output_fields=["id", "vector"],
-                                       consistency_level="Strong")
-            rows = []
-            while batch := it.next():
-                rows += batch
-            it.close()
-        finally:
-            client.close()
+        rows = self.scan(name, ["id", "vector"])
         return _unique({r["id"]: np.asarray(r["vector"], dtype=np.float32) for r in rows}, len(rows))
 
 

@@ -153,14 +153,12 @@ class FakeBackend(Backend):
                 for item in batch]
 
     def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]:
-        windows = prepared.state.get("windows")
-        if windows is not None:
+        if "windows" in prepared.state:
             def pool(r: list[np.ndarray], w: list[int]) -> np.ndarray:
                 if kind == "embed_all":
                     return concat_rows(r, self.dimension)
                 return weighted_mean(r, w, self.dimension)
-            return finish_windows(rows, prepared, len(windows.offsets) - 1,
-                                  lambda r: self._finish(kind, r, prepared, options), pool)
+            return finish_windows(rows, prepared, lambda r: self._finish(kind, r, prepared, options), pool)
         return self._finish(kind, rows, prepared, options)
 
     def _finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]:

@@ -128,11 +128,9 @@ class ModelBackend(Backend):
 
     def finish(self, kind: str, rows: list[np.ndarray], prepared: Prepared, options: Any) -> dict[str, Any]:
         head = self.heads[kind]
-        windows = prepared.state.get("windows")
-        if windows is None:
+        if "windows" not in prepared.state:
             return head.finish(kind, rows, prepared, options)
-        return finish_windows(rows, prepared, len(windows.offsets) - 1,
-                              lambda r: head.finish(kind, r, prepared, options),
+        return finish_windows(rows, prepared, lambda r: head.finish(kind, r, prepared, options),
                               lambda r, w: head.pool(r, w, options))
 
     def preemption_blocker(self) -> str | None:

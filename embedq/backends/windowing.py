@@ -263,15 +263,12 @@ def window_counts(prepared: Prepared) -> dict[str, int]:
     return {"texts_windowed": len(counts), "windows": sum(counts)} if counts else {}
 
 
-def _ragged_counts(plan_: WindowPlan) -> np.ndarray:
-    return np.asarray(plan_.offsets, dtype=np.int32)
-
-
-def finish_windows(rows: list[Any], prepared: Prepared, inputs: int, finish: Callable[[list[Any]], dict[str, Any]],
+def finish_windows(rows: list[Any], prepared: Prepared, finish: Callable[[list[Any]], dict[str, Any]],
                    pool: Callable[[list[Any], list[int]], Any]) -> dict[str, Any]:
     """A windows job's result from its items' rows (see the module's docstring); ``finish`` is the head's finish
     over rows, ``pool`` its pooling of one input's window rows (token counts as weights)."""
     plan_: WindowPlan = prepared.state["windows"]
+    inputs = len(plan_.offsets) - 1
     if len(plan_.failed) == inputs:
         raise next(iter(plan_.failed.values()))
     at = plan_.offsets
@@ -282,7 +279,7 @@ def finish_windows(rows: list[Any], prepared: Prepared, inputs: int, finish: Cal
         result = finish(rows)
         result["window_spans"] = encode_array(np.asarray(plan_.spans, dtype=np.int32).reshape(-1, 2))
         result["window_tokens"] = encode_array(np.asarray(plan_.tokens, dtype=np.int32))
-    result["window_offsets"] = encode_array(_ragged_counts(plan_))
+    result["window_offsets"] = encode_array(np.asarray(plan_.offsets, dtype=np.int32))
     if plan_.failed:
         result["failed"] = [{"index": i, **error.to_dict()} for i, error in sorted(plan_.failed.items())]
     result["usage"] = {**result["usage"], "texts": inputs, "windows": len(rows)}

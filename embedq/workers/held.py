@@ -172,13 +172,7 @@ class HeldMessages:
             jobs, self.intake = self.intake, []
             self._submit(jobs)
             self._count_items(jobs)
-        late: list[Job] = []
-        while True:  # before any of them can be released (drain_finished flushes first)
-            try:
-                late.append(self.prepared_late.get_nowait())
-            except queue.Empty:
-                break
-        self._count_items(late)
+        self._count_items(_drained(self.prepared_late))  # before any of them is released (drain_finished flushes first)
 
     def prepared_off_thread(self, jobs: list[Job]) -> None:
         """The preparer's thread: these jobs are tokenized; the consumer thread counts their items at its next flush."""
@@ -216,18 +210,9 @@ class HeldMessages:
     def drain_finished(self) -> None:
         """Acknowledge what has been stored and emit the task events."""
         self.flush_intake()
-        while True:
-            try:
-                job = self.started.get_nowait()
-            except queue.Empty:
-                break
+        for job in _drained(self.started):
             job.context.primary.send_event("task-started")
-        finished = []
-        while True:
-            try:
-                finished.append(self.finished.get_nowait())
-            except queue.Empty:
-                break
+        finished = _drained(self.finished)
         if not finished:
             return
         # Every stored job's messages acknowledged in one round trip (a message whose channel is gone after a
@@ -325,3 +310,13 @@ def _send_outcome_event(req: Any, outcome: Any, runtime: float) -> None:
         req.send_event("task-succeeded", result="already stored", runtime=runtime)
     else:
         req.send_event("task-succeeded", result=f"{outcome['usage']['texts']} vectors", runtime=runtime)
+
+
+def _drained(waiting: queue.SimpleQueue) -> list[Any]:
+    """Everything ``waiting`` holds now, oldest first (what other threads put into it later stays there)."""
+    out = []
+    while True:
+        try:
+            out.append(waiting.get_nowait())
+        except queue.Empty:
+            return out

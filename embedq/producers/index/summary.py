@@ -44,8 +44,8 @@ class Summary:
     ann_index_seconds: float | None = None
     notes: list[str] = field(default_factory=list)  # what the output could not take (an output left out, and why)
     output_removed: bool = False  # no record had a usable text: the run left no output, only its errors file
-    #: ``--long-inputs windows`` (``windowed.py``): rows are windows; ``texts`` counts documents, ``windows`` the rows
-    #: this run wrote (embedded and reused), ``documents`` the documents the output holds at the end
+    #: ``--long-inputs windows`` (``windowed.py``): rows are windows; ``texts`` counts documents, ``windows`` the
+    #: windows of the documents this run embedded, ``documents`` the documents the output holds at the end
     windowed: bool = False
     windows: int = 0
     documents_before: int = 0  # documents the output held when the run started
