@@ -460,12 +460,16 @@ args_values = st.one_of(
 )
 OPTION_NAMES = ("normalize", "truncate", "truncation_side", "prompt", "prompt_name", "dimensions", "encoding",
                 "model", "v", "kind", "top_k", "raw_scores", "return_text", "skip_special_tokens", "outputs",
-                "nested", "__class__")
+                "long_inputs", "window_overlap", "pool_windows", "nested", "__class__")
 kwargs_values = st.one_of(
     st.dictionaries(st.sampled_from(OPTION_NAMES), st.one_of(hostile, st.dictionaries(st.text(max_size=4), hostile,
                                                                                        max_size=2)), max_size=3),
     st.sampled_from([{"dimensions": 10**30}, {"dimensions": 2**63}, {"prompt": Huge(2_000_000)}, {"v": NAN},
-                     {"normalize": None}, {"prompt_name": Deep(950)}, {"encoding": ["float32"]}]),
+                     {"normalize": None}, {"prompt_name": Deep(950)}, {"encoding": ["float32"]},
+                     {"long_inputs": "windows", "window_overlap": 10**30},
+                     {"long_inputs": "windows", "window_overlap": -1},
+                     {"long_inputs": "windows", "pool_windows": "no"}, {"long_inputs": "windows", "truncate": NAN},
+                     {"long_inputs": "windows", "prompt": Huge(2_000_000)}, {"long_inputs": ["windows"]}]),
     hostile,
 )
 HEADER_NAMES = ("expires", "eta", "timelimit", "retries", "shadow", "root_id", "parent_id", "group", "group_index",
