@@ -16,10 +16,15 @@ from redis.exceptions import TimeoutError as RedisTimeout
 
 from embedq import errors
 from embedq.kinds import TASKS, load_plugins
+from embedq.sentinel import SCHEME as SENTINEL_SCHEME
+from embedq.sentinel import is_sentinel
+from embedq.sentinel import parse as parse_sentinel
 from embedq.settings import Settings
 
 #: What a call to the broker raises while Redis is down or restarting (kombu, redis-py or the socket).
 BROKER_ERRORS = (OperationalError, RedisConnectionError, RedisTimeout, OSError, errors.BrokerUnavailable)
+#: Seconds a connection of the gateway's asyncio pool waits to connect to a sentinel or the primary.
+POOL_SOCKET_TIMEOUT = 5.0
 
 
 def lease_interval(settings: Settings) -> float:
@@ -27,11 +32,20 @@ def lease_interval(settings: Settings) -> float:
     return max(settings.visibility_timeout / 4, 1.0)
 
 
-def tls_options(settings: Settings) -> dict[str, object] | None:
-    """redis-py's TLS arguments for a ``rediss://`` URL (None for plain ``redis://``)."""
+def safe_url(url: str | None) -> str:
+    """``url`` with its passwords masked (every address of a ``sentinel://`` URL), for messages and logs."""
+    from kombu.utils.url import maybe_sanitize_url
+
+    return ";".join(maybe_sanitize_url(part) for part in (url or "").split(";"))
+
+
+def tls_options(settings: Settings, url: str | None = None) -> dict[str, object] | None:
+    """redis-py's TLS arguments for ``url`` (default: the broker's): a ``rediss://`` URL, or a ``sentinel://`` one
+    with ``sentinel_tls``; None for plain Redis."""
     import ssl
 
-    if not (settings.broker_url or "").startswith("rediss://"):
+    url = settings.broker_url if url is None else url
+    if not ((url or "").startswith("rediss://") or (is_sentinel(url) and settings.sentinel_tls)):
         return None
     reqs = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
     out: dict[str, object] = {"ssl_cert_reqs": reqs[settings.tls_cert_reqs]}
@@ -42,16 +56,74 @@ def tls_options(settings: Settings) -> dict[str, object] | None:
     return out
 
 
-def redis_client(settings: Settings, *, timeout: float = 5.0) -> Any:
-    """A redis-py client for the broker (TLS options from the settings), with bounded socket waits: the
-    one builder for every direct Redis use (producers' epoch, queue depths and cancellations; workers'
-    metrics, registry and cancellation feed; ``embedq status``)."""
+def sentinel_kwargs(settings: Settings, timeout: float | None = None) -> dict[str, object]:
+    """redis-py's arguments of a connection to a sentinel itself: its own user and password, TLS, socket waits."""
+    out: dict[str, object] = {}
+    if timeout is not None:
+        out.update(socket_timeout=timeout, socket_connect_timeout=timeout)
+    if settings.sentinel_username:
+        out["username"] = settings.sentinel_username
+    if settings.sentinel_password is not None:
+        out["password"] = settings.sentinel_password.get_secret_value()
+    if settings.sentinel_tls:
+        out.update(ssl=True, **(tls_options(settings, SENTINEL_SCHEME) or {}))
+    return out
+
+
+def _primary_kwargs(settings: Settings, url: str, timeout: float) -> tuple[Any, dict[str, object]]:
+    """The sentinels of ``url`` and redis-py's arguments of a connection to the primary they name."""
+    if not settings.sentinel_master:
+        raise ValueError("a sentinel:// URL needs the name of the primary: set EMBEDQ_SENTINEL_MASTER")
+    spec = parse_sentinel(url)
+    kwargs: dict[str, object] = {**spec.connection_kwargs(), "socket_timeout": timeout,
+                                 "socket_connect_timeout": timeout}
+    tls = tls_options(settings, url)
+    if tls is not None:
+        kwargs.update(ssl=True, **tls)
+    return spec.hosts, kwargs
+
+
+def redis_client(settings: Settings, *, timeout: float = 5.0, url: str | None = None) -> Any:
+    """A redis-py client for the broker (or ``url``: the result store's), TLS options from the settings, with bounded
+    socket waits: the one builder for every direct Redis use (producers' epoch, queue depths and cancellations;
+    workers' metrics, registry and cancellation feed; ``embedq status``). With a ``sentinel://`` URL it is a client of
+    the primary the sentinels name, asked again after a failover (a command on a dead or demoted primary raises a
+    connection error; the next one reaches the new primary)."""
     import redis
 
-    if not settings.broker_url:
+    url = url or settings.broker_url
+    if not url:
         raise ValueError("no broker configured: set EMBEDQ_BROKER_URL")
-    return redis.Redis.from_url(settings.broker_url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                **(tls_options(settings) or {}))
+    if is_sentinel(url):
+        from redis.sentinel import Sentinel
+
+        hosts, kwargs = _primary_kwargs(settings, url, timeout)
+        return Sentinel(hosts, sentinel_kwargs=sentinel_kwargs(settings, timeout), **kwargs).master_for(
+            settings.sentinel_master)
+    return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                **(tls_options(settings, url) or {}))
+
+
+def async_redis_client(settings: Settings, url: str, *, max_connections: int, pool_wait: float) -> Any:
+    """An asyncio redis-py client of ``url`` whose commands wait up to ``pool_wait`` s for one of its
+    ``max_connections`` connections (the gateway's), resolving the primary through Sentinel for a ``sentinel://``
+    URL."""
+    import redis.asyncio as aioredis
+
+    if is_sentinel(url):
+        from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+
+        class BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+            """Sentinel's pool of the primary's connections, waiting for a free one as the plain pool does."""
+
+        hosts, kwargs = _primary_kwargs(settings, url, POOL_SOCKET_TIMEOUT)
+        kwargs.pop("socket_timeout")  # a pub/sub connection waits for messages as long as it takes
+        return Sentinel(hosts, sentinel_kwargs=sentinel_kwargs(settings, POOL_SOCKET_TIMEOUT), **kwargs).master_for(
+            settings.sentinel_master, connection_pool_class=BlockingSentinelPool, max_connections=max_connections,
+            timeout=pool_wait)
+    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=pool_wait,
+                                                    **(tls_options(settings, url) or {}))
+    return aioredis.Redis(connection_pool=pool)
 
 
 class Routes:
@@ -88,13 +160,19 @@ def celery_config(settings: Settings) -> dict[str, object]:
         # Fail a publish fast when Redis is gone instead of blocking a web request.
         "socket_connect_timeout": 5,
     }
+    result_options: dict[str, object] = {"retry_policy": {"timeout": settings.broker_timeout}}
+    sentinel = {"master_name": settings.sentinel_master, "sentinel_kwargs": sentinel_kwargs(settings, 5.0)}
+    if is_sentinel(broker):
+        transport_options.update(sentinel)
+    if is_sentinel(settings.result_url):
+        result_options.update(sentinel)
     config: dict[str, object] = {
         "broker_url": broker,
         "result_backend": settings.result_url,
         "broker_transport_options": transport_options,
         # How long a result write (worker) or a result subscription (producer) rides out a Redis restart
         # before it raises; the worker then retries the write itself, the producer polls.
-        "result_backend_transport_options": {"retry_policy": {"timeout": settings.broker_timeout}},
+        "result_backend_transport_options": result_options,
         "broker_connection_retry_on_startup": True,
         "broker_connection_max_retries": None,  # a worker outlives any Redis restart
         "task_serializer": settings.serializer,
@@ -118,8 +196,9 @@ def celery_config(settings: Settings) -> dict[str, object]:
     tls = tls_options(settings)
     if tls is not None:
         config["broker_use_ssl"] = tls
-        if (settings.result_url or "").startswith("rediss://"):
-            config["redis_backend_use_ssl"] = tls
+    result_tls = tls_options(settings, settings.result_url)
+    if result_tls is not None:
+        config["redis_backend_use_ssl"] = result_tls
     return config
 
 

@@ -10,8 +10,11 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from embedq.sentinel import is_sentinel
+from embedq.sentinel import parse as parse_sentinel
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -34,8 +37,8 @@ def model_slug(model: str) -> str:
     return re.sub(r"[^a-z0-9_.-]+", "-", base.lower()).strip("-") or "model"
 
 
-#: The URL schemes of a broker or result store (redis-py's).
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+#: The URL schemes of a broker or result store: redis-py's, and Celery's ``sentinel://`` (embedq/sentinel.py).
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
 
 Pooling = Literal["splade", "cls", "mean", "max", "lasttoken", "weightedmean", "mean_sqrt_len_tokens"]
 LinearKernel = Literal["auto", "onednn", "torch", "onnxruntime"]
@@ -67,7 +70,8 @@ class Settings(BaseSettings):
 
     broker_url: str | None = Field(
         default=None,
-        description="Redis URL of the broker (redis://, rediss://, unix://). None: the CLI starts a "
+        description="Redis URL of the broker (redis://, rediss://, unix://, or Celery's "
+        "sentinel://host:port[;sentinel://host:port...][/db] with sentinel_master). None: the CLI starts a "
         "private redis-server and worker (the embedded default).",
     )
     result_backend: str | None = Field(default=None, description="Result store; defaults to broker_url.")
@@ -195,8 +199,19 @@ class Settings(BaseSettings):
     tls_cert_file: str | None = Field(default=None, description="Client certificate for rediss:// (mutual TLS).")
     tls_key_file: str | None = Field(default=None, description="Client key for rediss:// (mutual TLS).")
     tls_cert_reqs: Literal["required", "optional", "none"] = Field(
-        default="required", description="Verify the Redis server's certificate (rediss:// only).",
+        default="required", description="Verify the Redis server's certificate (rediss://, or sentinel_tls).",
     )
+    # -- Redis Sentinel (issue 59; embedq/sentinel.py)
+    sentinel_master: str | None = Field(
+        default=None, min_length=1, description="With sentinel:// URLs: the name Sentinel watches the primary "
+        "under (`sentinel monitor <name> ...`); every Redis client resolves the primary through the sentinels.",
+    )
+    sentinel_username: str | None = Field(default=None, description="The sentinels' own ACL user (the URL's "
+                                          "user and password are the Redis servers', as in Celery).")
+    sentinel_password: SecretStr | None = Field(default=None, description="The sentinels' own password "
+                                                "(`requirepass` in sentinel.conf).")
+    sentinel_tls: bool = Field(default=False, description="The sentinels and the Redis servers they name speak TLS "
+                               "(the tls_* settings apply to both).")
     metrics_port: int | None = Field(
         default=None, ge=0, le=65535, description="Port of the worker's Prometheus endpoint (/metrics). Unset: the "
         "first free port from 9808 to 9839 (several workers of a machine need no configuration; the registry and "
@@ -407,11 +422,19 @@ class Settings(BaseSettings):
         """Blank is None; anything else must be a Redis URL (embedq's broker and result store are Redis)."""
         if not value:
             return None
-        if not value.startswith(REDIS_SCHEMES):
+        if is_sentinel(value):
+            parse_sentinel(value)  # its ValueError says what is wrong
+        elif not value.startswith(REDIS_SCHEMES):
             scheme = value.split("://", 1)[0] + "://" if "://" in value else "no scheme"
             raise ValueError(f"must be a Redis URL starting with {', '.join(REDIS_SCHEMES)}; got {scheme} "
                              "(e.g. redis://localhost:6379/0)")
         return value
+
+    @model_validator(mode="after")
+    def _sentinel_master(self) -> Settings:
+        if (is_sentinel(self.broker_url) or is_sentinel(self.result_backend)) and not self.sentinel_master:
+            raise ValueError("a sentinel:// URL needs the name of the primary: set EMBEDQ_SENTINEL_MASTER")
+        return self
 
     @property
     def batch_tokens(self) -> int:

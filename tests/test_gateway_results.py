@@ -7,13 +7,20 @@ import time
 
 import pytest
 
-from embedq.gateway.results import AsyncResults
+from embedq.broker import async_redis_client
+from embedq.gateway.results import MAX_CONNECTIONS, POOL_WAIT, AsyncResults
 from embedq.producers.client import Client
 from embedq.producers.embedded import RedisServer
 from embedq.results import ResultStore
 from embedq.settings import Settings
 
 pytestmark = pytest.mark.integration  # a redis-server of its own
+
+
+def _results(client: Client) -> AsyncResults:
+    url = client.settings.broker_url
+    return AsyncResults(client.app, async_redis_client(client.settings, url, max_connections=MAX_CONNECTIONS,
+                                                       pool_wait=POOL_WAIT))
 
 
 def test_a_waiter_that_finds_redis_away_waits_for_it_and_gets_its_record():
@@ -24,7 +31,7 @@ def test_a_waiter_that_finds_redis_away_waits_for_it_and_gets_its_record():
     client = Client(Settings(broker_url=server.url, queue="embedq.test.results"), follow_results=False)
 
     async def scenario() -> dict:
-        results = AsyncResults(client.app, server.url)
+        results = _results(client)
         await results.start()
         try:
             server.stop()
@@ -58,7 +65,7 @@ def test_waiters_that_subscribe_while_the_listener_reconnects_get_their_records(
     store = ResultStore(client.app)
 
     async def scenario() -> list[dict]:
-        results = AsyncResults(client.app, server.url)
+        results = _results(client)
         await results.start()
         waiting: list[asyncio.Future] = []
         try:

@@ -41,14 +41,11 @@ BROKER_AWAY = (RedisConnectionError, RedisTimeoutError, OSError)
 class AsyncResults:
     """Outcomes of jobs by id, awaited on one pub/sub connection (see the module's docstring)."""
 
-    def __init__(self, app: Celery, url: str, **options: Any) -> None:
-        """``options``: redis-py's connection arguments (TLS: ``ssl_ca_certs``, ...)."""
-        import redis.asyncio as aioredis
-
+    def __init__(self, app: Celery, redis: Any) -> None:
+        """``redis``: an asyncio redis-py client of the result store (``embedq.broker.async_redis_client``: its
+        commands wait for one of :data:`MAX_CONNECTIONS` connections rather than fail)."""
         self.backend = app.backend  # used only to name, decode and delete records: no I/O through it
-        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT,
-                                                        **options)
-        self.redis = aioredis.Redis(connection_pool=pool)
+        self.redis = redis
         self.pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
         self._waiting: dict[bytes, set[asyncio.Future[bytes]]] = {}  # a key may have several waiters
         self._tasks: list[asyncio.Task[None]] = []

@@ -14,11 +14,11 @@ from fastapi import Request
 
 from embedq import admission, errors, monitor
 from embedq.batching.traffic import BULK, ONLINE
-from embedq.broker import tls_options
+from embedq.broker import async_redis_client
 from embedq.gateway.admit import GatewayAdmission, identity
 from embedq.gateway.middleware import GatewayMetrics
 from embedq.gateway.plans import Plan
-from embedq.gateway.results import AsyncResults
+from embedq.gateway.results import MAX_CONNECTIONS, POOL_WAIT, AsyncResults
 from embedq.gateway.tei_meta import TeiMetrics
 from embedq.gateway.windowed import renumber
 from embedq.producers.client import Client
@@ -61,8 +61,8 @@ class Gateway:
 
     async def start(self) -> None:
         url = self.settings.result_url or self.settings.broker_url
-        tls = tls_options(self.settings.model_copy(update={"broker_url": url})) or {}
-        self.results = AsyncResults(self.client.app, url, **tls)
+        redis = async_redis_client(self.settings, url, max_connections=MAX_CONNECTIONS, pool_wait=POOL_WAIT)
+        self.results = AsyncResults(self.client.app, redis)
         await self.results.start()
         self._watch = asyncio.create_task(self._watch_broker(), name="embedq-gateway-broker-epoch")
 

@@ -34,12 +34,11 @@ from typing import Any
 
 import numpy as np
 from celery import Celery, states
-from kombu.utils.url import maybe_sanitize_url
 
 from embedq import cancellation, errors, monitor
 from embedq.admission import DEPTH_REUSE, DEPTH_REUSE_SHARE, Admission
 from embedq.batching.traffic import BULK, ONLINE, TRAFFIC_CLASSES
-from embedq.broker import BROKER_ERRORS, make_app, redis_client
+from embedq.broker import BROKER_ERRORS, make_app, redis_client, safe_url
 from embedq.keys import EPOCH_KEY
 from embedq.kinds import (
     DECODE,
@@ -400,7 +399,7 @@ class Client:
         if isinstance(exc, errors.BrokerUnavailable):
             return exc
         return errors.BrokerUnavailable(
-            f"cannot reach the broker at {maybe_sanitize_url(self.settings.broker_url)}: {type(exc).__name__}: "
+            f"cannot reach the broker at {safe_url(self.settings.broker_url)}: {type(exc).__name__}: "
             f"{str(exc)[:200]}")
 
     def epoch(self, *, refresh: bool = False) -> str:

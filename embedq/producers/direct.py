@@ -53,7 +53,7 @@ def direct_route(app: Celery, name: str, queue: str, broker_url: str | None) -> 
     url = conf.broker_write_url or conf.broker_url
     if (conf.task_protocol != 2 or conf.task_send_sent_event or conf.task_compression
             or conf.task_serializer not in ("json", "msgpack") or not isinstance(url, str) or url != broker_url
-            or not url.startswith(("redis://", "rediss://")) or name in getattr(app, "_tasks", {})):
+            or not url.startswith(("redis://", "rediss://", "sentinel://")) or name in getattr(app, "_tasks", {})):
         return None
     options = conf.broker_transport_options or {}
     if options.get("global_keyprefix"):

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kombu.utils.url import maybe_sanitize_url
 from rich import box
 from rich.console import Console, Group
 from rich.measure import Measurement
@@ -165,14 +164,14 @@ def _traffic_table(snap: monitor.Snapshot) -> Table:
 
 
 def take(settings: Settings, queues: list[str]) -> monitor.Snapshot:
-    from embedq.broker import BROKER_ERRORS, redis_client
+    from embedq.broker import BROKER_ERRORS, redis_client, safe_url
 
     client = redis_client(settings, timeout=min(settings.broker_timeout, 10.0))
     try:
         return monitor.snapshot(client, queues)
     except BROKER_ERRORS as exc:
         raise errors.BrokerUnavailable(
-            f"cannot reach the broker at {maybe_sanitize_url(settings.broker_url)}: {type(exc).__name__}: {exc}"
+            f"cannot reach the broker at {safe_url(settings.broker_url)}: {type(exc).__name__}: {exc}"
         ) from None
     finally:
         client.close()
@@ -187,8 +186,10 @@ def matching(workers: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
 
 def show_status(settings: Settings, *, queues: list[str], as_json: bool, watch: float | None, wide: bool = False,
                 worker: str | None = None, console: Console | None = None) -> int:
+    from embedq.broker import safe_url
+
     console = console or Console()
-    broker = maybe_sanitize_url(settings.broker_url or "")
+    broker = safe_url(settings.broker_url)
     if worker is not None:
         snap = take(settings, queues)
         records = matching(snap.workers, worker)

@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 ACK_INTERVAL = 0.02  # seconds between drains of finished jobs on the consumer thread
 INTAKE_MAX = 256  # jobs delivered before the intake is handed to the service even in the middle of a fetch
 CANCEL_INTERVAL = 0.05  # seconds between reads of the cancellation stream
+RECHECK_AFTER_START = 0.5  # seconds after a consumer (re)start before the held messages' records are checked
 CANCEL_STALE = 0.1  # a delivery checks the stream itself when the last read is older than this
 CANCEL_BACKOFF = 2.0  # seconds without reading the stream after a failed read (the broker is away)
 
@@ -197,7 +198,9 @@ class Worker:
         self.timers = [Ticker(consumer.timer, ACK_INTERVAL, held.drain_finished, held.jobs),
                        consumer.timer.call_repeatedly(lease_interval(settings), held.renew_leases),
                        Ticker(consumer.timer, CANCEL_INTERVAL, self.follow_cancellations, held.jobs),
-                       consumer.timer.call_repeatedly(LIVENESS_INTERVAL, self.check_liveness)]
+                       consumer.timer.call_repeatedly(LIVENESS_INTERVAL, self.check_liveness),
+                       # after a reconnect (a failover, say) the held messages' records are checked at once
+                       consumer.timer.call_after(RECHECK_AFTER_START, held.renew_leases)]
         self.follow_cancellations()
 
         def handler(message, body, ack, reject, callbacks, **kw):

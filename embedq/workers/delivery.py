@@ -123,15 +123,55 @@ def dead_letters(client: Any, limit: int = 100) -> list[dict[str, Any]]:
     return [json.loads(raw) for raw in client.lrange(DEAD_LETTERS, 0, limit - 1)]
 
 
-def renew_leases(channel: Any, tags: list[str]) -> int:
-    """Reset the unacked-index timestamps of held messages; only tags still in the index (``XX``)."""
-    if not tags:
-        return 0
+#: Renew the lease of each held message (ARGV[2..]) whose record is in kombu's unacked hash (KEYS[1]): its timestamp in
+#: the index (KEYS[2]) becomes ARGV[1]. Returns the tags without a record (after a failover to a replica that had not
+#: received it yet): the caller records them again.
+_RENEW = """
+local missing = {}
+for i = 2, #ARGV do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then
+    redis.call('ZADD', KEYS[2], ARGV[1], ARGV[i])
+  else
+    missing[#missing + 1] = ARGV[i]
+  end
+end
+return missing
+"""
+
+
+def renew_leases(channel: Any, messages: list[Any]) -> tuple[int, int]:
+    """Reset the unacked-index timestamps of held messages (kombu messages with ``delivery_tag``), and record again
+    the held messages whose record Redis does not have: a failover to a replica that had not yet received a message's
+    record (replication is asynchronous) would otherwise leave it nowhere but in this worker's memory, so the death
+    of this worker would lose it. Recorded exactly as kombu's ``QoS.append`` records a delivery. Returns (renewed,
+    recorded again)."""
+    if not messages:
+        return 0, 0
+    from kombu.utils.json import dumps
+
     now = time.time()
-    renewed = 0
+    renewed = recorded = 0
+    by_tag = {m.delivery_tag: m for m in messages}
+    tags = list(by_tag)
     with channel.conn_or_acquire() as client:
+        script = client.register_script(_RENEW)
         for start in range(0, len(tags), 1000):
             chunk = tags[start:start + 1000]
-            client.zadd(channel.unacked_index_key, dict.fromkeys(chunk, now), xx=True)
-            renewed += len(chunk)
-    return renewed
+            missing = [t.decode() if isinstance(t, bytes) else t
+                       for t in script(keys=[channel.unacked_key, channel.unacked_index_key], args=[now, *chunk],
+                                       client=client)]
+            renewed += len(chunk) - len(missing)
+            if missing:
+                pipe = client.pipeline()
+                for tag in missing:
+                    message = by_tag[tag]
+                    info = message.delivery_info
+                    pipe.hset(channel.unacked_key, tag,
+                              dumps([message._raw, info["exchange"], info["routing_key"]]))
+                    pipe.zadd(channel.unacked_index_key, {tag: now})
+                pipe.execute()
+                recorded += len(missing)
+    if recorded:
+        log.warning("recorded %d held messages again: the broker had lost their delivery records (a failover)",
+                    recorded)
+    return renewed, recorded

@@ -241,15 +241,18 @@ class HeldMessages:
         self.apply_window()
 
     def renew_leases(self) -> None:
-        """Keep every held message from being redelivered while this worker lives."""
+        """Keep every held message from being redelivered while this worker lives, and record again those whose
+        delivery record the broker lost (a failover: see :func:`~embedq.workers.delivery.renew_leases`); also called
+        once the consumer has reconnected."""
         channel = self.current_channel()
         if channel is None or not self.jobs:
             return
-        tags = [req.message.delivery_tag for job in self.jobs.values() for req, _ in job.context.reqs]
+        messages = [req.message for job in self.jobs.values() for req, _ in job.context.reqs
+                    if not req.message.acknowledged]
         try:
-            renew_leases(channel, tags)
+            renew_leases(channel, messages)
         except Exception as exc:
-            log.warning("could not renew the leases of %d held messages: %s", len(tags), type(exc).__name__)
+            log.warning("could not renew the leases of %d held messages: %s", len(messages), type(exc).__name__)
 
     # -- stopping ----------------------------------------------------------------------------------
 

@@ -29,7 +29,9 @@ other delivered message, and a SIGKILL between the pop and the record cannot los
 batches too (:func:`ack_many`: one pipeline for many tags).
 
 What the worker decides reaches the channel as one :class:`FetchPolicy`, given to :func:`install` (which makes
-``redis://`` URLs use a transport that carries it): no module state is set from outside.
+``redis://``, ``rediss://`` and ``sentinel://`` URLs use a transport that carries it): no module state is set from
+outside. :class:`SentinelChannel` is the same channel on the primary Redis Sentinel names (kombu's Sentinel channel
+makes its connection pool).
 """
 
 from __future__ import annotations
@@ -399,18 +401,33 @@ def ack_many(messages: list[Any]) -> list[Any]:
     return failed
 
 
+class SentinelChannel(Channel, kombu_redis.SentinelChannel):
+    """The same channel on a primary found through Redis Sentinel (``sentinel://`` URLs): kombu's Sentinel channel
+    builds the connection pool (asking the sentinels for the primary at each connection), this module's does the
+    rest."""
+
+
 class Transport(kombu_redis.Transport):
     Channel = Channel
     policy = FetchPolicy()
 
 
+class SentinelTransport(Transport):
+    Channel = SentinelChannel
+    default_port = kombu_redis.SentinelTransport.default_port
+
+
 def install(policy: FetchPolicy | None = None) -> type[Transport]:
-    """Make ``redis://`` and ``rediss://`` URLs use this transport in this process (workers only), its channels
-    following ``policy`` (None: kombu's own order, one message per round trip). Returns the transport class."""
+    """Make ``redis://``, ``rediss://`` and ``sentinel://`` URLs use this module's transports in this process (workers
+    only), their channels following ``policy`` (None: kombu's own order, one message per round trip). Returns the
+    Redis transport class."""
     from kombu import transport as kombu_transport
 
-    transport = type("Transport", (Transport,), {"policy": policy or FetchPolicy(), "__module__": __name__})
-    for scheme in ("redis", "rediss"):
-        TRANSPORT_ALIASES[scheme] = lambda: transport  # kombu calls a callable alias for the class
+    attrs = {"policy": policy or FetchPolicy(), "__module__": __name__}
+    plain = type("Transport", (Transport,), attrs)
+    sentinel = type("SentinelTransport", (SentinelTransport,), attrs)
+    for scheme, transport in (("redis", plain), ("rediss", plain), ("sentinel", sentinel)):
+        # kombu calls a callable alias for the class (bound now: each scheme its own)
+        TRANSPORT_ALIASES[scheme] = lambda transport=transport: transport
         kombu_transport._transport_cache.pop(scheme, None)  # kombu caches what a name resolved to
-    return transport
+    return plain
