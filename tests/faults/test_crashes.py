@@ -342,3 +342,38 @@ def test_worker_exits_cleanly_when_stopped_with_nothing_held(redis_server, tmp_p
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
     assert "handed 0 buffered messages back" in (tmp_path / "w.log").read_text()
+
+
+def test_held_messages_whose_records_a_failover_lost_are_recorded_again_and_a_sigkill_then_loses_none(own_redis,
+                                                                                                      tmp_path):
+    """A failover to a replica that had not yet received the delivery records of the messages a worker holds
+    (replication is asynchronous) leaves them in that worker's memory only: deleted here from kombu's unacked hash and
+    index, as the new primary would lack them. The worker records them again at its next lease renewal, so its
+    SIGKILL still loses none: another worker gets them after the visibility timeout and answers every job."""
+    settings = _settings(own_redis, resend_after=3600, **FAKE)  # no producer resend: only the records can save them
+    worker = gated_handle(settings, tmp_path / "worker.log")
+    client = Client(settings)
+    r = redis.Redis.from_url(own_redis.url)
+    rescuer = None
+    try:
+        with worker.gate_closed():
+            handles = [client.submit([f"held through a failover #{i}"]) for i in range(5)]
+            worker.wait_until(lambda st: st["held_messages"] == len(handles), "every job held")
+            assert r.hlen("unacked") == len(handles)
+            r.delete("unacked", "unacked_index")
+            deadline = time.monotonic() + 60  # leases are renewed every 1.25 s
+            while r.hlen("unacked") < len(handles):
+                assert time.monotonic() < deadline, "the lost delivery records were never written again"
+                time.sleep(0.05)
+            assert r.zcard("unacked_index") == len(handles)
+            worker.proc.send_signal(signal.SIGKILL)
+            worker.proc.wait()
+        rescuer = WorkerHandle(settings, tmp_path / "rescuer.log")
+        assert [h.result(timeout=120).shape for h in handles] == [(1, 32)] * len(handles)
+        assert "recorded 5 held messages again" in worker.log()
+    finally:
+        if rescuer is not None:
+            rescuer.stop()
+        worker.stop()
+        client.close()
+        r.close()
