@@ -34,11 +34,12 @@ from typing import Any
 
 import numpy as np
 from celery import Celery, states
+from redis.exceptions import ReadOnlyError
 
 from embedq import cancellation, errors, monitor
 from embedq.admission import DEPTH_REUSE, DEPTH_REUSE_SHARE, Admission
 from embedq.batching.traffic import BULK, ONLINE, TRAFFIC_CLASSES
-from embedq.broker import BROKER_ERRORS, make_app, redis_client, safe_url
+from embedq.broker import BROKER_ERRORS, NoReplicas, make_app, redis_client, safe_url
 from embedq.keys import EPOCH_KEY
 from embedq.kinds import (
     DECODE,
@@ -398,6 +399,10 @@ class Client:
     def _unreachable(self, exc: BaseException) -> errors.BrokerUnavailable:
         if isinstance(exc, errors.BrokerUnavailable):
             return exc
+        if isinstance(exc, (NoReplicas, ReadOnlyError)):
+            return errors.BrokerUnavailable(
+                f"the broker at {safe_url(self.settings.broker_url)} refused the write ({str(exc)[:120]}): "
+                "a failover in progress, or fewer replicas in sync than its min-replicas-to-write; try again")
         return errors.BrokerUnavailable(
             f"cannot reach the broker at {safe_url(self.settings.broker_url)}: {type(exc).__name__}: "
             f"{str(exc)[:200]}")

@@ -243,3 +243,39 @@ def test_rediss_tls_with_a_ca_file(tls_redis, tmp_path):
     with Client(Settings(broker_url=url, queue=settings.queue_name)) as client, \
             pytest.raises(errors.BrokerUnavailable, match="cannot reach the broker"):
         client.submit(["unverified"])
+
+
+def test_a_primary_refusing_writes_for_want_of_replicas_is_a_typed_retryable_error_and_the_worker_rides_it_out(
+        tmp_path):
+    """``min-replicas-to-write`` (ops/sentinel): while too few replicas are in sync the primary answers every write
+    NOREPLICAS. A producer gets ``unavailable`` (retryable), not a bare ResponseError; the worker holding jobs keeps
+    trying to store their results (before, the error killed its results thread and the worker with it) and answers
+    them once a replica is back (here: the setting lifted). The worker's gate (tests/controlled_worker.py) holds the
+    jobs until the primary refuses writes; it is a key that expires, as opening it otherwise would be a write."""
+    with RedisServer() as server:
+        settings = Settings(broker_url=server.url, queue=_queue(), **FAKE)
+        worker = gated_handle(settings, tmp_path / "worker.log")
+        r = redis.Redis.from_url(server.url)
+        try:
+            r.set(f"{settings.queue_name}.gate", 1, px=GATE_MS)
+            handles = [worker.client.submit([f"stored once replicas are back #{i}"]) for i in range(3)]
+            worker.wait_until(lambda st: st["held_messages"] == len(handles), "every job held")
+            r.config_set("min-replicas-to-write", 1)
+            assert r.pttl(f"{settings.queue_name}.gate") > 0, f"the gate opened within {GATE_MS} ms: nothing tested"
+            with pytest.raises(errors.BrokerUnavailable, match="refused the write") as info:
+                worker.client.submit(["refused"])
+            assert info.value.retryable
+            deadline = time.monotonic() + 60
+            while "failed (NoReplicas)" not in worker.log():  # the gate expired, the batch ran, its store refused
+                assert time.monotonic() < deadline and worker.proc.poll() is None, "the worker never met NOREPLICAS"
+                time.sleep(0.05)
+            r.config_set("min-replicas-to-write", 0)
+            assert [h.result(timeout=60).shape for h in handles] == [(1, FAKE_DIMENSION)] * len(handles)
+            assert worker.proc.poll() is None
+        finally:
+            worker.stop()
+            r.close()
+
+
+#: How long the gate of the test above stays closed (it cannot be opened by a write while writes are refused).
+GATE_MS = 8000
