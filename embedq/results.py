@@ -26,6 +26,7 @@ from typing import Any
 from celery import Celery, states
 
 from embedq import errors
+from embedq.connection import RedisSettings
 from embedq.keys import CANVAS_KEY
 
 #: SET the record only if absent (with a TTL when one is given) and, if set, notify waiting readers. With a second
@@ -55,8 +56,10 @@ return 0
 class ResultStore:
     """Terminal records of jobs, written once. Uses the app's (thread-local) result backend."""
 
-    def __init__(self, app: Celery) -> None:
+    def __init__(self, app: Celery, settings: RedisSettings | None = None) -> None:
+        """``settings``: with ``replica_acks``, each write of :meth:`store_many` waits for that many replicas."""
         self.app = app
+        self.settings = settings
 
     def store(self, job_id: str, outcome: dict[str, Any] | errors.EmbedqError) -> bool:
         """Store ``outcome`` (a result payload or a typed error) unless the job already has one.
@@ -92,7 +95,14 @@ class ResultStore:
                 pipe.eval(_STORE_ONCE, 2, key, CANVAS_KEY.format(job_id), backend.encode(meta), ttl)
             else:
                 pipe.eval(_STORE_ONCE, 1, key, backend.encode(meta), ttl)
-        return [bool(written) for written in pipe.execute()]
+        wait = self.settings.replica_wait() if self.settings is not None else None
+        if wait is not None:
+            pipe.execute_command(*wait)
+        replies = pipe.execute()
+        if wait is not None:
+            assert self.settings is not None
+            self.settings.replicated(replies.pop(), f"{len(outcomes)} result(s)")
+        return [bool(written) for written in replies]
 
     def canvas_sent(self, job_ids: list[str]) -> None:
         """The canvas work of these jobs has been sent: delete their pending markers (one round trip)."""

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
+from embedq.connection import RedisSettings
 from embedq.sentinel import is_sentinel
 from embedq.sentinel import parse as parse_sentinel
 
@@ -63,8 +64,9 @@ class BackendSettings(BaseModel):
     max_windows: int = Field(default=128, ge=1)
 
 
-class Settings(BaseSettings):
-    """All knobs of embedq. Every field can be set as ``EMBEDQ_<FIELD>`` in the environment."""
+class Settings(RedisSettings):
+    """All knobs of embedq. Every field can be set as ``EMBEDQ_<FIELD>`` in the environment (those of how Redis is
+    reached, TLS, Sentinel and replica acknowledgements, are declared in embedq/connection.py)."""
 
     model_config = SettingsConfigDict(env_prefix="EMBEDQ_", extra="ignore", protected_namespaces=())
 
@@ -195,23 +197,6 @@ class Settings(BaseSettings):
         default=None, gt=0, description="Seconds after which a producer waiting on a job with no result "
         "sends it again under the same id (None: 2 × visibility_timeout). Workers recognise the copy.",
     )
-    tls_ca_file: str | None = Field(default=None, description="CA bundle for rediss:// URLs.")
-    tls_cert_file: str | None = Field(default=None, description="Client certificate for rediss:// (mutual TLS).")
-    tls_key_file: str | None = Field(default=None, description="Client key for rediss:// (mutual TLS).")
-    tls_cert_reqs: Literal["required", "optional", "none"] = Field(
-        default="required", description="Verify the Redis server's certificate (rediss://, or sentinel_tls).",
-    )
-    # -- Redis Sentinel (issue 59; embedq/sentinel.py)
-    sentinel_master: str | None = Field(
-        default=None, min_length=1, description="With sentinel:// URLs: the name Sentinel watches the primary "
-        "under (`sentinel monitor <name> ...`); every Redis client resolves the primary through the sentinels.",
-    )
-    sentinel_username: str | None = Field(default=None, description="The sentinels' own ACL user (the URL's "
-                                          "user and password are the Redis servers', as in Celery).")
-    sentinel_password: SecretStr | None = Field(default=None, description="The sentinels' own password "
-                                                "(`requirepass` in sentinel.conf).")
-    sentinel_tls: bool = Field(default=False, description="The sentinels and the Redis servers they name speak TLS "
-                               "(the tls_* settings apply to both).")
     metrics_port: int | None = Field(
         default=None, ge=0, le=65535, description="Port of the worker's Prometheus endpoint (/metrics). Unset: the "
         "first free port from 9808 to 9839 (several workers of a machine need no configuration; the registry and "

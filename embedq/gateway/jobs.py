@@ -95,7 +95,14 @@ async def create_job(request: Request, body: JobRequest) -> Response:
                               "model": gateway.target(request, body.model)[0], "created": time.time()}
     if webhook is not None:
         record["webhook"] = {"url": webhook, "state": "pending"}
-    await gateway.results.redis.set(GATEWAY_JOB_KEY.format(job_id), json.dumps(record), ex=settings.result_ttl)
+    pipe = gateway.results.redis.pipeline(transaction=False)
+    pipe.set(GATEWAY_JOB_KEY.format(job_id), json.dumps(record), ex=settings.result_ttl)
+    wait = settings.replica_wait()
+    if wait is not None:  # the record on as many replicas as the jobs' messages (replica_acks)
+        pipe.execute_command(*wait)
+    replies = await pipe.execute()
+    if wait is not None:
+        settings.replicated(replies[-1], f"the record of job {job_id}")
     if webhook is not None:
         await _webhooks(request).owe(job_id)
     return JSONResponse({"id": job_id, "status": "queued"}, status_code=202, headers={"Location": f"/jobs/{job_id}"})

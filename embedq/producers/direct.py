@@ -204,12 +204,17 @@ class JobWriter:
             if i + 1 - start >= PUSH_MESSAGES or size >= PUSH_BYTES or i + 1 == len(messages):
                 commands.append(("LPUSH", route.key, *messages[start:i + 1]))
                 start, size = i + 1, 0
+        wait = self.settings.replica_wait()
+        if wait is not None:  # on the same connection as the writes (a pipeline): WAIT covers that connection's
+            commands.append(wait)
         if len(commands) == 1:
             self._redis().execute_command(*commands[0])
         else:
             pipe = self._redis().pipeline(transaction=False)
             for command in commands:
                 pipe.execute_command(*command)
-            pipe.execute()
+            replies = pipe.execute()
+            if wait is not None:
+                self.settings.replicated(replies[-1], f"{len(ids)} job message(s)")
         self._declared.add(declared)
         return ids

@@ -116,7 +116,7 @@ class Worker:
     def attach(self, app: Celery) -> None:
         """On its Celery app (``tasks.register``): the one result store its records and refusals are written to,
         and the ledger of deliveries."""
-        store = ResultStore(app)
+        store = ResultStore(app, self.settings)
         self.reader.store = self.records.store = store
         self.ledger = Ledger(app.backend, max_attempts=self.settings.max_attempts)
 
