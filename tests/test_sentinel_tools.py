@@ -1,0 +1,109 @@
+"""The gateway, ``embedq status`` and Flower on a ``sentinel://`` broker, before and after a failover: real primary,
+replica and three sentinels (tests/sentinel_cluster.py), a real worker (fake model), real ``embedq serve``,
+``embedq status`` and ``embedq flower`` processes, none restarted across the failover."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import pytest
+from conftest import FAKE, ROOT_DIR, GatewayHandle, WorkerHandle
+from sentinel_cluster import MASTER, SentinelCluster
+
+from embedq import errors
+from embedq.producers.embedded import free_port
+from embedq.settings import Settings
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+FLOWER_AUTH = ("ops", "a-test-password")
+
+
+def _env(cluster: SentinelCluster, queue: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBEDQ_", "FLOWER_"))}
+    return {**env, "EMBEDQ_BROKER_URL": cluster.url, "EMBEDQ_SENTINEL_MASTER": MASTER, "EMBEDQ_QUEUE": queue,
+            "PYTHONPATH": str(ROOT_DIR)}
+
+
+def _status(cluster: SentinelCluster, queue: str) -> dict:
+    done = subprocess.run([sys.executable, "-m", "embedq", "status", "--json"], env=_env(cluster, queue),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def _until_answered(call, what: str, timeout: float = 60.0):
+    """``call()`` until it answers; a typed retryable error (or the gateway's 503) is tried again, anything else
+    fails the test. Returns the answer and how many tries failed first."""
+    end, failed = time.monotonic() + timeout, 0
+    while True:
+        try:
+            return call(), failed
+        except errors.EmbedqError as exc:
+            assert exc.retryable, f"{what}: {exc!r} is not retryable"
+        except AssertionError as exc:
+            if "503" not in str(exc):
+                raise
+        except httpx.TransportError:  # a server starting (Flower)
+            pass
+        failed += 1
+        assert time.monotonic() < end, f"{what} never answered"
+        time.sleep(0.2)
+
+
+def _post(gateway: GatewayHandle, text: str) -> list:
+    response = httpx.post(gateway.url + "/embed", json={"inputs": [text]}, timeout=60)
+    assert response.status_code == 200, f"{response.status_code}: {response.text[:300]}"
+    return response.json()
+
+
+def _queues_length(port: int) -> dict:
+    response = httpx.get(f"http://127.0.0.1:{port}/api/queues/length", timeout=30, auth=FLOWER_AUTH)
+    assert response.status_code == 200, f"{response.status_code}: {response.text[:300]}"
+    return response.json()
+
+
+def test_gateway_status_and_flower_serve_through_sentinel_and_across_a_failover(tmp_path):
+    pytest.importorskip("flower")
+    queue = f"embedq.test.{uuid.uuid4().hex[:8]}"
+    with SentinelCluster() as cluster:
+        settings = Settings(broker_url=cluster.url, sentinel_master=MASTER, queue=queue, **FAKE)
+        worker = WorkerHandle(settings, tmp_path / "worker.log")
+        gateway = GatewayHandle(cluster.url, queue, tmp_path / "gw.log", EMBEDQ_SENTINEL_MASTER=MASTER)
+        flower_port = free_port()
+        flower = subprocess.Popen([sys.executable, "-m", "embedq", "flower", f"--port={flower_port}"],
+                                  env={**_env(cluster, queue), "EMBEDQ_FLOWER_BASIC_AUTH": ":".join(FLOWER_AUTH)},
+                                  stdout=(tmp_path / "flower.log").open("wb"),
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            before = _post(gateway, "through the sentinels")
+            assert len(before) == 1 and len(before[0]) == 32
+            status = _status(cluster, queue)
+            mine = f"-{worker.proc.pid}@"  # the worker's node name (WorkerHandle.stats)
+            assert any(mine in w["hostname"] for w in status["workers"]), status
+            flower_answer, _ = _until_answered(lambda: _queues_length(flower_port), "flower's queue lengths")
+            assert "active_queues" in flower_answer
+
+            old, _ = cluster.kill_primary()
+            cluster.wait_promoted(old)
+
+            # none of these processes restarted: each finds the new primary by itself
+            after, failed = _until_answered(lambda: _post(gateway, "after the failover"), "the gateway")
+            print(f"the gateway answered after {failed} retried failures")
+            assert len(after[0]) == 32
+            assert worker.client.embed(["after the failover"], timeout=60).shape == (1, 32)
+            status, _ = _until_answered(lambda: _status(cluster, queue), "embedq status")
+            assert any(mine in w["hostname"] for w in status["workers"]), status
+            assert "active_queues" in _until_answered(lambda: _queues_length(flower_port), "flower")[0]
+            assert worker.proc.poll() is None and gateway.proc.poll() is None and flower.poll() is None
+        finally:
+            flower.terminate()
+            flower.wait(30)
+            gateway.stop()
+            worker.stop()
