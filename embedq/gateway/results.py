@@ -22,7 +22,7 @@ from celery import Celery
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from embedq import errors
+from embedq import acl, errors
 from embedq.results import as_key, read_outcome, record_key
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class AsyncResults:
         import redis.asyncio as aioredis
 
         self.backend = app.backend  # used only to name, decode and delete records: no I/O through it
+        self.url = url  # named in a refusal
         pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT,
                                                         **options)
         self.redis = aioredis.Redis(connection_pool=pool)
@@ -95,6 +96,8 @@ class AsyncResults:
                 await self._subscribe(key)
             try:
                 stored = await self.redis.get(key)  # stored before the subscription took effect
+            except acl.REFUSED as exc:  # the gateway's user may not read results: no wait would end
+                raise acl.forbidden(exc, self.url) from None
             except BROKER_AWAY as exc:  # Redis went away just now: the poller reads the key once it is back
                 log.info("result of job %s: waiting for the broker (%s: %s)", job_id, type(exc).__name__, exc)
                 stored = None

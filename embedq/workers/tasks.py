@@ -20,7 +20,7 @@ from celery.worker.consumer import Consumer
 
 from embedq import errors
 from embedq.kinds import TASKS, TaskSpec
-from embedq.workers import transport
+from embedq.workers import refused, transport
 from embedq.workers.consumer import Worker
 from embedq.workers.observe import WorkerInfo
 
@@ -131,6 +131,30 @@ class EmbedqConsumer(Consumer):
                 return None
 
         return guarded
+
+    def on_connection_error_before_connected(self, exc: Exception) -> None:
+        """Celery takes a refusal of the worker's Redis user (NOPERM) for a broker outage and reconnects for ever: a
+        refusal stops the worker instead (:mod:`embedq.workers.refused`)."""
+        refused.stop_if_refused(exc, "connecting its consumer", self.app.conf.broker_url)
+        super().on_connection_error_before_connected(exc)
+
+    def on_connection_error_after_connected(self, exc: Exception) -> None:
+        refused.stop_if_refused(exc, "consuming", self.app.conf.broker_url)
+        super().on_connection_error_after_connected(exc)
+
+    def ensure_connected(self, conn: Any) -> Any:
+        """Celery's connection, retried while the broker is away, but not while it refuses the user's password."""
+        ensure, url = conn.ensure_connection, self.app.conf.broker_url
+
+        def refusing(errback: Any = None, *args: Any, **kwargs: Any) -> Any:
+            def on_error(exc: Exception, *rest: Any) -> Any:
+                refused.stop_if_refused(exc, "connecting", url)
+                return errback(exc, *rest)
+
+            return ensure(on_error if errback is not None else None, *args, **kwargs)
+
+        conn.ensure_connection = refusing
+        return super().ensure_connected(conn)
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
         compression = (message.headers or {}).get("compression") if isinstance(message.headers, dict) else None
