@@ -96,7 +96,9 @@ class AsyncResults:
                 await self._subscribe(key)
             try:
                 stored = await self.redis.get(key)  # stored before the subscription took effect
-            except acl.REFUSED as exc:  # the gateway's user may not read results: no wait would end
+            except acl.CAUGHT as exc:  # refused (the gateway's user may not read results): no wait would end
+                if acl.refusal(exc) is None:
+                    raise
                 raise acl.forbidden(exc, self.url) from None
             except BROKER_AWAY as exc:  # Redis went away just now: the poller reads the key once it is back
                 log.info("result of job %s: waiting for the broker (%s: %s)", job_id, type(exc).__name__, exc)

@@ -269,7 +269,7 @@ class Client:
                 ids = writer.push(route, spec, argses, bodies, wire, expires, epoch, client)
             else:
                 ids = [writer.send_task(spec, args, wire, queue, expires, client) for args in argses]
-        except (*BROKER_ERRORS, *acl.REFUSED) as exc:
+        except (*BROKER_ERRORS, *acl.CAUGHT) as exc:
             raise self._unreachable(exc) from None
         handles = [JobHandle(job_id, self, spec=spec, traffic_class=traffic_class, deadline=expires,
                              return_text=return_text, sent=Sent(args, wire, queue, client, epoch))
@@ -344,14 +344,14 @@ class Client:
                 return False
             cancellation.announce(self.redis(), job_id)  # workers drop it before it runs
             return ResultStore(self.app).store(job_id, errors.Cancelled(f"job {job_id} was cancelled"))
-        except (*BROKER_ERRORS, *acl.REFUSED) as exc:
+        except (*BROKER_ERRORS, *acl.CAUGHT) as exc:
             raise self._unreachable(exc) from None
 
     def status(self, job_id: str) -> str:
         """A job's state by id (its stored record): PENDING (queued, running, or unknown), SUCCESS or FAILURE."""
         try:
             status: str = ResultStore(self.app).outcome(job_id)["status"]
-        except (*BROKER_ERRORS, *acl.REFUSED) as exc:
+        except (*BROKER_ERRORS, *acl.CAUGHT) as exc:
             raise self._unreachable(exc) from None
         return status
 
@@ -396,12 +396,12 @@ class Client:
         again, under its own id (:meth:`Pending.resend_lost <embedq.producers.pending.Pending.resend_lost>`)."""
         self.pending.resend_lost(epoch)
 
-    def _unreachable(self, exc: BaseException) -> errors.Unavailable:
-        """The typed error of a failed broker call: :class:`~embedq.errors.BrokerForbidden` when the broker refused
-        this client's user (not retryable), else :class:`~embedq.errors.BrokerUnavailable`."""
-        if isinstance(exc, (errors.BrokerUnavailable, errors.BrokerForbidden)):
+    def _unreachable(self, exc: BaseException) -> BaseException:
+        """A broker call's error, typed: BrokerForbidden (its user refused), BrokerUnavailable (away), else as is."""
+        refused = not isinstance(exc, errors.EmbedqError) and acl.refusal(exc) is not None
+        if not refused and (isinstance(exc, errors.EmbedqError) or not isinstance(exc, BROKER_ERRORS)):
             return exc
-        if acl.refusal(exc) is not None:
+        if refused:
             return acl.forbidden(exc, self.settings.broker_url)
         return errors.BrokerUnavailable(
             f"cannot reach the broker at {maybe_sanitize_url(self.settings.broker_url)}: {type(exc).__name__}: "

@@ -198,7 +198,9 @@ class _Wait:
                         self.pending.check(self.handles())
                         checked = time.monotonic()
                     down_since = None
-                except acl.REFUSED as exc:  # not an outage: waiting changes nothing
+                except acl.CAUGHT as exc:  # refused: not an outage, waiting changes nothing
+                    if acl.refusal(exc) is None:
+                        raise
                     raise acl.forbidden(exc, self.url) from None
                 except BROKER_ERRORS as exc:
                     self.drop()

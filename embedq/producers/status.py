@@ -170,7 +170,9 @@ def take(settings: Settings, queues: list[str]) -> monitor.Snapshot:
     client = redis_client(settings, timeout=min(settings.broker_timeout, 10.0))
     try:
         return monitor.snapshot(client, queues)
-    except acl.REFUSED as exc:  # before BROKER_ERRORS: a wrong password is a ConnectionError to redis-py
+    except acl.CAUGHT as exc:  # before BROKER_ERRORS: a wrong password is a ConnectionError to redis-py
+        if acl.refusal(exc) is None:
+            raise
         raise acl.forbidden(exc, settings.broker_url) from None
     except BROKER_ERRORS as exc:
         raise errors.BrokerUnavailable(
