@@ -140,7 +140,9 @@ ROLES: dict[str, Role] = {role.name: role for role in (
     ), (
         Keys("{queue}", read_only=True, why="queue depths"),
         Keys("_kombu.binding.*", read_only=True, why="which queues are declared"),
-        Keys("unacked", read_only=True, why="messages received and not acknowledged, per queue"),
+        # not read_only: Redis 7 counts the keys an EVAL declares as written (and refuses them under %R~); the monitor
+        # writes nothing anyway, its commands are all reads
+        Keys("unacked", why="messages received and not acknowledged, per queue (read by a script: HVALS)"),
         Keys(keys.WORKER_KEY.format("*"), read_only=True, why="the live-worker registry"),
         Keys(keys.DEAD_LETTERS, read_only=True, why="the dead-letter count"),
     )),
