@@ -249,8 +249,9 @@ def forbidden(exc: BaseException, url: str | None) -> errors.BrokerForbidden:
         user = urlparse(url or "").username or "default"
     except ValueError:
         user = "?"
-    what = ("its user name or password is wrong, or the user is disabled" if isinstance(refused, AuthenticationError)
-            else "the user lacks a right this process needs")
+    what = "the user lacks a right this process needs"
+    if isinstance(refused, AuthenticationError):
+        what = "it does not accept the user's password, or the user is disabled"
     return errors.BrokerForbidden(
         f"the broker at {maybe_sanitize_url(url or '')} refused Redis user {user!r} ({describe(refused)}): {what}. "
         "`embedq acl` prints each role's rules (docs/OPERATIONS.md, \"Redis users per role\")")

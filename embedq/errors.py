@@ -305,7 +305,8 @@ class Unavailable(EmbedqError):
 
 
 class BrokerUnavailable(Unavailable):
-    """A producer could not reach the broker (Redis down, refused, wrong password, TLS failure)."""
+    """A producer could not reach the broker (Redis down, refusing connections, TLS failure); a wrong password is
+    :class:`BrokerForbidden`."""
 
 
 class BrokerForbidden(Unavailable):
