@@ -53,6 +53,16 @@ def safe_url(url: str | None) -> str:
     return ";".join(maybe_sanitize_url(part) for part in (url or "").split(";"))
 
 
+def unavailable(exc: BaseException, url: str | None) -> errors.BrokerUnavailable:
+    """The typed error of a broker call that failed with ``exc``, one of :data:`BROKER_ERRORS` (retryable)."""
+    if isinstance(exc, (NoReplicas, ReadOnlyError)):
+        return errors.BrokerUnavailable(
+            f"the broker at {safe_url(url)} refused the write ({str(exc)[:120]}): a failover in progress, or fewer "
+            "replicas in sync than its min-replicas-to-write; try again")
+    return errors.BrokerUnavailable(f"cannot reach the broker at {safe_url(url)}: {type(exc).__name__}: "
+                                    f"{str(exc)[:200]}")
+
+
 def tls_options(settings: Settings, url: str | None = None) -> dict[str, object] | None:
     """redis-py's TLS arguments for ``url`` (default: the broker's): a ``rediss://`` URL, or a ``sentinel://`` one
     with ``sentinel_tls``; None for plain Redis."""

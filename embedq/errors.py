@@ -46,6 +46,7 @@ The tree (class, ``code``, HTTP status, ``error_type``; ``*``: retryable)::
     ├── Cancelled                cancelled            409 Cancelled
     └── Unavailable            * unavailable          503 Unhealthy
         ├── BrokerUnavailable  * unavailable          503 Unhealthy
+        ├── BrokerForbidden      broker_forbidden     503 Unhealthy   the broker refused this process's Redis user
         ├── NoWorker           * no_worker            503 Unhealthy   no live worker serves the job's queue
         ├── JobTimeout         * timeout              504 Timeout     no result in time: a gateway timeout
         └── JobLost            * job_lost             503 Unhealthy
@@ -55,6 +56,11 @@ still connected whose job someone else cancelled (``DELETE /jobs/{id}``, ``JobHa
 which is a conflict with the job's state, not a request it closed; 409 is a registered status every HTTP client
 knows (the openai SDK raises ``ConflictError``), 499 is not. A request whose own client left is answered to no
 one; the gateway counts those in ``embedq_gateway_disconnects_total``.
+
+``BrokerForbidden`` is 503, not 403, and not retryable: the HTTP client's request and credentials are fine; it is the
+gateway's own Redis user that lacks a right (or its password is wrong), an operator's fix. A 403 would tell the client
+that *its* key is refused (the openai SDK raises ``PermissionDeniedError``) and send it looking in the wrong place; the
+service is unavailable until the ACL is fixed, and trying again before that changes nothing.
 """
 
 from __future__ import annotations
@@ -299,7 +305,17 @@ class Unavailable(EmbedqError):
 
 
 class BrokerUnavailable(Unavailable):
-    """A producer could not reach the broker (Redis down, refused, wrong password, TLS failure)."""
+    """A producer could not reach the broker (Redis down, refusing connections, TLS failure); a wrong password is
+    :class:`BrokerForbidden`."""
+
+
+class BrokerForbidden(Unavailable):
+    """The broker refused this process's Redis user: a command, key or channel outside its ACL rules (``NOPERM``), or
+    a wrong user name or password. Not retryable: the same call fails the same way until an operator fixes the user
+    (``embedq acl`` prints each role's rules). The message names the refused operation and the user."""
+
+    code = "broker_forbidden"
+    retryable = False
 
 
 class NoWorker(Unavailable):

@@ -1,4 +1,4 @@
-"""The ``embedq`` command: ``worker``, ``index``, ``embed``, ``verify``, ``status``, ``serve`` and ``flower``."""
+"""The ``embedq`` command: ``worker``, ``index``, ``embed``, ``verify``, ``status``, ``serve``, ``flower``, ``acl``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from embedq import errors
-from embedq.cli import flower
+from embedq.cli import acl, flower
 from embedq.producers.index.sinks.registry import schemes_help, sink_schemes
 from embedq.settings import Settings
 from embedq.version import __version__
@@ -413,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_serve)
 
     flower.add_parser(sub)
+    acl.add_parser(sub)
     return parser
 
 

@@ -22,7 +22,7 @@ from celery import Celery
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from embedq import errors
+from embedq import acl, errors
 from embedq.results import as_key, read_outcome, record_key
 
 log = logging.getLogger(__name__)
@@ -41,11 +41,12 @@ BROKER_AWAY = (RedisConnectionError, RedisTimeoutError, OSError)
 class AsyncResults:
     """Outcomes of jobs by id, awaited on one pub/sub connection (see the module's docstring)."""
 
-    def __init__(self, app: Celery, redis: Any) -> None:
+    def __init__(self, app: Celery, redis: Any, url: str = "") -> None:
         """``redis``: an asyncio redis-py client of the result store (``embedq.broker.async_redis_client``: its
-        commands wait for one of :data:`MAX_CONNECTIONS` connections rather than fail)."""
+        commands wait for one of :data:`MAX_CONNECTIONS` connections rather than fail); ``url``: its URL."""
         self.backend = app.backend  # used only to name, decode and delete records: no I/O through it
         self.redis = redis
+        self.url = url  # named in a refusal
         self.pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
         self._waiting: dict[bytes, set[asyncio.Future[bytes]]] = {}  # a key may have several waiters
         self._tasks: list[asyncio.Task[None]] = []
@@ -92,6 +93,10 @@ class AsyncResults:
                 await self._subscribe(key)
             try:
                 stored = await self.redis.get(key)  # stored before the subscription took effect
+            except acl.CAUGHT as exc:  # refused (the gateway's user may not read results): no wait would end
+                if acl.refusal(exc) is None:
+                    raise
+                raise acl.forbidden(exc, self.url) from None
             except BROKER_AWAY as exc:  # Redis went away just now: the poller reads the key once it is back
                 log.info("result of job %s: waiting for the broker (%s: %s)", job_id, type(exc).__name__, exc)
                 stored = None

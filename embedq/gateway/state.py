@@ -62,7 +62,7 @@ class Gateway:
     async def start(self) -> None:
         url = self.settings.result_url or self.settings.broker_url
         redis = async_redis_client(self.settings, url, max_connections=MAX_CONNECTIONS, pool_wait=POOL_WAIT)
-        self.results = AsyncResults(self.client.app, redis)
+        self.results = AsyncResults(self.client.app, redis, url)
         await self.results.start()
         self._watch = asyncio.create_task(self._watch_broker(), name="embedq-gateway-broker-epoch")
 

@@ -34,12 +34,11 @@ from typing import Any
 
 import numpy as np
 from celery import Celery, states
-from redis.exceptions import ReadOnlyError
 
-from embedq import cancellation, errors, monitor
+from embedq import acl, cancellation, errors, monitor
 from embedq.admission import DEPTH_REUSE, DEPTH_REUSE_SHARE, Admission
 from embedq.batching.traffic import BULK, ONLINE, TRAFFIC_CLASSES
-from embedq.broker import BROKER_ERRORS, NoReplicas, make_app, redis_client, safe_url
+from embedq.broker import BROKER_ERRORS, make_app, redis_client, unavailable
 from embedq.keys import EPOCH_KEY
 from embedq.kinds import (
     DECODE,
@@ -269,7 +268,7 @@ class Client:
                 ids = writer.push(route, spec, argses, bodies, wire, expires, epoch, client)
             else:
                 ids = [writer.send_task(spec, args, wire, queue, expires, client) for args in argses]
-        except BROKER_ERRORS as exc:
+        except (*BROKER_ERRORS, *acl.CAUGHT) as exc:
             raise self._unreachable(exc) from None
         handles = [JobHandle(job_id, self, spec=spec, traffic_class=traffic_class, deadline=expires,
                              return_text=return_text, sent=Sent(args, wire, queue, client, epoch))
@@ -344,14 +343,14 @@ class Client:
                 return False
             cancellation.announce(self.redis(), job_id)  # workers drop it before it runs
             return ResultStore(self.app).store(job_id, errors.Cancelled(f"job {job_id} was cancelled"))
-        except BROKER_ERRORS as exc:
+        except (*BROKER_ERRORS, *acl.CAUGHT) as exc:
             raise self._unreachable(exc) from None
 
     def status(self, job_id: str) -> str:
         """A job's state by id (its stored record): PENDING (queued, running, or unknown), SUCCESS or FAILURE."""
         try:
             status: str = ResultStore(self.app).outcome(job_id)["status"]
-        except BROKER_ERRORS as exc:
+        except (*BROKER_ERRORS, *acl.CAUGHT) as exc:
             raise self._unreachable(exc) from None
         return status
 
@@ -396,16 +395,14 @@ class Client:
         again, under its own id (:meth:`Pending.resend_lost <embedq.producers.pending.Pending.resend_lost>`)."""
         self.pending.resend_lost(epoch)
 
-    def _unreachable(self, exc: BaseException) -> errors.BrokerUnavailable:
-        if isinstance(exc, errors.BrokerUnavailable):
+    def _unreachable(self, exc: BaseException) -> BaseException:
+        """A broker call's error, typed: BrokerForbidden (its user refused), BrokerUnavailable (away), else as is."""
+        refused = not isinstance(exc, errors.EmbedqError) and acl.refusal(exc) is not None
+        if not refused and (isinstance(exc, errors.EmbedqError) or not isinstance(exc, BROKER_ERRORS)):
             return exc
-        if isinstance(exc, (NoReplicas, ReadOnlyError)):
-            return errors.BrokerUnavailable(
-                f"the broker at {safe_url(self.settings.broker_url)} refused the write ({str(exc)[:120]}): "
-                "a failover in progress, or fewer replicas in sync than its min-replicas-to-write; try again")
-        return errors.BrokerUnavailable(
-            f"cannot reach the broker at {safe_url(self.settings.broker_url)}: {type(exc).__name__}: "
-            f"{str(exc)[:200]}")
+        if refused:
+            return acl.forbidden(exc, self.settings.broker_url)
+        return unavailable(exc, self.settings.broker_url)
 
     def epoch(self, *, refresh: bool = False) -> str:
         """The broker's epoch (its ``run_id`` and :data:`EPOCH_KEY`), read at most once a second unless

@@ -16,7 +16,7 @@ from typing import Any
 
 from celery import Celery
 
-from embedq import errors
+from embedq import acl, errors
 from embedq.broker import BROKER_ERRORS
 from embedq.producers.handle import DEADLINE_GRACE, DEFAULT_RESULT_TIMEOUT, JobHandle
 from embedq.producers.pending import Pending
@@ -135,6 +135,7 @@ class _Wait:
     def __init__(self, collector: Collector, handles: list[JobHandle], timeout: float | None, *,
                  fail_fast: bool) -> None:
         self.backend = collector.app.backend
+        self.url = collector.app.conf.result_backend or collector.app.conf.broker_url  # named in a refusal
         self.pending = collector.pending
         self.listeners = collector.listeners
         self.broker_timeout = collector.broker_timeout
@@ -197,6 +198,10 @@ class _Wait:
                         self.pending.check(self.handles())
                         checked = time.monotonic()
                     down_since = None
+                except acl.CAUGHT as exc:  # refused: not an outage, waiting changes nothing
+                    if acl.refusal(exc) is None:
+                        raise
+                    raise acl.forbidden(exc, self.url) from None
                 except BROKER_ERRORS as exc:
                     self.drop()
                     outage = True

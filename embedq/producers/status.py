@@ -19,7 +19,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from embedq import errors, monitor
+from embedq import acl, errors, monitor
 from embedq.settings import Settings
 
 
@@ -169,6 +169,10 @@ def take(settings: Settings, queues: list[str]) -> monitor.Snapshot:
     client = redis_client(settings, timeout=min(settings.broker_timeout, 10.0))
     try:
         return monitor.snapshot(client, queues)
+    except acl.CAUGHT as exc:  # before BROKER_ERRORS: a wrong password is a ConnectionError to redis-py
+        if acl.refusal(exc) is None:
+            raise
+        raise acl.forbidden(exc, settings.broker_url) from None
     except BROKER_ERRORS as exc:
         raise errors.BrokerUnavailable(
             f"cannot reach the broker at {safe_url(settings.broker_url)}: {type(exc).__name__}: {exc}"

@@ -45,6 +45,7 @@ from embedq.kinds import TaskSpec
 from embedq.protocol import RESENT_HEADER, SENT_HEADER, client_of
 from embedq.results import ResultStore
 from embedq.settings import Settings
+from embedq.workers import refused
 from embedq.workers.canvas import canvas_of
 from embedq.workers.canvas_rules import CanvasRules
 from embedq.workers.canvas_thread import CanvasThread
@@ -298,6 +299,7 @@ class Worker:
             try:
                 ids = feed.poll()
             except Exception as exc:  # the broker is away: cancellations wait for it (and the event loop does not)
+                refused.is_refused(exc, "reading cancellations", self.settings.broker_url)
                 self.cancels_retry_at = now + CANCEL_BACKOFF
                 log.debug("could not read cancellations: %s", type(exc).__name__)
         revoked = worker_state.revoked

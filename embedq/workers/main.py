@@ -8,7 +8,7 @@ import socket
 
 from embedq.broker import make_app
 from embedq.settings import Settings
-from embedq.workers import consumer, memory, observe, tasks
+from embedq.workers import consumer, memory, observe, refused, tasks
 from embedq.workers.announce import announce, node_name
 from embedq.workers.replicas import REPLICA_NAME_ENV
 
@@ -46,6 +46,7 @@ def run_worker(settings: Settings, *, hostname: str | None = None, loglevel: str
     logging.basicConfig(level=getattr(logging, loglevel.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     memory.configure(settings.memory_policy)  # before torch is imported
+    refused.check_login(settings)  # a wrong user or password ends here, before the model loads
     announcer = announce(settings, node_name(_node(settings, hostname)))  # "starting" while the model loads
     worker = consumer.Worker(settings)
     try:
@@ -60,3 +61,5 @@ def run_worker(settings: Settings, *, hostname: str | None = None, loglevel: str
     app = make_app(settings)
     tasks.register(app, worker)
     app.worker_main(worker_argv(settings, hostname=hostname, loglevel=loglevel))
+    if refused.was_refused():
+        raise SystemExit(refused.EXIT_STATUS)

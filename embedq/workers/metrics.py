@@ -28,6 +28,7 @@ from prometheus_client.process_collector import ProcessCollector
 
 from embedq import monitor
 from embedq.version import __version__
+from embedq.workers import refused
 from embedq.workers.stats import COUNTERS, LABELLED, MODEL_COUNTERS, MODEL_LABELLED
 
 log = logging.getLogger(__name__)
@@ -323,6 +324,8 @@ class Reporter(threading.Thread):
             try:
                 self.report()
             except Exception as exc:  # Redis away: the record expires, and comes back with Redis
+                if refused.is_refused(exc, "publishing its registry record", refused.url_of(self.redis)):
+                    return
                 log.debug("could not publish the worker record: %s", type(exc).__name__)
             if self._stop_event.wait(self.interval):
                 return

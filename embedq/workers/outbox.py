@@ -20,6 +20,7 @@ from embedq import errors
 from embedq.backends.base import Backend
 from embedq.protocol import result_size
 from embedq.settings import Settings
+from embedq.workers import refused
 from embedq.workers.jobs import DoneCallback, DoneManyCallback, Job
 from embedq.workers.stats import Stats
 
@@ -94,8 +95,9 @@ class Outbox:
             else:
                 for job, outcome in done:
                     self.on_done(job, outcome)
-        except Exception:
-            log.exception("storing the outcomes of %d job(s) failed", len(done))
+        except Exception as exc:
+            if not refused.is_refused(exc, "storing results"):  # refused: the worker stops; the jobs go back
+                log.exception("storing the outcomes of %d job(s) failed", len(done))
         self.stats.time("results_seconds", time.perf_counter() - t0)
 
     def stalled(self, stall_timeout: float) -> float | None:

@@ -17,6 +17,7 @@ from typing import Any
 from embedq import errors
 from embedq.broker import BROKER_ERRORS
 from embedq.results import ResultStore
+from embedq.workers import refused
 from embedq.workers.canvas_thread import CanvasThread
 from embedq.workers.jobs import Job
 from embedq.workers.service import EmbeddingService
@@ -64,6 +65,8 @@ class RecordWriter:
                 written = store.store_many([(job.id, outcome) for job, outcome in done], canvas_ids)
                 break
             except BROKER_ERRORS as exc:
+                if refused.is_refused(exc, "storing results"):  # a wrong password: no retry helps; jobs go back
+                    return
                 if self.service is not None and self.service.stopping:
                     log.warning("could not store %d job(s) before stopping (%s); they will run again", len(done),
                                 type(exc).__name__)

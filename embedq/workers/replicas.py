@@ -43,6 +43,8 @@ HEALTHY_RUN = 60.0
 METRICS_PORT_STEP = 100
 #: A replica's exit status when its watchdog stopped it (workers.stopping.EXIT_FAILED): always restarted.
 EXIT_FAILED = 70
+#: A replica's exit status when the broker refused its Redis user (workers.stopping.EXIT_REFUSED): never restarted.
+EXIT_REFUSED = 78
 #: The environment variables that tell a process it is replica i of a supervisor, and its node name (not for users).
 REPLICA_ENV = "EMBEDQ_REPLICA_INDEX"
 REPLICA_NAME_ENV = "EMBEDQ_REPLICA_NAME"
@@ -166,7 +168,7 @@ class Supervisor:
                     status = status or (code if code > 0 else 0)
                     continue
                 ran = time.monotonic() - self.started_at[i]
-                if code > 0 and code != EXIT_FAILED and not self.served[i]:
+                if code == EXIT_REFUSED or (code > 0 and code != EXIT_FAILED and not self.served[i]):
                     # It never got going (a model that cannot load, a taken port): no restart helps.
                     log.error("replica %d could not start (exit status %d): stopping", i, code)
                     self.stop()

@@ -10,3 +10,6 @@ LIVENESS_INTERVAL = 1.0  # seconds between two looks at the service's threads (s
 DRAIN_ON_FAILURE = 5.0  # seconds a failing worker lets its results thread write what it holds
 #: Exit status of a worker that stopped because it could no longer do its work (EX_SOFTWARE): restart it.
 EXIT_FAILED = 70
+#: Exit status of a worker the broker refused (its Redis user lacks a right, or a wrong password; EX_CONFIG): an
+#: operator's fix, so never restarted (``workers/refused.py``).
+EXIT_REFUSED = 78

@@ -12,7 +12,6 @@ logging a message's body, and runs no task but embedq's kinds on its queues.
 from __future__ import annotations
 
 import logging
-from functools import partial
 from typing import Any
 
 from celery import Celery, Task, bootsteps
@@ -21,7 +20,7 @@ from celery.worker.consumer import Consumer
 
 from embedq import errors
 from embedq.kinds import TASKS, TaskSpec
-from embedq.workers import transport
+from embedq.workers import refused, transport
 from embedq.workers.consumer import Worker
 from embedq.workers.observe import WorkerInfo
 
@@ -107,14 +106,6 @@ class EmbedqConsumer(Consumer):
     producer waiting; these record a typed ``invalid_message`` error for the job id and log the reason.
     """
 
-    def ensure_connected(self, conn: Any) -> Any:
-        """Celery's reconnection, tried more often: after 0.5 s, 1 s, then every :data:`RECONNECT_MAX` s (Celery's own
-        pauses grow by 2 s up to 30 s), so a worker is back within about that much of a restarted Redis or a replica
-        promoted by Sentinel."""
-        conn.ensure_connection = partial(conn.ensure_connection, interval_start=0.5, interval_step=0.5,
-                                         interval_max=RECONNECT_MAX)
-        return super().ensure_connected(conn)
-
     def _refuse(self, message: Any, reason: str) -> None:
         refusal = getattr(message, "refusal", None)  # the transport could not read the body (too large inflated)
         worker_of(self.app).reader.refuse(message, refusal or errors.InvalidMessage(reason))
@@ -143,6 +134,33 @@ class EmbedqConsumer(Consumer):
                 return None
 
         return guarded
+
+    def on_connection_error_before_connected(self, exc: Exception) -> None:
+        """Celery takes a refusal of the worker's Redis user (NOPERM) for a broker outage and reconnects for ever: a
+        refusal stops the worker instead (:mod:`embedq.workers.refused`)."""
+        refused.stop_if_refused(exc, "connecting its consumer", self.app.conf.broker_url)
+        super().on_connection_error_before_connected(exc)
+
+    def on_connection_error_after_connected(self, exc: Exception) -> None:
+        refused.stop_if_refused(exc, "consuming", self.app.conf.broker_url)
+        super().on_connection_error_after_connected(exc)
+
+    def ensure_connected(self, conn: Any) -> Any:
+        """Celery's connection, retried while the broker is away, but not while it refuses the user's password; and
+        tried more often: after 0.5 s, 1 s, then every :data:`RECONNECT_MAX` s (Celery's own pauses grow by 2 s up to
+        30 s), so a worker is back within about that much of a restarted Redis or a replica promoted by Sentinel."""
+        ensure, url = conn.ensure_connection, self.app.conf.broker_url
+
+        def refusing(errback: Any = None, *args: Any, **kwargs: Any) -> Any:
+            def on_error(exc: Exception, *rest: Any) -> Any:
+                refused.stop_if_refused(exc, "connecting", url)
+                return errback(exc, *rest)
+
+            kwargs = {"interval_start": 0.5, "interval_step": 0.5, "interval_max": RECONNECT_MAX, **kwargs}
+            return ensure(on_error if errback is not None else None, *args, **kwargs)
+
+        conn.ensure_connection = refusing
+        return super().ensure_connected(conn)
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
         compression = (message.headers or {}).get("compression") if isinstance(message.headers, dict) else None
