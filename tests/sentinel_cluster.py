@@ -146,3 +146,23 @@ class SentinelCluster:
 
         _until(promoted, "a replica promoted by the sentinels", timeout)
         return self.primary_port()
+
+    def revive(self, old_port: int, timeout: float = 60.0) -> None:
+        """Start the primary :meth:`kill_primary` killed again, on its port, as a replica of the new primary, and wait
+        until it is in sync and every sentinel counts it as a live replica: the cluster can fail over once more (the
+        sentinels start no second failover of the same primary within 2 × ``failover_timeout_ms`` of the first)."""
+        new_port = self.primary_port()
+        old = self.server(old_port)
+        revived = RedisServer(port=old_port, extra_args=[*self.data_args, "--replicaof", "127.0.0.1", str(new_port)],
+                              dir=old.dir).start()
+        self.servers[self.servers.index(old)] = revived
+        _until(lambda: self.data(old_port).info("replication").get("master_link_status") == "up",
+               "the old primary in sync with the new one", timeout)
+
+        def counted(port: int) -> bool:
+            replicas = self.sentinel(port).sentinel_slaves(MASTER)
+            return any(int(r["port"]) == old_port and not (r.get("is_sdown") or r.get("is_disconnected"))
+                       for r in replicas)
+
+        for port, _ in self.sentinels:
+            _until(lambda port=port: counted(port), f"sentinel {port} sees the old primary as a live replica", timeout)
