@@ -35,11 +35,12 @@ FAKE = {"model": "embedq-fake", "allow_fake_backend": True}
 #: other processes idle.
 SLOW_FIRST = (
     "faults/test_hostile_canvas.py", "faults/test_crashes.py", "test_index.py", "test_gateway.py",
-    "test_index_lancedb.py", "faults/test_broker.py", "test_index_milvus.py", "test_fidelity.py", "test_integration.py",
+    "test_index_lancedb.py", "test_sentinel.py", "faults/test_broker.py", "test_index_milvus.py", "test_fidelity.py",
+    "test_integration.py",
     "test_first_hour.py", "test_preempt.py", "test_operations.py", "test_cli.py", "test_truncation_cut.py",
     "test_sparse.py", "test_index_pgvector.py", "faults/test_liveness.py", "test_kinds.py", "test_canvas.py",
     "test_traffic.py", "test_verify.py", "test_replicas.py", "test_families.py", "test_backend_models.py",
-    "test_admission.py", "test_index_kinds.py",
+    "test_admission.py", "test_index_kinds.py", "test_sentinel_tools.py",
 )
 
 

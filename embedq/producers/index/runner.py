@@ -424,7 +424,8 @@ class Indexer:
         """The oldest job is overdue: resubmit every job in flight that has no result yet.
 
         Jobs keep their place in the window (and so the output keeps input order)."""
-        live = self._broker(lambda: self.client.workers(timeout=1.0))
+        # the registry, not a remote-control broadcast: a producer's Redis user has no rights on Celery's pidbox
+        live = self._broker(lambda: self.client.serving(self.client.settings.bulk_queue_name).ready)
         if not live:
             if not self._no_worker_warned:
                 say("no embedq worker answers; waiting for one (jobs stay queued)")
