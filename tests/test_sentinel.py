@@ -182,6 +182,7 @@ class OnlineStream(threading.Thread):
         self.answered: list[tuple[float, float]] = []  # (monotonic time of the call, of its answer) of each answer
         self.retried: list[errors.EmbedqError] = []
         self.failures: list[BaseException] = []
+        self.tracebacks: list[str] = []
         self.lock = threading.Lock()
 
     def run(self) -> None:
@@ -193,6 +194,9 @@ class OnlineStream(threading.Thread):
                 try:
                     vector = client.embed([text], timeout=60)[0]
                 except errors.EmbedqError as exc:
+                    import traceback
+                    cause = exc.__context__ or exc
+                    self.tracebacks.append("".join(traceback.format_exception(cause)))
                     with self.lock:
                         (self.retried if exc.retryable else self.failures).append(exc)
                     if len(self.retried) > 50:
@@ -238,6 +242,26 @@ def _until(check, what: str, timeout: float = 120.0, proc: subprocess.Popen | No
     while not check():
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"the indexer exited ({proc.returncode}) before {what}: {proc.stderr.read()}")
+        if time.monotonic() >= end and stream is not None:
+            import traceback
+
+            import redis as _r
+
+            from embedq.broker import redis_client as _rc
+            lines = []
+            for port in [int(u.split(":")[-1].split("/")[0]) for u in stream.settings.broker_url.split(";")]:
+                try:
+                    m = _r.Redis(port=port, decode_responses=True).sentinel_masters()
+                    lines.append(f"sentinel {port}: {m}")
+                except Exception as exc:
+                    lines.append(f"sentinel {port}: {exc!r}")
+            try:
+                _rc(stream.settings).ping()
+                lines.append("fresh client ping ok")
+            except Exception:
+                lines.append(traceback.format_exc())
+            lines.append("stream errors:\n" + "\n".join(stream.tracebacks[-3:]))
+            open("/tmp/fo/diag.txt", "w").write("\n".join(lines))
         assert time.monotonic() < end, f"never reached: {what}" + (f"; {stream.describe()}" if stream else "")
         time.sleep(0.02)
 
