@@ -186,3 +186,24 @@ def test_sentinel_tls_reaches_the_sentinels_and_the_primary_over_tls(tmp_path):
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_the_sentinels_own_password_is_a_setting_of_its_own():
+    """Sentinels with ``requirepass``, servers with another password: the URL carries the servers' (as in Celery),
+    ``EMBEDQ_SENTINEL_PASSWORD`` the sentinels'. Without the latter no primary can be found: a typed error."""
+    data = ["--requirepass", "servers-pw", "--masterauth", "servers-pw"]
+    conf = ["requirepass sentinels-pw", f"sentinel auth-pass {MASTER} servers-pw",
+            "sentinel sentinel-pass sentinels-pw"]
+    with SentinelCluster(data_args=data, sentinel_conf=conf, auth={"password": "servers-pw"},
+                         sentinel_auth={"password": "sentinels-pw"}) as cluster:
+        url = ";".join(f"sentinel://:servers-pw@127.0.0.1:{port}" for port, _ in cluster.sentinels) + "/0"
+        settings = Settings(broker_url=url, sentinel_master=MASTER, sentinel_password="sentinels-pw",
+                            queue=f"embedq.test.{uuid.uuid4().hex[:8]}")
+        with Client(settings) as client:
+            handle = client.submit(["queued through password-protected sentinels"])
+            assert cluster.data(cluster.primary_port()).llen(settings.queue_name) == 1
+            handle.forget()
+        with Client(settings.model_copy(update={"sentinel_password": None})) as client, \
+                pytest.raises(errors.BrokerUnavailable, match="No master found") as info:
+            client.submit(["refused"])
+        assert "servers-pw" not in info.value.message and "sentinels-pw" not in info.value.message
