@@ -122,6 +122,18 @@ def test_each_role_works_with_its_rights_alone(broker, worker, tmp_path):
         handle.cancel()
         with pytest.raises(errors.Cancelled):
             handle.result(60)
+    # the producer again: `embedq index` of a small file, every row written (its overdue-job check reads the
+    # registry, not Celery's remote control, which the producer's user may not use)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_")}
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": f"doc-{i}", "text": f"indexed as the producer {i}"}) + "\n"
+                           for i in range(50)))
+    index = subprocess.run([sys.executable, "-m", "embedq", "index", str(src), "-o", str(out), "-q", "--json",
+                            "--chunk-size", "8"], capture_output=True, text=True, timeout=300,
+                           env={**env, "PYTHONPATH": str(ROOT_DIR), "EMBEDQ_BROKER_URL": broker.url("producer"),
+                                "EMBEDQ_QUEUE": QUEUE, "EMBEDQ_MODEL": FAKE["model"]})
+    assert index.returncode == 0, index.stderr
+    assert json.loads(index.stdout)["rows"] == 50
     # the gateway: a TEI request, answered
     gateway = GatewayHandle(broker.url("gateway"), QUEUE, tmp_path / "gw.log", EMBEDQ_MODEL=FAKE["model"])
     try:
@@ -131,7 +143,6 @@ def test_each_role_works_with_its_rights_alone(broker, worker, tmp_path):
     finally:
         gateway.stop()
     # the monitor: embedq status
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDQ_")}
     status = subprocess.run([sys.executable, "-m", "embedq", "status", "--json"], capture_output=True, text=True,
                             env={**env, "PYTHONPATH": str(ROOT_DIR), "EMBEDQ_BROKER_URL": broker.url("monitor")},
                             timeout=120)
