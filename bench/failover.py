@@ -38,6 +38,9 @@ from embedq.producers.client import Client  # noqa: E402
 from embedq.producers.embedded import start_worker, stop_worker, wait_for_worker  # noqa: E402
 from embedq.settings import Settings  # noqa: E402
 
+#: Seconds the prober waits before it retries a call refused with a retryable error.
+RETRY_PAUSE = 0.05
+
 
 class Prober(threading.Thread):
     """Online calls one after another; keeps (started, answered) of each answer and counts retried errors."""
@@ -60,6 +63,7 @@ class Prober(threading.Thread):
                     if not exc.retryable:
                         raise
                     self.retried += 1
+                    time.sleep(RETRY_PAUSE)  # as a client that retries would: the count then says something
                     continue
                 with self.lock:
                     self.answers.append((started, time.monotonic()))

@@ -94,13 +94,28 @@ def sentinel_kwargs(settings: Settings, timeout: float | None = None) -> dict[st
     return out
 
 
-def _primary_kwargs(settings: Settings, url: str, timeout: float) -> tuple[Any, dict[str, object]]:
+def sentinel_retry(*, asynchronous: bool = False) -> Any:
+    """redis-py's retries of a connection to a primary found through Sentinel: after up to 0.1 s, 0.2 s, 0.4 s, each
+    try asking the sentinels again. redis-py's default waits up to 1, 2 and 4 s between its tries: a process sleeping
+    there while the replica was promoted reached the new primary seconds late (5 s, bench/failover.py)."""
+    from redis.backoff import ExponentialWithJitterBackoff
+
+    if asynchronous:
+        from redis.asyncio.retry import Retry
+    else:
+        from redis.retry import Retry  # type: ignore[assignment]
+    return Retry(ExponentialWithJitterBackoff(cap=0.4, base=0.1), 3)
+
+
+def _primary_kwargs(settings: Settings, url: str, timeout: float, *,
+                    asynchronous: bool = False) -> tuple[Any, dict[str, object]]:
     """The sentinels of ``url`` and redis-py's arguments of a connection to the primary they name."""
     if not settings.sentinel_master:
         raise ValueError("a sentinel:// URL needs the name of the primary: set EMBEDQ_SENTINEL_MASTER")
     spec = parse_sentinel(url)
     kwargs: dict[str, object] = {**spec.connection_kwargs(), "socket_timeout": timeout,
-                                 "socket_connect_timeout": timeout}
+                                 "socket_connect_timeout": timeout,
+                                 "retry": sentinel_retry(asynchronous=asynchronous)}
     tls = tls_options(settings, url)
     if tls is not None:
         kwargs.update(ssl=True, **tls)
@@ -140,7 +155,7 @@ def async_redis_client(settings: Settings, url: str, *, max_connections: int, po
         class BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
             """Sentinel's pool of the primary's connections, waiting for a free one as the plain pool does."""
 
-        hosts, kwargs = _primary_kwargs(settings, url, POOL_SOCKET_TIMEOUT)
+        hosts, kwargs = _primary_kwargs(settings, url, POOL_SOCKET_TIMEOUT, asynchronous=True)
         kwargs.pop("socket_timeout")  # a pub/sub connection waits for messages as long as it takes
         return Sentinel(hosts, sentinel_kwargs=sentinel_kwargs(settings, POOL_SOCKET_TIMEOUT), **kwargs).master_for(
             settings.sentinel_master, connection_pool_class=BlockingSentinelPool, max_connections=max_connections,

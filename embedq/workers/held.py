@@ -219,12 +219,16 @@ class HeldMessages:
         # reconnect goes through the current channel, one by one).
         pending = [(job, req) for job, _, _ in finished for req, _ in job.context.reqs if not req.acknowledged]
         failed = {id(message) for message in transport.ack_many([req.message for _, req in pending])}
-        for job, req in pending:
-            if id(req.message) in failed:
-                try:
-                    self.ack(req)
-                except Exception:  # the broker is away: the message is redelivered and found already stored
-                    log.warning("could not acknowledge job %s; it will be redelivered and recognised", job.id)
+        unacked = [job.id for job, req in pending if id(req.message) in failed]
+        for n, (job, req) in enumerate((job, req) for job, req in pending if id(req.message) in failed):
+            try:
+                self.ack(req)
+            except Exception:  # the broker is away: the messages are redelivered and found already stored
+                # no more tries this round: each costs the connection's retries, on the thread that must notice
+                # the lost connection (and, with Sentinel, follow the failover)
+                log.warning("could not acknowledge %d job(s) (%s...); they will be redelivered and recognised",
+                            len(unacked) - n, job.id)
+                break
         for job, outcome, done_at in finished:
             runtime = done_at - (job.started if job.started is not None else job.received)
             if self._metrics is not None and outcome != ALREADY_STORED:

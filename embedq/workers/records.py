@@ -10,6 +10,7 @@ records in one round trip (``store_outcomes``, riding out a broker restart) thro
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import time
 from typing import Any
@@ -23,6 +24,10 @@ from embedq.workers.jobs import Job
 from embedq.workers.service import EmbeddingService
 
 log = logging.getLogger(__name__)
+
+#: Seconds between two tries to store results while the result store is away, at most; and between two log lines.
+RETRY_MAX = 1.0
+RETRY_LOG_EVERY = 30.0
 
 
 class RecordWriter:
@@ -59,7 +64,7 @@ class RecordWriter:
         store = self.store
         assert store is not None, "the worker gives its writer the result store when it is registered on its app"
         canvas_ids = {job.id for job, _ in done if job.canvas is not None}
-        delay = 0.2
+        delay, logged = 0.2, -math.inf
         while True:
             try:
                 written = store.store_many([(job.id, outcome) for job, outcome in done], canvas_ids)
@@ -71,12 +76,17 @@ class RecordWriter:
                     log.warning("could not store %d job(s) before stopping (%s); they will run again", len(done),
                                 type(exc).__name__)
                     return
-                log.warning("storing %d job(s) failed (%s); retrying in %.1fs", len(done), type(exc).__name__,
-                            delay)
+                now = time.monotonic()
+                if now >= logged + RETRY_LOG_EVERY:  # the first failure, then one line every RETRY_LOG_EVERY s
+                    log.warning("storing %d job(s) failed (%s); retrying every %.1f s at most", len(done),
+                                type(exc).__name__, RETRY_MAX)
+                    logged = now
                 if self.service is not None:  # riding out an outage is progress, for the watchdog
                     self.service.results_beat()
                 time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                # at most a second between tries: a Sentinel failover ends with a new primary to store to, and a
+                # result stored seconds late is an online answer seconds late (bench/failover.py)
+                delay = min(delay * 2, RETRY_MAX)
         # Jobs with canvas work go to the canvas thread, which queues their acks once the work is sent; the others'
         # acks are queued now.
         handed = [(job, outcome, wrote) for (job, outcome), wrote in zip(done, written) if job.canvas is not None]

@@ -52,6 +52,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.json import loads
 
 from embedq import errors
+from embedq.broker import sentinel_retry
 
 log = logging.getLogger(__name__)
 
@@ -404,7 +405,10 @@ def ack_many(messages: list[Any]) -> list[Any]:
 class SentinelChannel(Channel, kombu_redis.SentinelChannel):
     """The same channel on a primary found through Redis Sentinel (``sentinel://`` URLs): kombu's Sentinel channel
     builds the connection pool (asking the sentinels for the primary at each connection), this module's does the
-    rest."""
+    rest. Its connections retry as embedq's own Sentinel clients do (:func:`embedq.broker.sentinel_retry`)."""
+
+    def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
+        return {**super()._connparams(asynchronous), "retry": sentinel_retry()}
 
 
 class Transport(kombu_redis.Transport):
