@@ -421,10 +421,9 @@ class Indexer:
                                      refresh=False)
 
     def _on_timeout(self) -> None:
-        """The oldest job is overdue: resubmit every job in flight that has no result yet.
-
-        Jobs keep their place in the window (and so the output keeps input order)."""
-        # the registry, not a remote-control broadcast: a producer's Redis user has no rights on Celery's pidbox
+        """The oldest job is overdue: resubmit every job in flight that has no result yet. Jobs keep their place in
+        the window (and so the output keeps input order). Live workers are read from the registry, not asked by a
+        remote-control broadcast: a producer's Redis user has no rights on Celery's pidbox."""
         live = self._broker(lambda: self.client.serving(self.client.settings.bulk_queue_name).ready)
         if not live:
             if not self._no_worker_warned:
