@@ -11,27 +11,17 @@ from typing import Any
 
 from celery import Celery
 from kombu.exceptions import OperationalError
-from redis._parsers.base import BaseParser
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, ResponseError
+from redis.exceptions import ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeout
 
 from embedq import errors
+from embedq.connection import NoReplicas
 from embedq.kinds import TASKS, load_plugins
 from embedq.sentinel import SCHEME as SENTINEL_SCHEME
 from embedq.sentinel import is_sentinel
 from embedq.sentinel import parse as parse_sentinel
 from embedq.settings import Settings
-
-
-class NoReplicas(ResponseError):
-    """``NOREPLICAS``: the primary refuses writes while fewer replicas than its ``min-replicas-to-write`` are in sync
-    (a replica down, or a failover in progress): a passing state, tried again like an outage."""
-
-
-# redis-py raises a plain ResponseError for a reply it has no class for; this one is named, so that it can be caught
-# with the outages (a write refused by a demoted primary, READONLY, already is).
-BaseParser.EXCEPTION_CLASSES.setdefault("NOREPLICAS", NoReplicas)
 
 #: What a call to the broker raises while Redis is down, restarting or failing over (kombu, redis-py or the socket):
 #: a write that reached a primary demoted to a replica (READONLY) or one refused for want of replicas in sync.

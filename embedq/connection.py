@@ -1,7 +1,8 @@
 """How embedq reaches Redis beyond its URL: TLS, Redis Sentinel, and how many replicas a write must reach.
 
 :class:`RedisSettings` is the part of :class:`embedq.settings.Settings` (its base) that says it; every field is set as
-``EMBEDQ_<FIELD>`` like the others. It imports nothing of embedq.
+``EMBEDQ_<FIELD>`` like the others. :class:`NoReplicas` names a primary's refusal to write for want of replicas in
+sync. It imports nothing of embedq.
 """
 
 from __future__ import annotations
@@ -11,8 +12,28 @@ from typing import Any, Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from redis._parsers.base import BaseParser
+from redis.exceptions import ResponseError
 
 log = logging.getLogger(__name__)
+
+
+class NoReplicas(ResponseError):
+    """``NOREPLICAS``: the primary refuses writes while fewer replicas than its ``min-replicas-to-write`` are in sync
+    (a replica down, or a failover in progress): a passing state, tried again like an outage."""
+
+
+# redis-py raises a plain ResponseError for a reply it has no class for; this one is named, so that it can be caught
+# with the outages (a write refused by a demoted primary, READONLY, already is).
+BaseParser.EXCEPTION_CLASSES.setdefault("NOREPLICAS", NoReplicas)
+
+
+def named(exc: ResponseError) -> ResponseError:
+    """``exc``, or :class:`NoReplicas` when it is a script's write refused for want of replicas: Redis 6 wraps that
+    one in the script's error (``Error running script ... -NOREPLICAS ...``), which no reply class names."""
+    if not isinstance(exc, NoReplicas) and "NOREPLICAS" in str(exc):
+        return NoReplicas(str(exc))
+    return exc
 
 
 class RedisSettings(BaseSettings):

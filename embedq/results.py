@@ -24,9 +24,10 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery, states
+from redis.exceptions import ResponseError
 
 from embedq import errors
-from embedq.connection import RedisSettings
+from embedq.connection import RedisSettings, named
 from embedq.keys import CANVAS_KEY
 
 #: SET the record only if absent (with a TTL when one is given) and, if set, notify waiting readers. With a second
@@ -98,7 +99,10 @@ class ResultStore:
         wait = self.settings.replica_wait() if self.settings is not None else None
         if wait is not None:
             pipe.execute_command(*wait)
-        replies = pipe.execute()
+        try:
+            replies = pipe.execute()
+        except ResponseError as exc:
+            raise named(exc) from exc  # a script's write refused for want of replicas is an outage to ride out
         if wait is not None:
             assert self.settings is not None
             self.settings.replicated(replies.pop(), f"{len(outcomes)} result(s)")
