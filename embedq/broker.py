@@ -112,15 +112,15 @@ def _primary_kwargs(settings: Settings, url: str, timeout: float, *,
     return spec.hosts, kwargs
 
 
-def redis_client(settings: Settings, *, timeout: float = 5.0, url: str | None = None) -> Any:
-    """A redis-py client for the broker (or ``url``: the result store's), TLS options from the settings, with bounded
-    socket waits: the one builder for every direct Redis use (producers' epoch, queue depths and cancellations;
-    workers' metrics, registry and cancellation feed; ``embedq status``). With a ``sentinel://`` URL it is a client of
-    the primary the sentinels name, asked again after a failover (a command on a dead or demoted primary raises a
-    connection error; the next one reaches the new primary)."""
+def redis_client(settings: Settings, *, timeout: float = 5.0) -> Any:
+    """A redis-py client for the broker, TLS options from the settings, with bounded socket waits: the one builder for
+    every direct Redis use (producers' epoch, queue depths and cancellations; workers' metrics, registry and
+    cancellation feed; ``embedq status``). With a ``sentinel://`` URL it is a client of the primary the sentinels name,
+    asked again after a failover (a command on a dead or demoted primary raises a connection error; the next one
+    reaches the new primary)."""
     import redis
 
-    url = url or settings.broker_url
+    url = settings.broker_url
     if not url:
         raise ValueError("no broker configured: set EMBEDQ_BROKER_URL")
     if is_sentinel(url):

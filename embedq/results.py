@@ -96,16 +96,16 @@ class ResultStore:
                 pipe.eval(_STORE_ONCE, 2, key, CANVAS_KEY.format(job_id), backend.encode(meta), ttl)
             else:
                 pipe.eval(_STORE_ONCE, 1, key, backend.encode(meta), ttl)
-        wait = self.settings.replica_wait() if self.settings is not None else None
+        settings = self.settings
+        wait = settings.replica_wait() if settings is not None else None
         if wait is not None:
             pipe.execute_command(*wait)
         try:
             replies = pipe.execute()
         except ResponseError as exc:
             raise named(exc) from exc  # a script's write refused for want of replicas is an outage to ride out
-        if wait is not None:
-            assert self.settings is not None
-            self.settings.replicated(replies.pop(), f"{len(outcomes)} result(s)")
+        if settings is not None and wait is not None:
+            settings.replicated(replies.pop(), f"{len(outcomes)} result(s)")
         return [bool(written) for written in replies]
 
     def canvas_sent(self, job_ids: list[str]) -> None:

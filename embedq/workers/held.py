@@ -219,8 +219,8 @@ class HeldMessages:
         # reconnect goes through the current channel, one by one).
         pending = [(job, req) for job, _, _ in finished for req, _ in job.context.reqs if not req.acknowledged]
         failed = {id(message) for message in transport.ack_many([req.message for _, req in pending])}
-        unacked = [job.id for job, req in pending if id(req.message) in failed]
-        for n, (job, req) in enumerate((job, req) for job, req in pending if id(req.message) in failed):
+        unacked = [(job, req) for job, req in pending if id(req.message) in failed]
+        for n, (job, req) in enumerate(unacked):
             try:
                 self.ack(req)
             except Exception:  # the broker is away: the messages are redelivered and found already stored
