@@ -450,3 +450,15 @@ class GatewayHandle:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def cut_connections(server: object, settings: Settings) -> None:
+    """Close every client connection of a live Redis (``server``: a redis-py client of it) but the caller's, the
+    subscriptions first and then the rest, as a network blip, a proxy's idle cut or Redis's own ``timeout`` would, and
+    see a job answered after each through ``settings`` (a fresh client each time: the cut closes producers'
+    connections too). The worker's consumer must reconnect by itself: a read of its event loop that retried and then
+    waited on the new connection held every delivery (tests/test_sentinel_tools.py)."""
+    for kind in ("pubsub", "normal"):
+        assert server.client_kill_filter(_type=kind, skipme=True) >= 1, kind
+        with Client(settings) as client:
+            assert client.embed([f"after the {kind} connections were cut"], timeout=30).shape[0] == 1

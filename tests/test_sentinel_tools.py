@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import FAKE, ROOT_DIR, GatewayHandle, WorkerHandle
+from conftest import FAKE, ROOT_DIR, GatewayHandle, WorkerHandle, cut_connections
 from sentinel_cluster import MASTER, SentinelCluster
 
 from embedq import errors
@@ -108,6 +108,23 @@ def test_gateway_status_and_flower_serve_through_sentinel_and_across_a_failover(
             flower.terminate()
             flower.wait(30)
             gateway.stop()
+            worker.stop()
+
+
+def test_a_worker_whose_connections_to_the_primary_are_cut_serves_on(tmp_path):
+    """The primary stays, the worker's connections to it are closed: the worker reconnects and answers. Its event
+    loop's connections once retried inside redis-py (the Sentinel retry of embedq's commands), and the retried read of
+    the broadcast subscription reached the primary again, then waited for a message that never came, holding every
+    delivery of the worker: a failover that landed in that window stalled the worker for good."""
+    with SentinelCluster() as cluster:
+        settings = Settings(broker_url=cluster.url, sentinel_master=MASTER, queue=f"embedq.test.{uuid.uuid4().hex[:8]}",
+                            **FAKE)
+        worker = WorkerHandle(settings, tmp_path / "worker.log")
+        try:
+            assert worker.client.embed(["before the cut"], timeout=60).shape == (1, 32)
+            cut_connections(cluster.data(cluster.primary_port()), settings)
+            assert worker.proc.poll() is None
+        finally:
             worker.stop()
 
 

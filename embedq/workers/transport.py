@@ -405,10 +405,17 @@ def ack_many(messages: list[Any]) -> list[Any]:
 class SentinelChannel(Channel, kombu_redis.SentinelChannel):
     """The same channel on a primary found through Redis Sentinel (``sentinel://`` URLs): kombu's Sentinel channel
     builds the connection pool (asking the sentinels for the primary at each connection), this module's does the
-    rest. Its connections retry as embedq's own Sentinel clients do (:func:`embedq.broker.sentinel_retry`)."""
+    rest. Its commands retry as embedq's own Sentinel clients do (:func:`embedq.broker.sentinel_retry`), but not the
+    event loop's reads (``asynchronous``: the BRPOP and the broadcast subscription), which keep redis-py's default of
+    no retry, as on a plain Redis: redis-py's retry of a subscription's read reconnects and then *waits* for the next
+    message, so once the retry reached a promoted primary (the sentinels name it within the tries) the event loop sat
+    in that read, holding every delivery and ack of the worker, until a broadcast came. A lost connection there goes
+    to Celery instead, which reconnects the whole consumer (:meth:`~embedq.workers.tasks.EmbedqConsumer.
+    ensure_connected`)."""
 
     def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
-        return {**super()._connparams(asynchronous), "retry": sentinel_retry()}
+        params = super()._connparams(asynchronous)
+        return params if asynchronous else {**params, "retry": sentinel_retry()}
 
 
 class Transport(kombu_redis.Transport):

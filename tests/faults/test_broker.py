@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import redis
 import trustme
-from conftest import FAKE, GatewayHandle, WorkerHandle, gated_handle
+from conftest import FAKE, GatewayHandle, WorkerHandle, cut_connections, gated_handle
 
 from embedq import errors
 from embedq.backends.fake import DIMENSION as FAKE_DIMENSION
@@ -183,6 +183,19 @@ def test_a_waiting_producer_times_out_with_a_typed_error(redis_server):
         with pytest.raises(errors.JobTimeout):
             handle.result(timeout=3)
         assert 2.5 < time.monotonic() - t0 < 15
+
+
+def test_a_worker_whose_connections_are_cut_serves_on(redis_server, tmp_path):
+    """Redis stays, every connection of the worker is closed (tests/conftest.py ``cut_connections``): the worker
+    reconnects by itself and answers (the same cut through Sentinel: tests/test_sentinel_tools.py)."""
+    settings = Settings(broker_url=redis_server.url, queue=_queue(), **FAKE)
+    worker = WorkerHandle(settings, tmp_path / "worker.log")
+    try:
+        assert worker.client.embed(["before the cut"], timeout=60).shape == (1, 32)
+        cut_connections(redis.Redis.from_url(redis_server.url), settings)
+        assert worker.proc.poll() is None
+    finally:
+        worker.stop()
 
 
 def test_redis_auth_password_works_and_stays_out_of_the_logs(tmp_path):
