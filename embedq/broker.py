@@ -12,21 +12,25 @@ from typing import Any
 from celery import Celery
 from kombu.exceptions import OperationalError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeout
 
 from embedq import errors
-from embedq.connection import NoReplicas
+from embedq.connection import CannotPersist, NoReplicas
 from embedq.kinds import TASKS, load_plugins
 from embedq.sentinel import SCHEME as SENTINEL_SCHEME
 from embedq.sentinel import is_sentinel
 from embedq.sentinel import parse as parse_sentinel
 from embedq.settings import Settings
 
-#: What a call to the broker raises while Redis is down, restarting or failing over (kombu, redis-py or the socket):
-#: a write that reached a primary demoted to a replica (READONLY) or one refused for want of replicas in sync.
+#: Writes a Redis refuses for a passing reason: it is a replica now (READONLY: a failover), fewer replicas than its
+#: min-replicas-to-write are in sync (NOREPLICAS), it is at its maxmemory with nothing to evict (OOM: the
+#: noeviction a broker needs), its last snapshot failed (MISCONF: a full disk). Tried again like an outage.
+REFUSED_FOR_NOW = (ReadOnlyError, NoReplicas, OutOfMemoryError, CannotPersist)
+#: What a call to the broker raises while Redis is down, restarting or failing over (kombu, redis-py or the socket),
+#: or refuses writes for now (:data:`REFUSED_FOR_NOW`).
 BROKER_ERRORS = (OperationalError, RedisConnectionError, RedisTimeout, OSError, errors.BrokerUnavailable,
-                 ReadOnlyError, NoReplicas)
+                 *REFUSED_FOR_NOW)
 #: Seconds a connection of the gateway's asyncio pool waits to connect to a sentinel or the primary.
 POOL_SOCKET_TIMEOUT = 5.0
 
@@ -49,6 +53,14 @@ def unavailable(exc: BaseException, url: str | None) -> errors.BrokerUnavailable
         return errors.BrokerUnavailable(
             f"the broker at {safe_url(url)} refused the write ({str(exc)[:120]}): a failover in progress, or fewer "
             "replicas in sync than its min-replicas-to-write; try again")
+    if isinstance(exc, OutOfMemoryError):
+        return errors.BrokerUnavailable(
+            f"the broker at {safe_url(url)} refused the write: it is at its maxmemory ({str(exc)[:120]}); try again "
+            "once results expire or are collected, or after its operator raises maxmemory")
+    if isinstance(exc, CannotPersist):
+        return errors.BrokerUnavailable(
+            f"the broker at {safe_url(url)} refused the write: it cannot save to disk ({str(exc)[:120]}); try again "
+            "once its operator mends the disk")
     return errors.BrokerUnavailable(f"cannot reach the broker at {safe_url(url)}: {type(exc).__name__}: "
                                     f"{str(exc)[:200]}")
 

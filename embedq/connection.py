@@ -1,8 +1,8 @@
 """How embedq reaches Redis beyond its URL: TLS, Redis Sentinel, and how many replicas a write must reach.
 
 :class:`RedisSettings` is the part of :class:`embedq.settings.Settings` (its base) that says it; every field is set as
-``EMBEDQ_<FIELD>`` like the others. :class:`NoReplicas` names a primary's refusal to write for want of replicas in
-sync. It imports nothing of embedq.
+``EMBEDQ_<FIELD>`` like the others. :class:`NoReplicas` and :class:`CannotPersist` name a primary's refusals to
+write for want of replicas in sync and for a failing disk. It imports nothing of embedq.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis._parsers.base import BaseParser
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ResponseError
 
 log = logging.getLogger(__name__)
 
@@ -23,16 +23,28 @@ class NoReplicas(ResponseError):
     (a replica down, or a failover in progress): a passing state, tried again like an outage."""
 
 
-# redis-py raises a plain ResponseError for a reply it has no class for; this one is named, so that it can be caught
-# with the outages (a write refused by a demoted primary, READONLY, already is).
+class CannotPersist(ResponseError):
+    """``MISCONF``: Redis refuses writes because its last snapshot failed (``stop-writes-on-bgsave-error``: a full
+    or failing disk): a passing state once the disk is mended, tried again like an outage."""
+
+
+# redis-py raises a plain ResponseError for a reply it has no class for; these are named, so that they can be caught
+# with the outages (a write refused by a demoted primary, READONLY, and one refused at maxmemory, OOM, already are).
 BaseParser.EXCEPTION_CLASSES.setdefault("NOREPLICAS", NoReplicas)
+BaseParser.EXCEPTION_CLASSES.setdefault("MISCONF", CannotPersist)
+
+#: A script's refused write as Redis 6 words it inside the script's error (``Error running script ... -OOM ...``),
+#: which no reply class names: the class it is raised as (:func:`named`).
+_WRAPPED: tuple[tuple[str, type[ResponseError]], ...] = (
+    ("NOREPLICAS", NoReplicas), ("-OOM command not allowed", OutOfMemoryError), ("-MISCONF", CannotPersist))
 
 
 def named(exc: ResponseError) -> ResponseError:
-    """``exc``, or :class:`NoReplicas` when it is a script's write refused for want of replicas: Redis 6 wraps that
-    one in the script's error (``Error running script ... -NOREPLICAS ...``), which no reply class names."""
-    if not isinstance(exc, NoReplicas) and "NOREPLICAS" in str(exc):
-        return NoReplicas(str(exc))
+    """``exc``, or the class of the passing refusal it wraps (:data:`_WRAPPED`): Redis 6 wraps a script's write
+    refused for want of replicas, at maxmemory or for a failing disk in the script's error."""
+    for marker, cls in _WRAPPED:
+        if not isinstance(exc, cls) and marker in str(exc):
+            return cls(str(exc))
     return exc
 
 

@@ -103,7 +103,7 @@ class ResultStore:
         try:
             replies = pipe.execute()
         except ResponseError as exc:
-            raise named(exc) from exc  # a script's write refused for want of replicas is an outage to ride out
+            raise named(exc) from exc  # a script's write refused for now (replicas, maxmemory, disk): an outage
         if settings is not None and wait is not None:
             settings.replicated(replies.pop(), f"{len(outcomes)} result(s)")
         return [bool(written) for written in replies]

@@ -258,31 +258,42 @@ def test_rediss_tls_with_a_ca_file(tls_redis, tmp_path):
         client.submit(["unverified"])
 
 
-def test_a_primary_refusing_writes_for_want_of_replicas_is_a_typed_retryable_error_and_the_worker_rides_it_out(
-        tmp_path):
+#: Writes a Redis refuses for now (embedq.broker.REFUSED_FOR_NOW): the setting that makes it refuse (and its value
+#: after), the class the worker's log names.
+REFUSALS = {
+    "noreplicas": ("min-replicas-to-write", "1", "0", "NoReplicas"),
+    "maxmemory": ("maxmemory", "1", "0", "OutOfMemoryError"),
+}
+
+
+@pytest.mark.parametrize("refusal", list(REFUSALS))
+def test_a_redis_refusing_writes_for_now_is_a_typed_retryable_error_and_the_worker_rides_it_out(refusal, tmp_path):
     """``min-replicas-to-write`` (ops/sentinel): while too few replicas are in sync the primary answers every write
-    NOREPLICAS. A producer gets ``unavailable`` (retryable), not a bare ResponseError; the worker holding jobs keeps
-    trying to store their results (before, the error killed its results thread and the worker with it) and answers
-    them once a replica is back (here: the setting lifted). The worker's gate (tests/controlled_worker.py) holds the
-    jobs until the primary refuses writes; it is a key that expires, as opening it otherwise would be a write."""
+    NOREPLICAS; at its ``maxmemory`` with nothing to evict (``noeviction``, what a broker needs) it answers OOM. A
+    producer gets ``unavailable`` (retryable), not a bare ResponseError; the worker holding jobs keeps trying to store
+    their results (before, NOREPLICAS killed its results thread and the worker with it; an OOM left the jobs
+    unanswered) and answers them once writes are taken again (here: the setting lifted). The worker's gate
+    (tests/controlled_worker.py) holds the jobs until Redis refuses writes; it is a key that expires, as opening it
+    otherwise would be a write."""
+    setting, refusing, lifted, named = REFUSALS[refusal]
     with RedisServer() as server:
         settings = Settings(broker_url=server.url, queue=_queue(), **FAKE)
         worker = gated_handle(settings, tmp_path / "worker.log")
         r = redis.Redis.from_url(server.url)
         try:
             r.set(f"{settings.queue_name}.gate", 1, px=GATE_MS)
-            handles = [worker.client.submit([f"stored once replicas are back #{i}"]) for i in range(3)]
+            handles = [worker.client.submit([f"stored once writes are taken #{i}"]) for i in range(3)]
             worker.wait_until(lambda st: st["held_messages"] == len(handles), "every job held")
-            r.config_set("min-replicas-to-write", 1)
+            r.config_set(setting, refusing)
             assert r.pttl(f"{settings.queue_name}.gate") > 0, f"the gate opened within {GATE_MS} ms: nothing tested"
             with pytest.raises(errors.BrokerUnavailable, match="refused the write") as info:
                 worker.client.submit(["refused"])
             assert info.value.retryable
             deadline = time.monotonic() + 60
-            while "failed (NoReplicas)" not in worker.log():  # the gate expired, the batch ran, its store refused
-                assert time.monotonic() < deadline and worker.proc.poll() is None, "the worker never met NOREPLICAS"
+            while f"failed ({named})" not in worker.log():  # the gate expired, the batch ran, its store refused
+                assert time.monotonic() < deadline and worker.proc.poll() is None, f"the worker never met {named}"
                 time.sleep(0.05)
-            r.config_set("min-replicas-to-write", 0)
+            r.config_set(setting, lifted)
             assert [h.result(timeout=60).shape for h in handles] == [(1, FAKE_DIMENSION)] * len(handles)
             assert worker.proc.poll() is None
         finally:
@@ -290,5 +301,24 @@ def test_a_primary_refusing_writes_for_want_of_replicas_is_a_typed_retryable_err
             r.close()
 
 
-#: How long the gate of the test above stays closed (it cannot be opened by a write while writes are refused).
+def test_a_redis_that_cannot_save_refuses_writes_with_an_error_taken_for_an_outage(redis_server):
+    """``MISCONF`` (a failed snapshot with ``stop-writes-on-bgsave-error``, a full disk: not something a test can
+    cause as root) is named like the refusals above, so the worker rides it out and producers get ``unavailable``:
+    here a real Redis answers a script's ``MISCONF`` reply, as it words it."""
+    from embedq.broker import BROKER_ERRORS, unavailable
+    from embedq.connection import CannotPersist
+
+    r = redis.Redis.from_url(redis_server.url)
+    try:
+        with pytest.raises(CannotPersist) as info:
+            r.eval("return redis.error_reply('MISCONF Redis is configured to save RDB snapshots, but it is "
+                   "currently not able to persist on disk.')", 0)
+        assert isinstance(info.value, BROKER_ERRORS)
+        typed = unavailable(info.value, redis_server.url)
+        assert typed.retryable and "cannot save to disk" in typed.message
+    finally:
+        r.close()
+
+
+#: How long the gate of the refusal test stays closed (it cannot be opened by a write while writes are refused).
 GATE_MS = 8000
