@@ -61,6 +61,9 @@ def test_with_replica_acks_a_job_and_its_result_are_on_the_replica_when_submit_a
                 assert "1 job message(s) reached 0 of 1 replicas" in caplog.text
                 assert waited >= 0.9  # it did wait for the replica (replica_ack_timeout)
                 assert late.result(timeout=60).shape == (1, 32)
+                # the result is published inside the pipeline, before its WAIT returns and the worker logs: the line
+                # is written once the job is acknowledged (after its store returned)
+                worker.wait_until(lambda st: st.get("held_messages", 1) == 0, "the late job acknowledged")
                 assert "1 result(s) reached 0 of 1 replicas" in worker.log()
             finally:
                 replica.proc.send_signal(signal.SIGCONT)
