@@ -410,8 +410,8 @@ class SentinelChannel(Channel, kombu_redis.SentinelChannel):
     no retry, as on a plain Redis: redis-py's retry of a subscription's read reconnects and then *waits* for the next
     message, so once the retry reached a promoted primary (the sentinels name it within the tries) the event loop sat
     in that read, holding every delivery and ack of the worker, until a broadcast came. A lost connection there goes
-    to Celery instead, which reconnects the whole consumer (:meth:`~embedq.workers.tasks.EmbedqConsumer.
-    ensure_connected`)."""
+    to Celery instead, which reconnects the whole consumer
+    (:meth:`~embedq.workers.tasks.EmbedqConsumer.ensure_connected`)."""
 
     def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
         params = super()._connparams(asynchronous)
