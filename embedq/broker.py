@@ -23,10 +23,18 @@ from embedq.sentinel import is_sentinel
 from embedq.sentinel import parse as parse_sentinel
 from embedq.settings import Settings
 
-#: Writes a Redis refuses for a passing reason: it is a replica now (READONLY: a failover), fewer replicas than its
-#: min-replicas-to-write are in sync (NOREPLICAS), it is at its maxmemory with nothing to evict (OOM: the
-#: noeviction a broker needs), its last snapshot failed (MISCONF: a full disk). Tried again like an outage.
-REFUSED_FOR_NOW = (ReadOnlyError, NoReplicas, OutOfMemoryError, CannotPersist)
+_FAILOVER = " ({exc}): a failover in progress, or fewer replicas in sync than its min-replicas-to-write; try again"
+#: Writes a Redis refuses for a passing reason, and what :func:`unavailable` says of each after "refused the write":
+#: it is a replica now (READONLY: a failover), fewer replicas than its min-replicas-to-write are in sync
+#: (NOREPLICAS), it is at its maxmemory with nothing to evict (OOM: the noeviction a broker needs), its last snapshot
+#: failed (MISCONF: a full disk). Tried again like an outage.
+REFUSED_FOR_NOW: dict[type[Exception], str] = {
+    ReadOnlyError: _FAILOVER,
+    NoReplicas: _FAILOVER,
+    OutOfMemoryError: ": it is at its maxmemory ({exc}); try again once results expire or are collected, or after its "
+                      "operator raises maxmemory",
+    CannotPersist: ": it cannot save to disk ({exc}); try again once its operator mends the disk",
+}
 #: What a call to the broker raises while Redis is down, restarting or failing over (kombu, redis-py or the socket),
 #: or refuses writes for now (:data:`REFUSED_FOR_NOW`).
 BROKER_ERRORS = (OperationalError, RedisConnectionError, RedisTimeout, OSError, errors.BrokerUnavailable,
@@ -49,18 +57,10 @@ def safe_url(url: str | None) -> str:
 
 def unavailable(exc: BaseException, url: str | None) -> errors.BrokerUnavailable:
     """The typed error of a broker call that failed with ``exc``, one of :data:`BROKER_ERRORS` (retryable)."""
-    if isinstance(exc, (NoReplicas, ReadOnlyError)):
-        return errors.BrokerUnavailable(
-            f"the broker at {safe_url(url)} refused the write ({str(exc)[:120]}): a failover in progress, or fewer "
-            "replicas in sync than its min-replicas-to-write; try again")
-    if isinstance(exc, OutOfMemoryError):
-        return errors.BrokerUnavailable(
-            f"the broker at {safe_url(url)} refused the write: it is at its maxmemory ({str(exc)[:120]}); try again "
-            "once results expire or are collected, or after its operator raises maxmemory")
-    if isinstance(exc, CannotPersist):
-        return errors.BrokerUnavailable(
-            f"the broker at {safe_url(url)} refused the write: it cannot save to disk ({str(exc)[:120]}); try again "
-            "once its operator mends the disk")
+    for refused, why in REFUSED_FOR_NOW.items():
+        if isinstance(exc, refused):
+            return errors.BrokerUnavailable(f"the broker at {safe_url(url)} refused the write"
+                                            + why.format(exc=str(exc)[:120]))
     return errors.BrokerUnavailable(f"cannot reach the broker at {safe_url(url)}: {type(exc).__name__}: "
                                     f"{str(exc)[:200]}")
 

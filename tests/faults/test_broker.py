@@ -19,6 +19,8 @@ from conftest import FAKE, GatewayHandle, WorkerHandle, cut_connections, gated_h
 
 from embedq import errors
 from embedq.backends.fake import DIMENSION as FAKE_DIMENSION
+from embedq.broker import BROKER_ERRORS, unavailable
+from embedq.connection import CannotPersist
 from embedq.producers.client import Client
 from embedq.producers.embedded import (
     RedisServer,
@@ -305,9 +307,6 @@ def test_a_redis_that_cannot_save_refuses_writes_with_an_error_taken_for_an_outa
     """``MISCONF`` (a failed snapshot with ``stop-writes-on-bgsave-error``, a full disk: not something a test can
     cause as root) is named like the refusals above, so the worker rides it out and producers get ``unavailable``:
     here a real Redis answers a script's ``MISCONF`` reply, as it words it."""
-    from embedq.broker import BROKER_ERRORS, unavailable
-    from embedq.connection import CannotPersist
-
     r = redis.Redis.from_url(redis_server.url)
     try:
         with pytest.raises(CannotPersist) as info:
